@@ -1,0 +1,177 @@
+"""Immutable quantizer specs: a format and its options, no arrays.
+
+Quantizers are frozen dataclasses, hashable and usable as static arguments under `jit`.
+`format(usage)` tells how each usage of a tensor is stored (formats.py); the numerics
+behind each option are in NUMERICS.md and `jaxquant.reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional, Union
+
+from jaxquant.formats import Family, Format
+from jaxquant.tensor import Usage
+
+Fp8Element = Literal["e4m3", "e5m2"]
+
+
+def _check_fp8_element(element: str, what: str) -> None:
+  if element not in ("e4m3", "e5m2"):
+    raise ValueError(f"{what}: element must be 'e4m3' or 'e5m2', got {element!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Quantizer:
+  """Per-tensor FP8 with current scaling: the scale comes from this tensor's amax."""
+
+  element: Fp8Element = "e4m3"
+  eps: float = 0.0
+  pow2_scales: bool = False
+
+  def __post_init__(self):
+    _check_fp8_element(self.element, type(self).__name__)
+    if not self.eps >= 0:
+      raise ValueError(f"Float8Quantizer: eps must be >= 0, got {self.eps}")
+
+  def format(self, usage: Usage) -> Format:
+    return Format(Family.FP8_TENSOR, self.element)
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedFloat8Quantizer:
+  """Per-tensor FP8 with delayed scaling: the scale comes from an amax history (state)."""
+
+  element: Fp8Element = "e4m3"
+  history_len: int = 1024
+  margin: int = 0
+  amax_algo: Literal["max", "most_recent"] = "max"
+
+  def __post_init__(self):
+    _check_fp8_element(self.element, type(self).__name__)
+    if self.history_len < 1:
+      raise ValueError(f"DelayedFloat8Quantizer: history_len must be >= 1, got {self.history_len}")
+    if self.amax_algo not in ("max", "most_recent"):
+      raise ValueError(
+          f"DelayedFloat8Quantizer: amax_algo must be 'max' or 'most_recent', got {self.amax_algo!r}")
+
+  def format(self, usage: Usage) -> Format:
+    return Format(Family.FP8_TENSOR, self.element)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFloat8Quantizer:
+  """DeepSeek-style block FP8: an fp32 scale per 1x128 block or per 128x128 tile.
+
+  1x128 blocks run along the usage's block dim (K rowwise, M columnwise); a 128x128 tile
+  scale is shared by both usages. Edge blocks may be partial.
+  """
+
+  element: Fp8Element = "e4m3"
+  block: Literal["1x128", "128x128"] = "1x128"
+  pow2_scales: bool = True
+  eps: float = 0.0
+
+  def __post_init__(self):
+    _check_fp8_element(self.element, type(self).__name__)
+    if self.block not in ("1x128", "128x128"):
+      raise ValueError(f"BlockFloat8Quantizer: block must be '1x128' or '128x128', got {self.block!r}")
+
+  def format(self, usage: Usage) -> Format:
+    shape = (1, 128) if self.block == "1x128" else (128, 128)
+    return Format(Family.FP8_BLOCK, self.element, shape, partial_blocks=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8Quantizer:
+  """OCP MXFP8: E8M0 scale per 32 elements, NVIDIA's round-the-scale-up rule."""
+
+  element: Fp8Element = "e4m3"
+
+  def __post_init__(self):
+    _check_fp8_element(self.element, type(self).__name__)
+
+  def format(self, usage: Usage) -> Format:
+    return Format(Family.MXFP8, self.element, (1, 32))
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Quantizer:
+  """NVFP4: E2M1 data, E4M3 scale per 16 elements (or 16x16 tile), fp32 global amax.
+
+  Attributes:
+    tile_2d: one scale per 16x16 tile shared by both usages (weights).
+    rht: random Hadamard transform on the columnwise usage (wgrad operands).
+    stochastic_rounding: round data stochastically (needs a PRNG key).
+    per_token: one global amax per row of the rowwise usage; the columnwise usage
+      keeps a per-tensor amax.
+  """
+
+  tile_2d: bool = False
+  rht: bool = False
+  stochastic_rounding: bool = False
+  per_token: bool = False
+
+  def __post_init__(self):
+    if self.tile_2d and self.per_token:
+      raise ValueError("NVFP4Quantizer: per_token row scales need 1-D blocks, not tile_2d")
+
+  def format(self, usage: Usage) -> Format:
+    block = (16, 16) if self.tile_2d else (1, 16)
+    return Format(Family.NVFP4, "e2m1", block,
+                  row_scaled=self.per_token and usage == "rowwise")
+
+
+BaseQuantizer = Union[Float8Quantizer, DelayedFloat8Quantizer, BlockFloat8Quantizer,
+                      MXFP8Quantizer, NVFP4Quantizer]
+BASE_QUANTIZER_TYPES = (Float8Quantizer, DelayedFloat8Quantizer, BlockFloat8Quantizer,
+                        MXFP8Quantizer, NVFP4Quantizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridQuantizer:
+  """Different formats for the two usages of one tensor, each from the original values.
+
+  Either side may be `None`: that usage stays in high precision.
+  """
+
+  rowwise: Optional[BaseQuantizer]
+  columnwise: Optional[BaseQuantizer]
+
+  def __post_init__(self):
+    for side in ("rowwise", "columnwise"):
+      q = getattr(self, side)
+      if q is not None and not isinstance(q, BASE_QUANTIZER_TYPES):
+        raise TypeError(f"HybridQuantizer.{side} must be a base quantizer or None, got {q!r}")
+    if isinstance(self.columnwise, NVFP4Quantizer) and self.columnwise.per_token:
+      raise ValueError(
+          "HybridQuantizer: per_token (row-scaled) NVFP4 is only allowed for the rowwise "
+          "usage; its rows are the columnwise usage's contraction dim")
+
+  def for_usage(self, usage: Usage) -> Optional[BaseQuantizer]:
+    return self.rowwise if usage == "rowwise" else self.columnwise
+
+
+Quantizer = Union[BaseQuantizer, HybridQuantizer]
+QUANTIZER_TYPES = BASE_QUANTIZER_TYPES + (HybridQuantizer,)
+
+
+def for_usage(quantizer: Optional[Quantizer], usage: Usage) -> Optional[BaseQuantizer]:
+  """The base quantizer a usage is produced with (None: high precision)."""
+  if isinstance(quantizer, HybridQuantizer):
+    return quantizer.for_usage(usage)
+  return quantizer
+
+
+def needs_state(quantizer: Optional[Quantizer]) -> bool:
+  """Whether quantizing with this quantizer needs delayed-scaling state."""
+  return any(isinstance(for_usage(quantizer, u), DelayedFloat8Quantizer)
+             for u in ("rowwise", "columnwise"))
+
+
+def needs_key(quantizer: Optional[Quantizer]) -> bool:
+  """Whether quantizing with this quantizer needs a PRNG key (stochastic rounding)."""
+  return any(isinstance(q := for_usage(quantizer, u), NVFP4Quantizer) and q.stochastic_rounding
+             for u in ("rowwise", "columnwise"))
+
+
