@@ -115,6 +115,9 @@ class NVFP4Quantizer:
   def __post_init__(self):
     if self.tile_2d and self.per_token:
       raise ValueError("NVFP4Quantizer: per_token row scales need 1-D blocks, not tile_2d")
+    if self.tile_2d and self.rht:
+      raise ValueError("NVFP4Quantizer: tile_2d usages are exact transposes sharing tile "
+                       "scales, which the RHT of the columnwise usage would break")
 
   def format(self, usage: Usage) -> Format:
     block = (16, 16) if self.tile_2d else (1, 16)

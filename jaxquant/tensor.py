@@ -72,8 +72,8 @@ class QuantizedTensor:
   high-precision matrix in that usage's layout when a hybrid asked for it.
   """
 
-  rowwise: Optional[QuantizedData]
-  columnwise: Optional[QuantizedData]
+  rowwise: Optional[QuantizedData] = None
+  columnwise: Optional[QuantizedData] = None
   hp_rowwise: Optional[jax.Array] = None
   hp_columnwise: Optional[jax.Array] = None
   shape: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))

@@ -1,0 +1,136 @@
+"""Recipes: maps from a QuantizerRole to a quantizer, or None for high precision.
+
+`CustomRecipe(qfactory)` wraps any callable; every preset below is such a factory, so
+each doubles as an example of writing one. `autocast(recipe)` sets a default recipe for
+the code inside it; a recipe passed to a module or op explicitly always wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Callable, Literal, Optional
+
+from jaxquant.quantizers import (QUANTIZER_TYPES, BlockFloat8Quantizer, DelayedFloat8Quantizer,
+                                 Float8Quantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer,
+                                 Quantizer)
+from jaxquant.roles import TENSOR_TYPES, QuantizerRole
+
+QFactory = Callable[[QuantizerRole], Optional[Quantizer]]
+# How the two backward GEMMs (dgrad, wgrad) take their operands:
+#   "quantized": each operand quantized for the usage its GEMM needs (the default);
+#   "high_precision": the original high-precision operands;
+#   "dequantized": the dequantized forward (rowwise) values of x and w, and dy as is.
+BackwardMode = Literal["quantized", "high_precision", "dequantized"]
+BACKWARD_MODES = ("quantized", "high_precision", "dequantized")
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomRecipe:
+  """A recipe from a user callback `qfactory(role) -> quantizer | None`."""
+
+  qfactory: QFactory
+  backward: BackwardMode = "quantized"
+  name: str = "custom"
+
+  def __post_init__(self):
+    if not callable(self.qfactory):
+      raise TypeError(f"CustomRecipe needs a callable qfactory, got {self.qfactory!r}")
+    if self.backward not in BACKWARD_MODES:
+      raise ValueError(f"CustomRecipe.backward must be one of {BACKWARD_MODES}, got {self.backward!r}")
+
+  def quantizer(self, role: QuantizerRole) -> Optional[Quantizer]:
+    q = self.qfactory(role)
+    if q is not None and not isinstance(q, QUANTIZER_TYPES):
+      raise TypeError(f"recipe {self.name!r} returned {q!r} for role {role}: a qfactory must "
+                      "return a jaxquant quantizer or None")
+    return q
+
+  def quantizers(self, module_type: str, name: str) -> dict[str, Optional[Quantizer]]:
+    """The quantizer of each tensor type of one GEMM module."""
+    return {t: self.quantizer(QuantizerRole(module_type, t, name)) for t in TENSOR_TYPES}
+
+
+# ---- Presets, each a plain factory. ----
+
+def bf16_factory(role: QuantizerRole):
+  return None
+
+
+def fp8_current_factory(role: QuantizerRole):
+  """E4M3 forward, E5M2 gradients (their range matters more than their precision)."""
+  return Float8Quantizer("e5m2" if role.tensor_type == "grad_output" else "e4m3")
+
+
+def fp8_delayed_factory(role: QuantizerRole):
+  return DelayedFloat8Quantizer("e5m2" if role.tensor_type == "grad_output" else "e4m3")
+
+
+def fp8_block_factory(role: QuantizerRole):
+  """DeepSeek-V3: 1x128 blocks for activations and gradients, 128x128 tiles for weights."""
+  return BlockFloat8Quantizer(block="128x128" if role.tensor_type == "weight" else "1x128")
+
+
+def mxfp8_factory(role: QuantizerRole):
+  return MXFP8Quantizer("e4m3")
+
+
+def nvfp4_factory(role: QuantizerRole):
+  """NVIDIA's NVFP4 recipe: 16x16 weight tiles, RHT on both wgrad operands, SR on gradients."""
+  if role.tensor_type == "weight":
+    return NVFP4Quantizer(tile_2d=True)
+  if role.tensor_type == "grad_output":
+    return NVFP4Quantizer(rht=True, stochastic_rounding=True)
+  return NVFP4Quantizer(rht=True)
+
+
+def hybrid_factory(role: QuantizerRole):
+  """MXFP8 for the forward (rowwise) usages, NVFP4 for the columnwise ones."""
+  columnwise = nvfp4_factory(role)
+  if role.tensor_type == "weight":
+    columnwise = NVFP4Quantizer()  # tiles are shared between usages; here only one is NVFP4
+  return HybridQuantizer(rowwise=MXFP8Quantizer("e4m3"), columnwise=columnwise)
+
+
+bf16 = CustomRecipe(bf16_factory, name="bf16")
+fp8_current = CustomRecipe(fp8_current_factory, name="fp8_current")
+fp8_delayed = CustomRecipe(fp8_delayed_factory, name="fp8_delayed")
+fp8_block = CustomRecipe(fp8_block_factory, name="fp8_block")
+mxfp8 = CustomRecipe(mxfp8_factory, name="mxfp8")
+nvfp4 = CustomRecipe(nvfp4_factory, name="nvfp4")
+hybrid = CustomRecipe(hybrid_factory, name="hybrid")
+
+PRESETS = {r.name: r for r in (bf16, fp8_current, fp8_delayed, fp8_block, mxfp8, nvfp4, hybrid)}
+
+
+def get(name: str) -> CustomRecipe:
+  """A preset recipe by name."""
+  try:
+    return PRESETS[name]
+  except KeyError:
+    raise ValueError(f"unknown recipe {name!r}; presets are {sorted(PRESETS)}") from None
+
+
+# ---- autocast: the one piece of context, a contextvar (no global mutable state). ----
+
+_AUTOCAST: contextvars.ContextVar[Optional[CustomRecipe]] = contextvars.ContextVar(
+    "jaxquant_autocast", default=None)
+
+
+@contextlib.contextmanager
+def autocast(recipe: CustomRecipe):
+  """Within this block, modules and ops without an explicit recipe use `recipe`."""
+  token = _AUTOCAST.set(recipe)
+  try:
+    yield recipe
+  finally:
+    _AUTOCAST.reset(token)
+
+
+def resolve(*candidates: Optional[CustomRecipe]) -> CustomRecipe:
+  """The most specific recipe: the first non-None candidate, then autocast's, then bf16."""
+  for r in candidates:
+    if r is not None:
+      return r
+  return _AUTOCAST.get() or bf16

@@ -1,0 +1,121 @@
+"""The pure-JAX reference: NUMERICS.md turned into code. It defines the numbers.
+
+`quantize` produces a `QuantizedTensor` for the requested usages of any quantizer;
+`dequantize` undoes it. Kernels must produce the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant import scaling
+from jaxquant.formats import INPUT_DTYPES, Family
+from jaxquant.quantizers import (QUANTIZER_TYPES, BlockFloat8Quantizer, DelayedFloat8Quantizer,
+                                 Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer,
+                                 for_usage, needs_key, needs_state)
+from jaxquant.reference import fp8, fp32, hadamard, mxfp8, nvfp4
+from jaxquant.tensor import QuantizedData, QuantizedTensor, Usage, check_usages
+
+__all__ = ["quantize", "dequantize", "dequantize_data", "split_scales", "check_input"]
+
+
+def check_input(x, quantizer) -> None:
+  """Trace-time validation shared by every backend."""
+  if not isinstance(quantizer, QUANTIZER_TYPES):
+    raise TypeError(f"quantizer must be a jaxquant quantizer, got {quantizer!r}")
+  if jnp.ndim(x) == 0:
+    raise ValueError("cannot quantize a rank-0 tensor: quantization needs a last (K) dim")
+  if jnp.dtype(x.dtype) not in INPUT_DTYPES:
+    raise TypeError(f"input dtype must be one of bfloat16, float16, float32, got {x.dtype}")
+
+
+def _stored_matrix(x2d, usage: Usage):
+  return x2d if usage == "rowwise" else x2d.T
+
+
+def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"), *,
+             key: Optional[jax.Array] = None,
+             state: Optional[scaling.DelayedScalingState] = None):
+  """Quantizes `x` ([..., K], viewed as [M, K]) for the given usages.
+
+  Returns a `QuantizedTensor`; with delayed scaling (which needs `state`) returns
+  `(QuantizedTensor, new_state)` where new_state has this tensor's amax recorded.
+  `key` is needed when the quantizer rounds stochastically.
+  """
+  check_input(x, quantizer)
+  usages = check_usages(usages)
+  if needs_state(quantizer) and state is None:
+    raise ValueError(f"{quantizer!r} uses delayed scaling: pass its DelayedScalingState as state=")
+  if any(needs_key(for_usage(quantizer, u)) for u in usages) and key is None:
+    raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
+  shape, dtype = tuple(x.shape), jnp.dtype(x.dtype)
+  x2d = x.reshape(-1, shape[-1]).astype(jnp.float32)
+  slots, new_state = {}, state
+  for usage in usages:
+    q = for_usage(quantizer, usage)
+    stored = _stored_matrix(x2d, usage)
+    if q is None:
+      slots["hp_" + usage] = _stored_matrix(x.reshape(-1, shape[-1]), usage)
+      continue
+    fmt = q.format(usage)
+    fmt.check_dims(*stored.shape, what=f"{usage} usage of a {shape} tensor "
+                   f"(stored {'[M, K]' if usage == 'rowwise' else '[K, M]'} = {list(stored.shape)})")
+    if isinstance(q, Float8Quantizer):
+      amax = fp32.abs_max(x2d)
+      scale = fp8.scale_from_amax(amax, fmt.fmax, eps=q.eps, pow2=q.pow2_scales, input_dtype=dtype)
+      slots[usage] = fp8.quantize_with_scale(stored, scale, fmt)
+    elif isinstance(q, DelayedFloat8Quantizer):
+      slots[usage] = fp8.quantize_with_scale(stored, state.scale, fmt)
+      if new_state is state:  # both usages share one tensor amax: record it once
+        new_state = scaling.record_amax(state, fp32.abs_max(x2d))
+    elif isinstance(q, BlockFloat8Quantizer):
+      slots[usage] = fp8.quantize_block(stored, fmt, eps=q.eps, pow2=q.pow2_scales, input_dtype=dtype)
+    elif isinstance(q, MXFP8Quantizer):
+      slots[usage] = mxfp8.quantize(stored, fmt)
+    elif isinstance(q, NVFP4Quantizer):
+      if q.rht and usage == "columnwise":
+        stored = hadamard.apply_rht(stored, dtype)
+      bits = None
+      if q.stochastic_rounding:
+        usage_key = jax.random.fold_in(key, 0 if usage == "rowwise" else 1)
+        bits = jax.random.bits(usage_key, stored.shape, jnp.uint8)
+      slots[usage] = nvfp4.quantize(stored, fmt, random_bits=bits)
+  qt = QuantizedTensor(shape=shape, dtype=dtype, **slots)
+  return (qt, new_state) if state is not None else qt
+
+
+def split_scales(qd: QuantizedData):
+  """(values with block scales applied [rows, cols] fp32, outer decode scale).
+
+  The outer scale is what factors out of a GEMM: the per-tensor FP8 scale_inv, the NVFP4
+  S_dec (a scalar, or [rows] for per-token data), or None.
+  """
+  family = qd.format.family
+  if family in (Family.FP8_TENSOR, Family.FP8_BLOCK):
+    values = fp8.dequantize_values(qd)
+    return values, (qd.scale_inv if family is Family.FP8_TENSOR else None)
+  if family is Family.MXFP8:
+    return mxfp8.dequantize_values(qd), None
+  return nvfp4.dequantize_values(qd), nvfp4.decode_scale(qd)
+
+
+def dequantize_data(qd: QuantizedData) -> jax.Array:
+  """One usage back to fp32, in its stored layout."""
+  values, outer = split_scales(qd)
+  if outer is None:
+    return values
+  return fp32.mul(values, outer.reshape(-1, 1) if outer.ndim else outer)
+
+
+def dequantize(qt: QuantizedTensor, usage: Usage = "rowwise", dtype=None) -> jax.Array:
+  """A usage of a QuantizedTensor back to its logical shape, in `dtype` (default: original)."""
+  stored = qt.usage(usage)
+  if stored is None:
+    raise ValueError(f"this QuantizedTensor holds no {usage} usage")
+  matrix = dequantize_data(stored) if isinstance(stored, QuantizedData) else stored
+  if usage == "columnwise":
+    matrix = matrix.T
+  return matrix.reshape(qt.shape).astype(dtype or qt.dtype)

@@ -1,0 +1,216 @@
+"""IEEE float32 arithmetic that stays exact where the backend flushes subnormals.
+
+NUMERICS.md defines every step as IEEE fp32 with round-to-nearest-even. XLA's CPU
+runtime flushes subnormal inputs and outputs of arithmetic to zero, so a plain `a * b`
+differs from IEEE whenever a subnormal is involved (tiny amaxes, all-subnormal blocks,
+E8M0 scales of 2^-127). The operations here decode the fp32 bits into an integer
+significand and exponent, compute exactly in uint32, and round once with RNE; a cheap
+per-array test keeps ordinary inputs on the hardware path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# uint32 constants: Python ints above 2^31 would not fit JAX's default int32.
+_HALF_RANGE = np.uint32(0x80000000)
+_ABS = np.uint32(0x7FFFFFFF)
+_EXP = np.uint32(0x7F800000)
+_QNAN = np.uint32(0x7FC00000)
+_MIN_NORMAL = np.uint32(0x00800000)
+
+
+def bits(x: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def from_bits(u: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(u.astype(jnp.uint32), jnp.float32)
+
+
+def is_nan(x):
+  return (bits(x) & _ABS) > _EXP
+
+
+def is_zero(x):
+  return (bits(x) & _ABS) == 0
+
+
+def is_finite(x):
+  return (bits(x) & _EXP) != _EXP
+
+
+def abs_max(x: jax.Array, axis=None) -> jax.Array:
+  """max |x| with NaN propagating, exact on subnormals (compares magnitude bits)."""
+  mag = bits(x) & _ABS
+  m = jnp.max(mag, axis=axis, initial=jnp.uint32(0))
+  return from_bits(jnp.where(m > _EXP, jnp.uint32(_QNAN), m))
+
+
+def decompose(x):
+  """fp32 -> (sign bit, significand in [2^23, 2^24) or 0, unbiased exponent of its MSB).
+
+  Subnormals are normalised so the significand always has its leading bit at 23.
+  """
+  u = bits(x)
+  sign = u >> 31
+  field = ((u >> 23) & 0xFF).astype(jnp.int32)
+  frac = u & np.uint32(0x7FFFFF)
+  shift = jnp.where(field == 0, lax.clz(frac).astype(jnp.int32) - 8, 0)
+  sig = jnp.where(field == 0, frac << jnp.clip(shift, 0, 31).astype(jnp.uint32),
+                  frac | _MIN_NORMAL)
+  exp = jnp.where(field == 0, -126 - shift, field - 127)
+  return sign, sig, exp
+
+
+def _rne_shift_right(x, s):
+  """round(x / 2^s) to nearest even, x uint32, s int32 >= 1 (any size)."""
+  s_c = jnp.clip(s, 1, 31).astype(jnp.uint32)
+  q = x >> s_c
+  rem = x & ((jnp.uint32(1) << s_c) - 1)
+  half = jnp.uint32(1) << (s_c - 1)
+  up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+  small = q + up.astype(jnp.uint32)
+  at_32 = (x > _HALF_RANGE).astype(jnp.uint32)  # x / 2^32 rounds to 1 only above one half
+  return jnp.where(s <= 31, small, jnp.where(s == 32, at_32, jnp.uint32(0)))
+
+
+def round_to_grid(mant, lsb_exp, emin: int, mbits: int):
+  """Rounds the magnitude mant * 2^lsb_exp (mant > 0, uint32) to a float grid.
+
+  The grid has `mbits` explicit mantissa bits and minimum normal exponent `emin`.
+  Returns the magnitude code `(biased exponent << mbits) | mantissa` as uint32 (no
+  overflow handling: callers saturate or map overflow to inf themselves).
+  """
+  msb = 31 - lax.clz(mant).astype(jnp.int32)
+  e = msb + lsb_exp
+  e_eff = jnp.maximum(e, emin)
+  s = (e_eff - mbits) - lsb_exp
+  n = jnp.where(s >= 1, _rne_shift_right(mant, s),
+                mant << jnp.clip(-s, 0, 31).astype(jnp.uint32))
+  return n + ((e_eff - emin).astype(jnp.uint32) << mbits)
+
+
+def _pack_f32(sign, mag_code):
+  mag = jnp.where(mag_code >= _EXP, jnp.uint32(_EXP), mag_code)  # overflow -> inf
+  return from_bits((sign << 31) | mag)
+
+
+def _mul_exact(a, b):
+  sa, ma, ea = decompose(a)
+  sb, mb, eb = decompose(b)
+  sign = sa ^ sb
+  # 24x24-bit significand product in 12-bit limbs: P = hi * 2^24 + lo.
+  ah, al = ma >> 12, ma & 0xFFF
+  bh, bl = mb >> 12, mb & 0xFFF
+  mid = ah * bl + al * bh
+  low_full = ((mid & 0xFFF) << 12) + al * bl
+  hi = ah * bh + (mid >> 12) + (low_full >> 24)
+  lo = low_full & 0xFFFFFF
+  # Keep 31 bits of P (P >> 17) with the dropped bits folded into a sticky LSB.
+  mant = (hi << 7) | (lo >> 17) | ((lo & 0x1FFFF) != 0).astype(jnp.uint32)
+  code = round_to_grid(mant, ea + eb - 46 + 17, -126, 23)
+  res = _pack_f32(sign, code)
+  zero = (ma == 0) | (mb == 0)
+  res = jnp.where(zero, from_bits(sign << 31), res)
+  inf = ~is_finite(a) | ~is_finite(b)
+  res = jnp.where(inf, from_bits((sign << 31) | _EXP), res)
+  nan = is_nan(a) | is_nan(b) | (inf & zero)
+  return jnp.where(nan, from_bits(jnp.uint32(_QNAN)), res)
+
+
+def _div_exact(a, b):
+  sa, ma, ea = decompose(a)
+  sb, mb, eb = decompose(b)
+  sign = sa ^ sb
+  mb_safe = jnp.maximum(mb, 1)
+  q = jnp.zeros_like(ma)
+  r = ma
+  for _ in range(27):  # q = floor(ma * 2^26 / mb): 26 or 27 significant bits
+    ge = r >= mb_safe
+    q = (q << 1) | ge.astype(jnp.uint32)
+    r = jnp.where(ge, r - mb_safe, r) << 1
+  mant = (q << 1) | (r != 0).astype(jnp.uint32)
+  code = round_to_grid(mant, ea - eb - 27, -126, 23)
+  res = _pack_f32(sign, code)
+  a_zero, b_zero = ma == 0, mb == 0
+  a_inf, b_inf = ~is_finite(a), ~is_finite(b)
+  res = jnp.where(a_zero | b_inf, from_bits(sign << 31), res)
+  res = jnp.where(a_inf | b_zero, from_bits((sign << 31) | _EXP), res)
+  nan = is_nan(a) | is_nan(b) | (a_zero & b_zero) | (a_inf & b_inf)
+  return jnp.where(nan, from_bits(jnp.uint32(_QNAN)), res)
+
+
+def _is_tiny(x):
+  """Subnormal or zero-adjacent: where a flushing backend may differ from IEEE."""
+  mag = bits(x) & _ABS
+  return (mag != 0) & (mag < _MIN_NORMAL)
+
+
+def _hardware_ok(a, b, result):
+  """The hardware result is IEEE-exact unless a subnormal came in or went out."""
+  out_tiny = ((bits(result) & _ABS) < _MIN_NORMAL) & ~is_zero(a) & ~is_zero(b) & is_finite(a) & is_finite(b)
+  return ~(_is_tiny(a) | _is_tiny(b) | out_tiny)
+
+
+def _with_exact_fallback(exact_fn, hw_result, a, b):
+  a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
+  ok = _hardware_ok(a, b, hw_result)
+  select = lambda: jnp.where(ok, hw_result, exact_fn(a, b))
+  # On the CPU the exact path is costly and rarely needed: skip it when no element needs
+  # it. Elsewhere a select fuses into the elementwise work and needs no host round trip.
+  cpu = lambda: lax.cond(jnp.all(ok), lambda: hw_result, select)
+  return lax.platform_dependent(cpu=cpu, default=select)
+
+
+def mul(a, b):
+  """fl32(a * b), IEEE round-to-nearest-even including subnormals."""
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return _with_exact_fallback(_mul_exact, a * b, a, b)
+
+
+def div(a, b):
+  """fl32(a / b), IEEE round-to-nearest-even including subnormals."""
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return _with_exact_fallback(_div_exact, a / b, a, b)
+
+
+def exp2(n):
+  """2^n as fp32 for integer n in [-149, 127] (subnormal powers built from bits)."""
+  n = jnp.asarray(n, jnp.int32)
+  normal = (jnp.clip(n + 127, 1, 254).astype(jnp.uint32)) << 23
+  sub = jnp.uint32(1) << jnp.clip(n + 149, 0, 22).astype(jnp.uint32)
+  return from_bits(jnp.where(n >= -126, normal, sub))
+
+
+_NARROW_FLOATS = {  # dtype -> (mantissa bits, min normal exponent, biased-exponent field width)
+    jnp.dtype(jnp.bfloat16): (7, -126, 8),
+    jnp.dtype(jnp.float16): (10, -14, 5),
+}
+
+
+def round_to_dtype(x: jax.Array, dtype) -> jax.Array:
+  """fp32 -> bf16/fp16 value (returned as fp32), RNE with IEEE subnormals and overflow."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32:
+    return x.astype(jnp.float32)
+  mbits, emin, ebits = _NARROW_FLOATS[dtype]
+  sign, sig, exp = decompose(x)
+  code = round_to_grid(jnp.maximum(sig, 1), exp - 23, emin, mbits)
+  inf_code = jnp.uint32(((1 << ebits) - 1) << mbits)
+  code = jnp.where(sig == 0, jnp.uint32(0), jnp.minimum(code, inf_code))
+  # Re-express the narrow code as fp32 bits: same sign, exponent re-biased, mantissa widened.
+  field = (code >> mbits).astype(jnp.int32)
+  mant = code & jnp.uint32((1 << mbits) - 1)
+  value = jnp.where(
+      field == 0,
+      mul(mant.astype(jnp.float32), exp2(emin - mbits)),
+      from_bits(((field - 1 + emin + 127).astype(jnp.uint32) << 23) | (mant << (23 - mbits))))
+  value = jnp.where(field == (1 << ebits) - 1, jnp.float32(jnp.inf), value)
+  value = jnp.where(sign == 1, -value, value)
+  return jnp.where(is_nan(x) | (~is_finite(x)), x, value)
