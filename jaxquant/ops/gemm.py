@@ -1,14 +1,15 @@
 """The one GEMM dispatch point: C[m, n] = sum_k A[m, k] * B[n, k] ("TN").
 
 Operands are one usage each: a `QuantizedData` in its stored layout (rows x k) or a
-high-precision [rows, k] array. The implementation is chosen from the pair of operand
-families; a kernel is one more entry in `_IMPLEMENTATIONS`, never a branch in an op.
-The reference emulation (dequantize with block scales, fp32 `dot_general`, outer scales
-in the epilogue) serves every pair, mixed ones included, on every platform.
+high-precision [rows, k] array. The implementation is chosen from the platform and the pair
+of operand families; a kernel is one more entry in `_IMPLEMENTATIONS`, never a branch in
+an op. The reference emulation (dequantize with block scales, fp32 `dot_general`, outer
+scales in the epilogue) serves every pair, mixed ones included, on every platform.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Union
 
 import jax
@@ -26,52 +27,97 @@ def _family(op: Operand) -> Optional[Family]:
   return op.format.family if isinstance(op, QuantizedData) else None
 
 
-def _values(op: Operand):
-  if isinstance(op, QuantizedData):
-    return split_scales(op)
-  return op.astype(jnp.float32), None
+# Families whose block-scaled values are exact in bf16: E4M3/E5M2 codes times a power of
+# two (MXFP8), E2M1 times E4M3 (NVFP4: at most 6 significant bits), and bare FP8 codes
+# (per-tensor: the scale is applied in the epilogue). Block FP8 scales need not be powers
+# of two, so its values stay fp32.
+_EXACT_IN_BF16 = (Family.FP8_TENSOR, Family.MXFP8, Family.NVFP4)
 
 
-def reference_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32) -> jax.Array:
-  """Emulated GEMM: fp32 products of block-scaled values, outer scales after.
+def _values(op: Operand, narrow: bool):
+  """(operand values for the dot, outer scale or None)."""
+  if not isinstance(op, QuantizedData):
+    keep = narrow and op.dtype == jnp.bfloat16
+    return op if keep else op.astype(jnp.float32), None
+  values, outer = split_scales(op)
+  if narrow and op.format.family in _EXACT_IN_BF16:
+    values = values.astype(jnp.bfloat16)
+  return values, outer
 
-  Outer scales (per-tensor FP8 scale_inv, NVFP4 S_dec, per-token S_dec rows) factor out
-  of the sum: output row m is multiplied by A's (per-row) scale and column n by B's.
-  """
-  va, oa = _values(a)
-  vb, ob = _values(b)
-  out = jax.lax.dot_general(va, vb, (((1,), (1,)), ((), ())),
-                            precision=jax.lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
+
+def _epilogue(out, oa, ob, out_dtype):
+  """Outer scales after the sum: A's per row (or scalar), B's per column (or scalar)."""
+  # One fp32 epilogue factor per output element, S_dec_A[m] * S_dec_B[n], as cuBLAS's alpha.
+  scale = None
   if oa is not None:
-    out = out * (oa.reshape(-1, 1) if oa.ndim else oa)
+    scale = oa.reshape(-1, 1) if oa.ndim else oa
   if ob is not None:
-    out = out * (ob.reshape(1, -1) if ob.ndim else ob)
+    ob = ob.reshape(1, -1) if ob.ndim else ob
+    scale = ob if scale is None else scale * ob
+  if scale is not None:
+    out = out * scale
   return out.astype(out_dtype)
 
 
-# (A family, B family) -> implementation, per platform. Kernels add entries here.
-_IMPLEMENTATIONS: dict[tuple[str, Optional[Family], Optional[Family]], GemmFn] = {}
+def emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, narrow: bool = False):
+  """Dequantize (block scales only), dot with fp32 accumulation, outer scales after.
+
+  Outer scales (per-tensor FP8 scale_inv, NVFP4 S_dec, per-token S_dec rows) factor out
+  of the sum. With `narrow`, operands whose values are exact in bf16 enter the dot as
+  bf16 (tensor cores, same products, fp32 accumulation); otherwise fp32 at HIGHEST.
+  """
+  va, oa = _values(a, narrow)
+  vb, ob = _values(b, narrow)
+  if va.dtype != vb.dtype:
+    va, vb = va.astype(jnp.float32), vb.astype(jnp.float32)
+  precision = None if va.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
+  out = jax.lax.dot_general(va, vb, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+  return _epilogue(out, oa, ob, out_dtype)
 
 
-def register(platform: str, a_family: Optional[Family], b_family: Optional[Family], fn: GemmFn):
-  """Registers a GEMM implementation for an operand-family pair on a platform."""
-  _IMPLEMENTATIONS[(platform, a_family, b_family)] = fn
+def reference_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32) -> jax.Array:
+  """The reference: emulation with fp32 operands."""
+  return emulated_gemm(a, b, out_dtype=out_dtype)
+
+
+def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32) -> jax.Array:
+  return emulated_gemm(a, b, out_dtype=out_dtype, narrow=True)
+
+
+def _xla_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+  """Per-tensor FP8 x FP8: XLA lowers a dot on f8 operands to cuBLASLt's FP8 GEMM."""
+  out = jax.lax.dot_general(a.data, b.data, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return _epilogue(out, a.scale_inv, b.scale_inv, out_dtype)
+
+
+# (platform, A family, B family) -> implementation; None matches any family. Kernels
+# are new entries here. The first matching key in this order wins.
+_IMPLEMENTATIONS: tuple[tuple[tuple[str, Optional[Family], Optional[Family]], GemmFn], ...] = (
+    (("gpu", Family.FP8_TENSOR, Family.FP8_TENSOR), _xla_fp8_gemm),
+    (("gpu", None, None), _gpu_emulated_gemm),
+)
+
+
+def _select(platform: str, fa: Optional[Family], fb: Optional[Family]) -> GemmFn:
+  for (plat, a_fam, b_fam), fn in _IMPLEMENTATIONS:
+    if plat == platform and a_fam in (None, fa) and b_fam in (None, fb):
+      return fn
+  return reference_gemm
 
 
 def gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
          implementation: Optional[str] = None) -> jax.Array:
-  """C = A . B^T with both operands contiguous along k. Shapes [m, k] x [n, k] -> [m, n].
+  """C = A . B^T with both operands contiguous along k: [m, k] x [n, k] -> [m, n].
 
-  `implementation="reference"` forces the emulation.
+  `implementation="reference"` (or JAXQUANT_BACKEND=reference) forces the reference.
   """
   ka = a.stored_shape[1] if isinstance(a, QuantizedData) else a.shape[1]
   kb = b.stored_shape[1] if isinstance(b, QuantizedData) else b.shape[1]
   if ka != kb:
     raise ValueError(f"gemm: contraction dims differ: A has k={ka}, B has k={kb}")
-  if implementation != "reference":
-    platform = jax.default_backend()
-    fn = _IMPLEMENTATIONS.get((platform, _family(a), _family(b)))
-    if fn is not None:
-      return fn(a, b, out_dtype=out_dtype)
-  return reference_gemm(a, b, out_dtype=out_dtype)
+  if implementation == "reference" or os.environ.get("JAXQUANT_BACKEND") == "reference":
+    return reference_gemm(a, b, out_dtype=out_dtype)
+  fn = _select(jax.default_backend(), _family(a), _family(b))
+  return fn(a, b, out_dtype=out_dtype)
