@@ -31,23 +31,68 @@ def init_state(quantizer: DelayedFloat8Quantizer) -> DelayedScalingState:
 
 def record_amax(state: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
   """Folds an observed amax into the current history slot (max, NaN propagating)."""
-  hist = state.amax_history.at[0].set(jnp.maximum(state.amax_history[0], amax))
+  # fp32.abs_max, not jnp.maximum: XLA CPU flushes subnormal operands of max to zero, and
+  # amaxes are >= 0 so max |.| is their max.
+  recorded = fp32.abs_max(jnp.stack([state.amax_history[0], jnp.asarray(amax, jnp.float32)]))
+  hist = state.amax_history.at[0].set(recorded)
   return dataclasses.replace(state, amax_history=hist)
 
 
 def combine(a: DelayedScalingState, b: DelayedScalingState) -> DelayedScalingState:
   """Merges two records of the same step (micro-batches, devices): max, never overwrite."""
-  return DelayedScalingState(jnp.maximum(a.amax_history, b.amax_history),
-                             a.scale)
+  merged = fp32.abs_max(jnp.stack([a.amax_history, b.amax_history]), axis=0)  # exact on subnormals
+  return DelayedScalingState(merged, a.scale)
 
 
 def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> DelayedScalingState:
   """The once-per-step update: new scale from the history, then roll and clear slot 0."""
   hist = state.amax_history
-  a = jnp.max(hist) if quantizer.amax_algo == "max" else hist[0]
+  a = fp32.abs_max(hist) if quantizer.amax_algo == "max" else hist[0]  # jnp.max flushes subnormals
   fmax = jnp.float32(quantizer.format("rowwise").fmax)
   new_scale = fp32.div(fp32.div(fmax, a), fp32.exp2(jnp.int32(quantizer.margin)))
   keep = fp32.is_zero(a) | ~fp32.is_finite(a)
   scale = jnp.where(keep, state.scale, new_scale)
   hist = jnp.roll(hist, -1).at[0].set(0.0)
   return DelayedScalingState(hist, scale)
+
+
+# ---- grad_output amaxes: known only in backward, returned as a state cotangent. ----
+#
+# An op that quantizes grad_output with delayed scaling returns its amax as the cotangent
+# of `state["grad_output"]`: `amax_history` carries it in slot 0, every other entry and
+# `scale` carry zeros (or what came in from later uses, see `fold_grad_amax`). When the
+# state is threaded (each op's returned new_state feeds the next op), each op folds the
+# cotangent arriving from later uses into its own by max, so N uses combine by max.
+# JAX itself adds cotangents when one state *value* fans out to several ops: those
+# combine by sum (an upper bound of the max); thread the state, or `fan_out` it.
+
+
+def fold_grad_amax(cotangent: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
+  """A state cotangent with `amax` folded into slot 0 by max (NaN propagating)."""
+  hist = cotangent.amax_history
+  return DelayedScalingState(hist.at[0].set(jnp.maximum(hist[0], amax)), cotangent.scale)
+
+
+def record_grad_amax(state: DelayedScalingState,
+                     state_grad: DelayedScalingState) -> DelayedScalingState:
+  """Records the grad_output amax carried by `state_grad` (the gradient of the loss
+  with respect to `state`) into `state`, by max. Call before `update`."""
+  return record_amax(state, state_grad.amax_history[0])
+
+
+def fan_out(state: DelayedScalingState, n: int) -> tuple[DelayedScalingState, ...]:
+  """`n` copies of `state` for `n` ops that use it side by side (not threaded): their
+  grad_output amax cotangents then combine by max instead of JAX's sum."""
+
+  @jax.custom_vjp
+  def copies(s):
+    return (s,) * n
+
+  def bwd(_, cts):
+    hist = cts[0].amax_history
+    for ct in cts[1:]:
+      hist = jnp.maximum(hist, ct.amax_history)
+    return (DelayedScalingState(hist, sum(ct.scale for ct in cts)),)
+
+  copies.defvjp(lambda s: (copies(s), None), bwd)
+  return copies(state)

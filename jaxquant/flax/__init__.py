@@ -1,0 +1,15 @@
+"""Flax integration: quantized Linen and NNX layers, swap-in, delayed-scaling state.
+
+- `jaxquant.flax.linen`: Dense, DenseGeneral, Einsum (Flax's, plus a `recipe`).
+- `jaxquant.flax.nnx`: Linear, Einsum.
+- `quantize_model(model, recipe)`: quantize an ordinary Linen or NNX model's GEMMs.
+- `update_quant_state` / `combine_quant_state`: advance delayed-scaling state once per
+  train step (`jaxquant.flax.state` explains the flow).
+- `weight_roles(tree_or_module)`: every annotated GEMM weight with its role and quantizer.
+"""
+
+from jaxquant.flax import linen
+from jaxquant.flax.metadata import QuantizedWeight, weight_roles
+from jaxquant.flax.state import (QUANT_STATE, RoleState, combine_quant_state,
+                                 update_quant_state)
+from jaxquant.flax.swap import QuantizedModel, intercepting, quantize_model

@@ -1,0 +1,4 @@
+"""Differentiable user ops: quantized GEMM layers and the GEMM dispatch point."""
+
+from jaxquant.ops.dense import dense
+from jaxquant.ops.grouped_dense import grouped_dense

@@ -21,7 +21,12 @@ _POW2_MASK = np.uint32(0xFF800000)  # sign and exponent: clears the 23 mantissa 
 
 def scale_from_amax(amax, fmax: float, *, eps: float, pow2: bool, input_dtype) -> jax.Array:
   """NUMERICS.md per-tensor FP8 steps 1-3, elementwise over `amax`."""
-  a = jnp.where(amax < eps, jnp.float32(eps), amax)
+  # Compare and select on the bits (amax is >= 0 or NaN and eps >= 0, so the uint32 order is
+  # the float order): XLA CPU rewrites where(a < eps, eps, a) into max(a, eps), which
+  # flushes a subnormal amax to zero, where step 1 needs it exact.
+  eps_bits = fp32.bits(jnp.float32(eps))
+  amax_bits = fp32.bits(amax)
+  a = fp32.from_bits(jnp.where(amax_bits < eps_bits, eps_bits, amax_bits))
   scale = fp32.div(jnp.float32(fmax), a)
   value_for_inf = jnp.float32(jnp.finfo(input_dtype).max)
   scale = jnp.where(jnp.isinf(scale), value_for_inf, scale)

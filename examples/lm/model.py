@@ -1,0 +1,138 @@
+"""A plain Flax Linen decoder-only transformer over byte tokens.
+
+Every GEMM is an `nn.Dense`, so `jaxquant.flax.quantize_model` can swap them for quantized
+layers without this file knowing about quantization. The module paths are the names the
+recipe's roles see, e.g. 'decoder/layer_3/mlp/wi' or 'decoder/layer_0/attention/query'.
+
+Parameters are fp32; activations and GEMMs run in `ModelConfig.dtype` (bf16), norms and
+softmax statistics in fp32, logits are returned in fp32 for the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  seq_len: int = 128
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  d_ff: int = 512
+  dtype: Any = jnp.bfloat16
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    if self.d_model % self.n_heads:
+      raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+    if (self.d_model // self.n_heads) % 2:
+      raise ValueError(f"head dim {self.d_model // self.n_heads} must be even for rotary embeddings")
+
+
+# The MoE hook. A factory `moe_mlp_factory(config, name=...)` returns a module mapping
+# [batch, seq, d_model] -> [batch, seq, d_model]; it replaces every block's MLP. It will
+# come from jaxquant.flax (the grouped-GEMM MoE block); the plain model needs none.
+MoeMlpFactory = Callable[..., nn.Module]
+
+
+def rotary_embedding(x: jax.Array, base: float = 10000.0) -> jax.Array:
+  """Rotates pairs of features of x [batch, seq, heads, head_dim] by position (RoPE)."""
+  seq_len, head_dim = x.shape[1], x.shape[3]
+  half = head_dim // 2
+  inverse_frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inverse_frequencies[None, :]
+  sin = jnp.sin(angles)[None, :, None, :]
+  cos = jnp.cos(angles)[None, :, None, :]
+  first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+def _dense(features: int, name: str, config: ModelConfig, std: float) -> nn.Dense:
+  return nn.Dense(features, name=name, dtype=config.dtype, param_dtype=jnp.float32,
+                  kernel_init=nn.initializers.normal(stddev=std))
+
+
+class CausalSelfAttention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    batch, seq_len, _ = x.shape
+    head_dim = cfg.d_model // cfg.n_heads
+    # Residual-branch outputs start smaller so the residual stream's variance does not
+    # grow with depth (GPT-2's scaled init).
+    out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+
+    def heads(name: str) -> jax.Array:
+      projected = _dense(cfg.d_model, name, cfg, cfg.init_std)(x)
+      return projected.reshape(batch, seq_len, cfg.n_heads, head_dim)
+
+    query = rotary_embedding(heads("query"))
+    key = rotary_embedding(heads("key"))
+    value = heads("value")
+    attended = jax.nn.dot_product_attention(query, key, value, is_causal=True)
+    attended = attended.reshape(batch, seq_len, cfg.d_model)
+    return _dense(cfg.d_model, "out", cfg, out_std)(attended)
+
+
+class Mlp(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    hidden = nn.gelu(_dense(cfg.d_ff, "wi", cfg, cfg.init_std)(x))
+    return _dense(cfg.d_model, "wo", cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)(hidden)
+
+
+class DecoderLayer(nn.Module):
+  config: ModelConfig
+  moe_mlp_factory: Optional[MoeMlpFactory] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    x = x + CausalSelfAttention(cfg, name="attention")(
+        nn.RMSNorm(dtype=cfg.dtype, name="attention_norm")(x))
+    normed = nn.RMSNorm(dtype=cfg.dtype, name="mlp_norm")(x)
+    if self.moe_mlp_factory is None:
+      mlp = Mlp(cfg, name="mlp")
+    else:
+      mlp = self.moe_mlp_factory(cfg, name="mlp")
+    return x + mlp(normed)
+
+
+class Decoder(nn.Module):
+  config: ModelConfig
+  moe_mlp_factory: Optional[MoeMlpFactory] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for index in range(self.config.n_layers):
+      x = DecoderLayer(self.config, self.moe_mlp_factory, name=f"layer_{index}")(x)
+    return nn.RMSNorm(dtype=self.config.dtype, name="final_norm")(x)
+
+
+class TransformerLM(nn.Module):
+  """tokens [batch, seq] int -> next-token logits [batch, seq, vocab] fp32."""
+
+  config: ModelConfig
+  moe_mlp_factory: Optional[MoeMlpFactory] = None
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.config
+    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=jnp.float32,
+                 embedding_init=nn.initializers.normal(stddev=cfg.init_std), name="embed")(tokens)
+    x = Decoder(cfg, self.moe_mlp_factory, name="decoder")(x)
+    logits = _dense(cfg.vocab_size, "head", cfg, cfg.init_std)(x)
+    return logits.astype(jnp.float32)

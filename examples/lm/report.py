@@ -1,0 +1,93 @@
+"""The run's outputs: validation-loss curves (PNG), a markdown table, and a JSON of it all."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import statistics
+from typing import Optional
+
+from lm.recipes import PLAIN_RECIPE
+
+CURVES_JSON = "curves.json"
+CURVES_PNG = "val_loss.png"
+RESULTS_TABLE = "results.md"
+
+
+@dataclasses.dataclass
+class RecipeResult:
+  recipe: str
+  eval_steps: list[int]  # steps after which validation ran (0: before training)
+  val_losses: list[float]  # nats, mean over the fixed validation batches
+  train_losses: list[float]  # nats, one per step
+  step_seconds: list[float]  # one per step, the first (compiling) one excluded
+  compile_seconds: float  # the first step, compilation included
+
+  @property
+  def final_val_loss(self) -> float:
+    return self.val_losses[-1]
+
+  @property
+  def median_step_seconds(self) -> float:
+    return statistics.median(self.step_seconds)
+
+
+def relative_gap(loss: float, baseline: Optional[float]) -> Optional[float]:
+  return None if baseline is None else (loss - baseline) / baseline
+
+
+def _baseline_loss(results: list[RecipeResult]) -> Optional[float]:
+  return next((r.final_val_loss for r in results if r.recipe == PLAIN_RECIPE), None)
+
+
+def write_curves_json(path: pathlib.Path, results: list[RecipeResult], run_info: dict) -> None:
+  payload = {"run": run_info,
+             "recipes": {r.recipe: {**dataclasses.asdict(r), "final_val_loss": r.final_val_loss,
+                                    "median_step_seconds": r.median_step_seconds}
+                         for r in results}}
+  path.write_text(json.dumps(payload, indent=1))
+
+
+def plot_validation_curves(path: pathlib.Path, results: list[RecipeResult],
+                           unigram_entropy: float, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")  # files only; no display needed
+  import matplotlib.pyplot as plt
+
+  figure, axes = plt.subplots(figsize=(8, 5), dpi=120)
+  for result in results:
+    axes.plot(result.eval_steps, result.val_losses, marker="o", markersize=3, label=result.recipe)
+  axes.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1,
+               label=f"unigram byte entropy ({unigram_entropy:.2f})")
+  # The first eval (an untrained model, ~ln 256) would squash the curves: show from just
+  # above the unigram entropy down.
+  lowest = min(min(r.val_losses) for r in results)
+  axes.set_ylim(lowest - 0.05 * (unigram_entropy - lowest), unigram_entropy * 1.1)
+  axes.set_xlabel("step")
+  axes.set_ylabel("validation loss (nats per byte)")
+  axes.set_title(title)
+  axes.grid(alpha=0.3)
+  axes.legend()
+  figure.tight_layout()
+  figure.savefig(path)
+  plt.close(figure)
+
+
+def results_table(results: list[RecipeResult], unigram_entropy: float) -> str:
+  baseline = _baseline_loss(results)
+  lines = ["| recipe | final val loss (nats) | gap to bf16 | median step (ms) | first step, compile incl. (s) |",
+           "| --- | --- | --- | --- | --- |"]
+  for r in results:
+    gap = relative_gap(r.final_val_loss, baseline)
+    gap_text = "n/a" if gap is None else f"{gap:+.2%}"
+    lines.append(f"| {r.recipe} | {r.final_val_loss:.4f} | {gap_text} | "
+                 f"{1e3 * r.median_step_seconds:.1f} | {r.compile_seconds:.1f} |")
+  lines.append("")
+  lines.append(f"Unigram byte entropy of the validation split: {unigram_entropy:.4f} nats.")
+  return "\n".join(lines) + "\n"
+
+
+def write_results_table(path: pathlib.Path, results: list[RecipeResult], unigram_entropy: float,
+                        heading: str) -> None:
+  path.write_text(f"# {heading}\n\n" + results_table(results, unigram_entropy))

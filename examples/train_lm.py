@@ -1,0 +1,167 @@
+"""Train a byte-level decoder-only transformer under each low-precision recipe, and compare.
+
+The corpus is this interpreter's standard library source (no download). Every recipe
+starts from the same parameters and sees the same batches in the same order, so the
+validation-loss gaps between recipes come from the number formats alone.
+
+  python examples/train_lm.py                         # all recipes, the cpu preset
+  python examples/train_lm.py --preset gpu            # ~57M parameters, for one H100
+  python examples/train_lm.py --recipes bf16,mxfp8 --steps 100
+
+Outputs (in --out): val_loss.png (the validation curves of all recipes), results.md (final
+validation loss, gap to bf16, step time) and curves.json (everything, for replotting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lm import data, presets, recipes, report, training
+from lm.model import MoeMlpFactory, TransformerLM
+from lm.progress import ProgressBar
+
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
+RECIPE_HELP = ("'all' or a comma-separated list of: " + ", ".join(recipes.RECIPE_NAMES) +
+               f". '{recipes.CUSTOM_RECIPE}' is a per-role policy: NVFP4 with the last layers "
+               "and the head in bf16 (NVIDIA's NVFP4 recipe)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--recipes", default="all", help=RECIPE_HELP)
+  parser.add_argument("--preset", default="cpu", choices=sorted(presets.PRESETS))
+  parser.add_argument("--steps", type=int, help="training steps per recipe (default: the preset's)")
+  parser.add_argument("--moe", action="store_true", help="replace each MLP with jaxquant's MoE block")
+  parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output folder")
+  parser.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data order")
+  return parser.parse_args(argv)
+
+
+def with_steps(train: presets.TrainConfig, steps: int | None) -> presets.TrainConfig:
+  if steps is None:
+    return train
+  if steps < 1:
+    raise ValueError(f"--steps must be >= 1, got {steps}")
+  return dataclasses.replace(train, steps=steps, warmup_steps=min(train.warmup_steps, max(1, steps // 10)))
+
+
+def moe_mlp_factory_from_jaxquant() -> MoeMlpFactory:
+  try:
+    from jaxquant.flax import moe_mlp_factory
+  except ImportError as error:
+    raise NotImplementedError(
+        "--moe needs jaxquant.flax.moe_mlp_factory (the MoE block on grouped GEMMs), which "
+        f"this jaxquant install does not provide yet ({error}). Run without --moe.") from error
+  return moe_mlp_factory
+
+
+def train_recipe(name: str, model, train_config: presets.TrainConfig, shared_params,
+                 corpus: data.ByteCorpus, validation_batches: jax.Array,
+                 seed: int) -> report.RecipeResult:
+  seq_len = validation_batches.shape[-1] - 1
+  tokens_per_step = train_config.batch_size * seq_len
+  optimizer = training.make_optimizer(train_config)
+  sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
+  state = training.init_train_state(model, shared_params, jax.random.key(seed), sample_tokens,
+                                    optimizer)
+  train_step = training.make_train_step(model, optimizer)
+  eval_step = training.make_eval_step(model)
+
+  def validation_loss() -> float:
+    return float(np.mean([eval_step(state, windows) for windows in validation_batches]))
+
+  result = report.RecipeResult(name, eval_steps=[0], val_losses=[validation_loss()],
+                               train_losses=[], step_seconds=[], compile_seconds=0.0)
+  batches = data.train_batches(corpus.train, seed, train_config.batch_size, seq_len)
+  progress = ProgressBar(name, train_config.steps)
+  smoothed_step_seconds = None
+  for step in range(1, train_config.steps + 1):
+    windows = next(batches)
+    start = time.perf_counter()
+    state, loss = train_step(state, windows)
+    loss = float(loss)  # waits for the step, so each step's time is its own
+    seconds = time.perf_counter() - start
+    if step == 1:
+      result.compile_seconds = seconds
+    else:
+      result.step_seconds.append(seconds)
+      smoothed_step_seconds = seconds if smoothed_step_seconds is None else (
+          0.9 * smoothed_step_seconds + 0.1 * seconds)
+    result.train_losses.append(loss)
+    progress.update(step, loss, tokens_per_step / (smoothed_step_seconds or seconds))
+    if step % train_config.eval_every == 0 or step == train_config.steps:
+      result.eval_steps.append(step)
+      result.val_losses.append(validation_loss())
+  progress.close()
+  if not result.step_seconds:  # a one-step run: its only step compiled too
+    result.step_seconds.append(result.compile_seconds)
+  return result
+
+
+def run_info(args, preset: presets.Preset, train_config, n_params: int, corpus, entropy) -> dict:
+  model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(preset.model).items()}
+  return {"preset": args.preset, "seed": args.seed, "moe": args.moe, "model": model_config,
+          "train": dataclasses.asdict(train_config), "parameters": n_params,
+          "corpus": {"root": str(corpus.root), "train_bytes": int(corpus.train.size),
+                     "validation_bytes": int(corpus.validation.size),
+                     "train_files": corpus.n_train_files,
+                     "validation_files": corpus.n_validation_files},
+          "unigram_entropy_nats": entropy, "unigram_entropy_bits": data.nats_to_bits(entropy),
+          "device": str(jax.devices()[0]), "jax": jax.__version__}
+
+
+def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
+  args = parse_args(argv)
+  preset = presets.PRESETS[args.preset]
+  train_config = with_steps(preset.train, args.steps)
+  recipe_names = recipes.parse_recipe_names(args.recipes)
+  moe_factory = moe_mlp_factory_from_jaxquant() if args.moe else None
+  plain_model = TransformerLM(preset.model, moe_factory)
+  # Resolve every recipe before training any: a missing one fails now, not after an hour.
+  models = {name: recipes.model_for_recipe(plain_model, name, preset.model.n_layers)
+            for name in recipe_names}
+
+  corpus = data.load_stdlib_corpus()
+  entropy = data.unigram_entropy_nats(corpus.validation)
+  print(f"corpus: {corpus.root}: {corpus.train.size:,} train bytes ({corpus.n_train_files} files), "
+        f"{corpus.validation.size:,} validation bytes ({corpus.n_validation_files} files)")
+  print(f"unigram byte entropy of the validation split: {entropy:.4f} nats "
+        f"({data.nats_to_bits(entropy):.4f} bits) per byte")
+
+  seq_len = preset.model.seq_len
+  sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
+  shared_params = training.init_variables(plain_model, jax.random.key(args.seed),
+                                          sample_tokens)[training.PARAMS]
+  n_params = sum(p.size for p in jax.tree.leaves(shared_params))
+  print(f"model: {n_params:,} parameters, preset {args.preset!r}, {train_config.steps} steps of "
+        f"{train_config.batch_size}x{seq_len} tokens, on {jax.devices()[0]}")
+  validation_batches = jnp.asarray(data.fixed_validation_batches(
+      corpus.validation, args.seed, train_config.eval_batches, train_config.batch_size, seq_len))
+
+  results = [train_recipe(name, models[name], train_config, shared_params, corpus,
+                          validation_batches, args.seed) for name in recipe_names]
+
+  args.out.mkdir(parents=True, exist_ok=True)
+  title = f"byte LM on the Python stdlib, preset {args.preset} ({n_params / 1e6:.1f}M parameters)"
+  report.write_curves_json(args.out / report.CURVES_JSON, results,
+                           run_info(args, preset, train_config, n_params, corpus, entropy))
+  report.plot_validation_curves(args.out / report.CURVES_PNG, results, entropy, title)
+  report.write_results_table(args.out / report.RESULTS_TABLE, results, entropy, title)
+  print()
+  print(report.results_table(results, entropy), end="")
+  for result in results:
+    print(f"{result.recipe}: final validation loss {result.final_val_loss:.4f} nats per byte; "
+          f"unigram byte entropy {entropy:.4f}")
+  print(f"outputs in {args.out}: {report.CURVES_PNG}, {report.RESULTS_TABLE}, {report.CURVES_JSON}")
+  return results
+
+
+if __name__ == "__main__":
+  main()

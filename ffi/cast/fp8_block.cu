@@ -1,0 +1,210 @@
+// Block FP8 cast (NUMERICS.md "Block FP8"): an fp32 scale per 1x128 block along the
+// usage's block dim, or per 128x128 tile shared by both usages. Edge blocks may be
+// partial: the amax covers only real elements (the tile is zero-filled past the edge).
+//
+// Tile: 128 rows x (32 lanes x one 16-byte vector) columns, in dynamic shared memory
+// (64 KiB). A 128-element rowwise block spans 128 / kVec lanes; a columnwise block is one
+// thread's column of the tile.
+#include "jaxquant/ffi_glue.h"
+#include "jaxquant/tile.cuh"
+
+namespace jaxquant {
+namespace {
+
+constexpr int kTileRows = 128;
+constexpr int kBlock = 128;
+
+struct BlockOut {
+  uint8_t* row_data;  // [M, K]
+  float* row_scale;   // [M, ceil(K/128)] or [ceil(M/128), ceil(K/128)]
+  uint8_t* col_data;  // [K, M]
+  float* col_scale;   // [K, ceil(M/128)] or [ceil(K/128), ceil(M/128)]
+};
+
+struct BlockScale {
+  float scale, scale_inv;
+};
+
+template <typename T>
+__device__ __forceinline__ BlockScale block_scale(float amax, const KernelConfig& cfg) {
+  const float s = fp8_scale_from_amax<T>(amax, element_max(cfg.element), cfg.eps, cfg.pow2_scales);
+  return {s, 1.0f / s};
+}
+
+// Quantizes one lane's vector of a row and stores its kVec codes.
+template <typename T>
+__device__ __forceinline__ void store_row_codes(const Vec16<T>& w, float scale, int32_t element,
+                                                uint8_t* dst) {
+  constexpr int V = kVec<T>;
+  uint32_t codes[V / 4];
+#pragma unroll
+  for (int i = 0; i < V; i += 4) {
+    codes[i / 4] = fp8x2_code(to_float(w.v[i]) * scale, to_float(w.v[i + 1]) * scale, element) |
+                   (fp8x2_code(to_float(w.v[i + 2]) * scale, to_float(w.v[i + 3]) * scale,
+                               element) << 16);
+  }
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = codes[0];
+  }
+}
+
+template <typename T, bool kTile2d>
+__global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __restrict__ x,
+                                                                     int64_t M, int64_t K,
+                                                                     KernelConfig cfg,
+                                                                     BlockOut out) {
+  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows / kWarps;
+  constexpr int kTilesAcross = TC / kBlock;
+  extern __shared__ uint4 smem[];  // one declaration for every T: extern shared arrays alias
+  Vec16<T>(*tile)[32] = reinterpret_cast<Vec16<T>(*)[32]>(smem);
+  __shared__ float warp_amax[kWarps];
+  __shared__ BlockScale tile_scale[kTilesAcross];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * TC;
+  const int64_t col = k0 + lane * V;
+  const int64_t row_blocks = (K + kBlock - 1) / kBlock, col_blocks = (M + kBlock - 1) / kBlock;
+
+  Vec16<T> v[kRowPasses];
+#pragma unroll
+  for (int p = 0; p < kRowPasses; ++p) {
+    const int64_t row = m0 + warp + p * kWarps;
+    v[p] = (row < M && col < K) ? load_vec(x + row * K + col) : zero_vec<T>();
+  }
+  const bool column_phase = out.col_data != nullptr || kTile2d;
+  if (column_phase) {
+#pragma unroll
+    for (int p = 0; p < kRowPasses; ++p) tile[warp + p * kWarps][lane] = v[p];
+  }
+
+  // 1x128 rowwise blocks, from registers.
+  if (!kTile2d && out.row_data != nullptr) {
+    constexpr int kLanesPerBlock = kBlock / V;
+#pragma unroll
+    for (int p = 0; p < kRowPasses; ++p) {
+      const int64_t row = m0 + warp + p * kWarps;
+      float a = 0.0f;
+#pragma unroll
+      for (int i = 0; i < V; ++i) a = amax_combine(a, abs_bits(to_float(v[p].v[i])));
+      a = group_amax(a, kLanesPerBlock);
+      if (row >= M || col >= K) continue;
+      const BlockScale s = block_scale<T>(a, cfg);
+      store_row_codes(v[p], s.scale, cfg.element, out.row_data + row * K + col);
+      if (lane % kLanesPerBlock == 0) out.row_scale[row * row_blocks + col / kBlock] = s.scale_inv;
+    }
+  }
+  if (!column_phase) return;
+  __syncthreads();
+
+  // Column phase: thread c owns tile column c (threads past TC only help reduce).
+  const int c = threadIdx.x;
+  const int64_t k = k0 + c;
+  const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
+  float a = 0.0f;
+  if (c < TC) {
+    for (int r = 0; r < kTileRows; ++r) a = amax_combine(a, abs_bits(to_float(column[r * TC])));
+  }
+  BlockScale s;
+  if constexpr (kTile2d) {
+    a = group_amax(a, 32);
+    if (lane == 0) warp_amax[warp] = a;
+    __syncthreads();
+    if (threadIdx.x < kTilesAcross) {
+      float t = 0.0f;
+      for (int w = 0; w < kBlock / 32; ++w) t = amax_combine(t, warp_amax[threadIdx.x * (kBlock / 32) + w]);
+      tile_scale[threadIdx.x] = block_scale<T>(t, cfg);
+      const int64_t kb = (k0 / kBlock) + threadIdx.x, mb = m0 / kBlock;
+      if (kb * kBlock < K) {
+        if (out.row_scale) out.row_scale[mb * row_blocks + kb] = tile_scale[threadIdx.x].scale_inv;
+        if (out.col_scale) out.col_scale[kb * col_blocks + mb] = tile_scale[threadIdx.x].scale_inv;
+      }
+    }
+    __syncthreads();
+    s = tile_scale[c < TC ? c / kBlock : 0];
+  } else {
+    s = block_scale<T>(a, cfg);
+  }
+
+  if (out.col_data != nullptr && c < TC && k < K) {
+    if (!kTile2d) out.col_scale[k * col_blocks + m0 / kBlock] = s.scale_inv;
+    for (int r0 = 0; r0 < kTileRows && m0 + r0 < M; r0 += 16) {
+      uint32_t codes[4];
+#pragma unroll
+      for (int i = 0; i < 16; i += 4) {
+        codes[i / 4] =
+            fp8x2_code(to_float(column[(r0 + i) * TC]) * s.scale,
+                       to_float(column[(r0 + i + 1) * TC]) * s.scale, cfg.element) |
+            (fp8x2_code(to_float(column[(r0 + i + 2) * TC]) * s.scale,
+                        to_float(column[(r0 + i + 3) * TC]) * s.scale, cfg.element) << 16);
+      }
+      *reinterpret_cast<uint4*>(out.col_data + k * M + m0 + r0) =
+          make_uint4(codes[0], codes[1], codes[2], codes[3]);
+    }
+  }
+
+  // 128x128 tiles: the rowwise usage with the tile scale, re-read from shared memory.
+  if (kTile2d && out.row_data != nullptr && col < K) {
+    const BlockScale rs = tile_scale[lane * V / kBlock];
+#pragma unroll 4
+    for (int p = 0; p < kRowPasses; ++p) {
+      const int r = warp + p * kWarps;
+      if (m0 + r >= M) break;
+      store_row_codes(tile[r][lane], rs.scale, cfg.element, out.row_data + (m0 + r) * K + col);
+    }
+  }
+}
+
+ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets,
+                          KernelConfig cfg) {
+  int64_t M, K;
+  if (!matrix_dims(x, M, K)) return invalid("fp8_block_cast: x must be rank 2");
+  // Partial 128-blocks are fine; 16-byte vectors and stores need multiples of 16.
+  if (M % 16 || K % 16) return invalid("fp8_block_cast: dims must be multiples of 16");
+  const bool tile_2d = cfg.block_rows == kBlock;
+  BlockOut out{};
+  size_t next = 0;
+  if (cfg.rowwise) {
+    auto d = result_ptr<uint8_t>(rets, next++);
+    auto s = result_ptr<float>(rets, next++);
+    if (!d.has_value() || !s.has_value()) return invalid("fp8_block_cast: missing rowwise results");
+    out.row_data = *d;
+    out.row_scale = *s;
+  }
+  if (cfg.columnwise) {
+    auto d = result_ptr<uint8_t>(rets, next++);
+    auto s = result_ptr<float>(rets, next++);
+    if (!d.has_value() || !s.has_value()) return invalid("fp8_block_cast: missing columnwise results");
+    out.col_data = *d;
+    out.col_scale = *s;
+  }
+  if (M == 0 || K == 0) return ffi::Error::Success();
+  return dispatch_float(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    constexpr size_t kSmem = kTileRows * 32 * sizeof(Vec16<T>);
+    const dim3 grid((M + kTileRows - 1) / kTileRows, (K + kTileCols<T> - 1) / kTileCols<T>);
+    auto launch = [&](auto kernel) {
+      // Over 48 KiB of dynamic shared memory must be opted into (per function, per device).
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
+          cudaSuccess) {
+        return cuda_status("fp8_block_cast: shared memory opt-in");
+      }
+      kernel<<<grid, kThreads, kSmem, stream>>>(reinterpret_cast<const T*>(x.untyped_data()),
+                                                 M, K, cfg, out);
+      return cuda_status("fp8_block_cast");
+    };
+    return tile_2d ? launch(fp8_block_cast_kernel<T, true>)
+                   : launch(fp8_block_cast_kernel<T, false>);
+  });
+}
+
+}  // namespace
+}  // namespace jaxquant
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8BlockCast, jaxquant::fp8_block_cast,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attrs<jaxquant::KernelConfig>());

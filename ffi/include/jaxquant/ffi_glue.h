@@ -1,0 +1,95 @@
+// XLA FFI glue shared by every handler: the static config decoded from FFI attributes,
+// input dtype dispatch, and CUDA error reporting.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "xla/ffi/api/ffi.h"
+
+#include "jaxquant/handlers.h"
+
+namespace jaxquant {
+
+namespace ffi = xla::ffi;
+
+// Mirror of jaxquant.kernels.config.KernelConfig: one frozen config, every field an FFI
+// attribute of the same name. Values were validated in Python; handlers only re-check
+// what would make a kernel touch memory out of bounds.
+struct KernelConfig {
+  int32_t family;         // 0 fp8_tensor, 1 fp8_block, 2 mxfp8, 3 nvfp4
+  int32_t element;        // Element
+  int32_t rowwise;        // produce the rowwise usage
+  int32_t columnwise;     // produce the columnwise (transposed) usage
+  int32_t block_rows;     // scaling block in the rowwise stored layout
+  int32_t block_cols;
+  int32_t pow2_scales;
+  float eps;
+  int32_t given_scale;    // FP8 per-tensor: the scalar input is the scale, not the amax
+  int32_t rht;            // NVFP4: Hadamard transform on the columnwise usage
+  int32_t stochastic_rounding;
+  int32_t row_scaled;     // NVFP4 per-token: one global amax per rowwise row
+  int32_t amax_per_row;   // amax kernel: per row instead of per tensor
+};
+
+enum Family : int32_t { kFp8Tensor = 0, kFp8Block = 1, kMxfp8 = 2, kNvfp4 = 3 };
+
+inline ffi::Error cuda_status(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+inline ffi::Error invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument(message);
+}
+
+// Calls f(T{}) with T the C++ type of a bf16 / f16 / f32 buffer.
+template <typename F>
+ffi::Error dispatch_float(ffi::DataType dtype, F&& f) {
+  switch (dtype) {
+    case ffi::DataType::BF16: return f(__nv_bfloat16{});
+    case ffi::DataType::F16: return f(__half{});
+    case ffi::DataType::F32: return f(float{});
+    default: return invalid("input dtype must be bfloat16, float16 or float32");
+  }
+}
+
+// [rows, cols] of a rank-2 buffer (the Python side flattens leading dims).
+inline bool matrix_dims(const ffi::AnyBuffer& x, int64_t& rows, int64_t& cols) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return false;
+  rows = dims[0];
+  cols = dims[1];
+  return true;
+}
+
+// Typed pointer of the index-th remaining result.
+template <typename T>
+ffi::ErrorOr<T*> result_ptr(ffi::RemainingRets& rets, size_t index) {
+  auto buf = rets.get<ffi::AnyBuffer>(index);
+  if (!buf.has_value()) return ffi::Unexpected(buf.error());
+  return reinterpret_cast<T*>((*buf)->untyped_data());
+}
+
+}  // namespace jaxquant
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jaxquant::KernelConfig,
+    ::xla::ffi::StructMember<int32_t>("family"),
+    ::xla::ffi::StructMember<int32_t>("element"),
+    ::xla::ffi::StructMember<int32_t>("rowwise"),
+    ::xla::ffi::StructMember<int32_t>("columnwise"),
+    ::xla::ffi::StructMember<int32_t>("block_rows"),
+    ::xla::ffi::StructMember<int32_t>("block_cols"),
+    ::xla::ffi::StructMember<int32_t>("pow2_scales"),
+    ::xla::ffi::StructMember<float>("eps"),
+    ::xla::ffi::StructMember<int32_t>("given_scale"),
+    ::xla::ffi::StructMember<int32_t>("rht"),
+    ::xla::ffi::StructMember<int32_t>("stochastic_rounding"),
+    ::xla::ffi::StructMember<int32_t>("row_scaled"),
+    ::xla::ffi::StructMember<int32_t>("amax_per_row"));

@@ -1,0 +1,18 @@
+// The FFI handler symbols this library exports, one per target. The library is built with
+// hidden visibility; declaring the handlers here first makes exactly these visible.
+// Python registers each under the target name "jaxquant_<snake_case>" (kernels/_library.py).
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+#define JAXQUANT_HANDLER(name) \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* name(XLA_FFI_CallFrame*)
+
+JAXQUANT_HANDLER(JaxquantAmax);
+JAXQUANT_HANDLER(JaxquantFp8TensorCast);
+JAXQUANT_HANDLER(JaxquantFp8BlockCast);
+JAXQUANT_HANDLER(JaxquantMxfp8Cast);
+JAXQUANT_HANDLER(JaxquantNvfp4Cast);
+JAXQUANT_HANDLER(JaxquantDequantize);
+
+#undef JAXQUANT_HANDLER

@@ -1,0 +1,223 @@
+"""Quantized NNX layers: Linear, Einsum, and the NNX side of the swap-in.
+
+Each subclasses Flax's layer of the same name (same constructor arguments, Params and
+initializers), plus keyword-only `recipe` (the module's own; it wins over the model's
+and autocast's), `name` (the role name; `quantize_model` sets it to the module path)
+and `quant_rngs` (an `nnx.Rngs` whose "quant" stream keys stochastic rounding).
+
+Delayed-scaling state is a `QuantState` Variable, `<module>.quant_state`, holding
+{tensor_type: RoleState} for exactly the roles that need it. It is created when the
+module learns its recipe and path (construction with both, or `quantize_model`): NNX
+state must exist before a jitted step uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import opt_einsum
+from flax import nnx
+
+from jaxquant import recipes
+from jaxquant.flax import contraction
+from jaxquant.flax.metadata import QUANTIZER_KEY, ROLE_KEY, nnx_weight_metadata
+from jaxquant.flax.state import init_role_states
+from jaxquant.ops.operands import is_high_precision
+from jaxquant.quantizers import needs_key, needs_state
+from jaxquant.roles import gemm_roles
+
+MODULE_TYPE = "linear"
+
+
+class QuantState(nnx.Variable):
+  """Delayed-scaling state of one NNX layer: {tensor_type: RoleState}."""
+
+
+class _QuantizedGemm:
+  """What Linear and Einsum share: recipe resolution, state, keys, the GEMM call."""
+
+  def _init_quantization(self, recipe, name, quant_rngs):
+    self.recipe = recipe
+    self.model_recipe = None
+    self.name = name
+    self.quant_rngs = quant_rngs
+    if name is not None:
+      self.bind_role(name, None, annotate=True)
+
+  def bind_role(self, name: str, model_recipe: Optional[recipes.CustomRecipe], *,
+                annotate: bool) -> None:
+    """Names the roles, records the model's recipe, creates the state the recipe needs."""
+    self.name = name
+    self.model_recipe = model_recipe
+    quantizers = self._resolve()[1]
+    roles = gemm_roles(MODULE_TYPE, name)
+    stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
+    if stateful:
+      self.quant_state = QuantState(init_role_states(roles, quantizers))
+    elif hasattr(self, "quant_state"):
+      del self.quant_state
+    if annotate:
+      self.kernel.set_metadata(**nnx_weight_metadata(roles["weight"], quantizers["weight"]))
+
+  def _what(self) -> str:
+    return f"{type(self).__name__} {self.name!r}"
+
+  def _resolve(self):
+    recipe = recipes.resolve(self.recipe, self.model_recipe)
+    return recipe, recipe.quantizers(MODULE_TYPE, self.name or "")
+
+  def _state(self, quantizers):
+    stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
+    if not stateful:
+      return None
+    held = self.quant_state.get_value() if hasattr(self, "quant_state") else {}
+    for t, q in stateful.items():
+      if t not in held or held[t].quantizer != q:
+        raise ValueError(
+            f"{self._what()}: the recipe gives {t!r} the delayed-scaling quantizer {q!r}, but "
+            "the module holds no state made for it; give the recipe to the module or to "
+            "jaxquant.flax.quantize_model (not only to autocast), which create the state")
+    return {t: held[t].scaling for t in stateful}
+
+  def _key(self, quantizers):
+    if not any(needs_key(q) for q in quantizers.values()):
+      return None
+    if self.quant_rngs is None:
+      raise ValueError(f"{self._what()}: its recipe rounds stochastically; pass "
+                       "quant_rngs=nnx.Rngs(quant=seed) (or rngs= to quantize_model)")
+    return self.quant_rngs.quant()
+
+  def _gemm(self, flax_call, plan_fn, inputs, *args, **kwargs):
+    recipe, quantizers = self._resolve()
+    if is_high_precision(quantizers):
+      return flax_call(self, inputs, *args, **kwargs)
+    plan, add_bias = plan_fn(inputs, *args, **kwargs)
+    bias = self.bias[...] if self.bias is not None else None
+    x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)
+    state = self._state(quantizers)
+    y, new_state = contraction.quantized_gemm(
+        plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=self.name or "",
+        what=self._what(), key=self._key(quantizers), state=state)
+    if new_state is not None:
+      held = self.quant_state.get_value()
+      self.quant_state.set_value({t: s if t not in new_state else
+                                  type(s)(new_state[t], s.role, s.quantizer)
+                                  for t, s in held.items()})
+    return y if bias is None else add_bias(y, bias)
+
+
+class Linear(_QuantizedGemm, nnx.Linear):
+  """`nnx.Linear` with quantized GEMMs."""
+
+  def __init__(self, in_features: int, out_features: int, *,
+               recipe: Optional[recipes.CustomRecipe] = None, name: Optional[str] = None,
+               quant_rngs: Optional[nnx.Rngs] = None, **kwargs):
+    super().__init__(in_features, out_features, **kwargs)
+    self._init_quantization(recipe, name, quant_rngs)
+
+  def __call__(self, inputs, out_sharding=None):
+    if out_sharding is not None:
+      return nnx.Linear.__call__(self, inputs, out_sharding)
+
+    def plan(x):
+      return (contraction.plan_dense_general(x.ndim, (x.ndim - 1,), 1),
+              lambda y, b: y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,)))
+
+    return self._gemm(nnx.Linear.__call__, plan, inputs)
+
+
+class Einsum(_QuantizedGemm, nnx.Einsum):
+  """`nnx.Einsum` whose contraction is a GEMM (no batch axes when quantized)."""
+
+  def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *,
+               recipe: Optional[recipes.CustomRecipe] = None, name: Optional[str] = None,
+               quant_rngs: Optional[nnx.Rngs] = None, **kwargs):
+    super().__init__(einsum_str, kernel_shape, bias_shape, **kwargs)
+    self._init_quantization(recipe, name, quant_rngs)
+
+  def __call__(self, inputs, einsum_str: Optional[str] = None, out_sharding=None):
+    if out_sharding is not None:
+      return nnx.Einsum.__call__(self, inputs, einsum_str, out_sharding)
+
+    def plan(x, einsum_str=None):
+      equation = (einsum_str or self.einsum_str).replace(" ", "")
+      kernel = self.kernel[...]
+      operands, out, _ = opt_einsum.parser.parse_einsum_input((equation, x, kernel))
+      lhs, rhs = operands.split(",")
+      broadcast = self._infer_broadcasted_bias_shape(equation, x, kernel)
+      return (contraction.plan_einsum(lhs, rhs, out, self._what()),
+              lambda y, b: y + jnp.reshape(b, broadcast))
+
+    return self._gemm(nnx.Einsum.__call__, plan, inputs, einsum_str=einsum_str)
+
+
+QUANTIZED_MODULES = (Linear, Einsum)
+# Exactly these Flax classes are swapped (their subclasses may override __call__).
+_SWAPPED = {nnx.Linear: Linear, nnx.Einsum: Einsum}
+
+
+def _quantized_twin(module: nnx.Module, quant_rngs) -> nnx.Module:
+  """A jaxquant layer holding the very same Variables and attributes as `module`.
+
+  Built abstractly (no weights are initialised), then given the original's attributes.
+  """
+  cls = _SWAPPED[type(module)]
+  if cls is Linear:
+    make = lambda: Linear(module.in_features, module.out_features, use_bias=module.use_bias,
+                          rngs=nnx.Rngs(0))
+  else:
+    make = lambda: Einsum(module.einsum_str, module.kernel_shape, module.bias_shape,
+                          rngs=nnx.Rngs(0))
+  twin = nnx.eval_shape(make)
+  for attr, value in vars(module).items():
+    if not attr.startswith("_pytree__"):
+      setattr(twin, attr, value)
+  twin.quant_rngs = quant_rngs
+  return twin
+
+
+def _path(path) -> str:
+  return "/".join(str(k) for k in path)
+
+
+def swap_modules(model: nnx.Module, recipe: Optional[recipes.CustomRecipe], *,
+                 annotate: bool = False, rngs: Optional[nnx.Rngs] = None) -> nnx.Module:
+  """Replaces, in place, every nnx.Linear / nnx.Einsum reachable from `model` (every
+  reference to it) by its quantized twin, and binds every jaxquant layer to its module
+  path and the model recipe. Returns `model`."""
+  if type(model) in _SWAPPED:
+    raise TypeError(f"quantize_model: the model itself is a {type(model).__name__}; wrap it "
+                    "in a module, or build jaxquant.flax.nnx's layer directly")
+  twins: dict[int, nnx.Module] = {}
+  seen: set[int] = set()
+
+  def visit(node, path):
+    if id(node) in seen:
+      return
+    seen.add(id(node))
+    impl = nnx.graph.get_node_impl(node)
+    for key, child in impl.node_dict(node).items():
+      if isinstance(child, nnx.Variable) or not nnx.graph.is_node(child):
+        continue
+      child_path = path + (key,)
+      if type(child) in _SWAPPED:
+        if id(child) not in twins:
+          twins[id(child)] = _quantized_twin(child, rngs)
+          twins[id(child)].bind_role(_path(child_path), recipe, annotate=annotate)
+        if getattr(impl, "set_key", None) is None:
+          raise TypeError(f"quantize_model: cannot replace the layer at {_path(child_path)!r} "
+                          f"inside an immutable {type(node).__name__}; use nnx.List / nnx.Dict")
+        impl.set_key(node, key, twins[id(child)])
+      elif isinstance(child, QUANTIZED_MODULES):
+        if id(child) not in seen:
+          seen.add(id(child))
+          child.bind_role(_path(child_path), recipe, annotate=True)
+          if rngs is not None and child.quant_rngs is None:
+            child.quant_rngs = rngs
+      else:
+        visit(child, child_path)
+
+  visit(model, ())
+  return model

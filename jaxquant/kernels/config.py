@@ -1,0 +1,100 @@
+"""The static options of one kernel call, as one frozen config.
+
+`KernelConfig` is hashable (a primitive parameter) and turns into the FFI attributes that
+ffi/include/jaxquant/ffi_glue.h decodes into the C++ struct of the same name: every
+field, every call, so the two sides cannot drift apart silently (XLA rejects a call whose
+attribute set differs from the struct's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from jaxquant.formats import Family, Format
+from jaxquant.quantizers import BaseQuantizer, DelayedFloat8Quantizer, NVFP4Quantizer
+from jaxquant.tensor import Usage
+
+FAMILY_CODES = {Family.FP8_TENSOR: 0, Family.FP8_BLOCK: 1, Family.MXFP8: 2, Family.NVFP4: 3}
+ELEMENT_CODES = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """What one cast / amax / dequantize call computes.
+
+  `format` is the rowwise format of the quantizer (for dequantize: the stored usage's);
+  the columnwise usage of the same quantizer differs only where NUMERICS.md says so
+  (no row scales; RHT when `rht`).
+  """
+
+  format: Format
+  rowwise: bool = True
+  columnwise: bool = False
+  pow2_scales: bool = False
+  eps: float = 0.0
+  given_scale: bool = False  # FP8 per-tensor: the scalar input is the (delayed) scale
+  rht: bool = False  # NVFP4: Hadamard transform on the columnwise usage
+  stochastic_rounding: bool = False
+  amax_per_row: bool = False  # amax kernel only
+
+  def ffi_attributes(self) -> dict:
+    i32 = np.int32
+    return dict(
+        family=i32(FAMILY_CODES[self.format.family]),
+        element=i32(ELEMENT_CODES[self.format.element]),
+        rowwise=i32(self.rowwise),
+        columnwise=i32(self.columnwise),
+        block_rows=i32(self.format.block[0]),
+        block_cols=i32(self.format.block[1]),
+        pow2_scales=i32(self.pow2_scales),
+        eps=np.float32(self.eps),
+        given_scale=i32(self.given_scale),
+        rht=i32(self.rht),
+        stochastic_rounding=i32(self.stochastic_rounding),
+        row_scaled=i32(self.format.row_scaled),
+        amax_per_row=i32(self.amax_per_row),
+    )
+
+  @property
+  def usages(self) -> tuple[Usage, ...]:
+    return tuple(u for u, on in (("rowwise", self.rowwise), ("columnwise", self.columnwise)) if on)
+
+  def usage_format(self, usage: Usage) -> Format:
+    if usage == "columnwise" and self.format.row_scaled:
+      return dataclasses.replace(self.format, row_scaled=False)
+    return self.format
+
+
+def cast_config(quantizer: BaseQuantizer, usages: tuple[Usage, ...]) -> KernelConfig:
+  """The cast config of a base quantizer producing `usages` in one pass."""
+  fmt = quantizer.format("rowwise")
+  return KernelConfig(
+      format=fmt,
+      rowwise="rowwise" in usages,
+      columnwise="columnwise" in usages,
+      pow2_scales=bool(getattr(quantizer, "pow2_scales", False)),
+      eps=float(getattr(quantizer, "eps", 0.0)),
+      given_scale=isinstance(quantizer, DelayedFloat8Quantizer),
+      rht=isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and "columnwise" in usages,
+      stochastic_rounding=isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic_rounding,
+  )
+
+
+def unsupported_reason(quantizer: BaseQuantizer, rows: int, cols: int, dtype) -> Optional[str]:
+  """Why no kernel handles this quantizer on an [rows, cols] `dtype` matrix, or None.
+
+  The formats' own divisibility rules are checked before this (formats.Format.check_dims);
+  these are the kernels' extra limits, each a case the reference still serves.
+  """
+  if np.dtype(dtype) not in (np.dtype("float32"), np.dtype("float16"), np.dtype("bfloat16")):
+    return f"kernels take bfloat16, float16 or float32 input, got {np.dtype(dtype)}"
+  if isinstance(quantizer, NVFP4Quantizer) and quantizer.tile_2d and quantizer.rht:
+    return "NVFP4 16x16 tiles with RHT are not implemented in the kernel"
+  multiple = 32 if quantizer.format("rowwise").family is Family.MXFP8 else 16
+  if rows % multiple or cols % multiple:
+    return (f"the {type(quantizer).__name__} kernel needs both dims of the [M, K] = "
+            f"[{rows}, {cols}] matrix divisible by {multiple}")
+  return None

@@ -1,0 +1,77 @@
+"""Loads the CUDA FFI library built next to this file and registers its targets.
+
+Registration happens once, when `jaxquant.kernels` is imported; it needs no GPU (XLA
+keeps targets for a platform until that platform's backend starts). Whether the kernels
+can actually run is `unavailable_reason()`: None, or a sentence saying what is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import pathlib
+from typing import Optional
+
+import jax
+
+LIBRARY_NAME = "libjaxquant_ffi.so"
+# FFI target name -> exported handler symbol (ffi/include/jaxquant/handlers.h).
+TARGETS = {
+    "jaxquant_amax": "JaxquantAmax",
+    "jaxquant_fp8_tensor_cast": "JaxquantFp8TensorCast",
+    "jaxquant_fp8_block_cast": "JaxquantFp8BlockCast",
+    "jaxquant_mxfp8_cast": "JaxquantMxfp8Cast",
+    "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
+    "jaxquant_dequantize": "JaxquantDequantize",
+}
+# The library holds sm_90a code only.
+SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
+
+
+def library_path() -> pathlib.Path:
+  """The installed library, or JAXQUANT_FFI_LIBRARY (a build tree's copy) when set."""
+  override = os.environ.get("JAXQUANT_FFI_LIBRARY")
+  return pathlib.Path(override) if override else pathlib.Path(__file__).with_name(LIBRARY_NAME)
+
+
+@functools.cache
+def load_error() -> Optional[str]:
+  """Loads and registers the library once; returns why that failed, or None."""
+  path = library_path()
+  if not path.exists():
+    return (f"the CUDA library is not installed ({path} is missing): jaxquant was built "
+            "without a CUDA compiler or with JAXQUANT_BUILD_CUDA=0; reinstall with nvcc on "
+            "the PATH")
+  try:
+    lib = ctypes.CDLL(str(path))
+  except OSError as e:
+    return f"could not load {path}: {e}"
+  for target, symbol in TARGETS.items():
+    try:
+      handler = getattr(lib, symbol)
+    except AttributeError:
+      return f"{path} lacks the handler {symbol}: it was built from other sources"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA")
+  return None
+
+
+@functools.cache
+def unavailable_reason() -> Optional[str]:
+  """None when the kernels can run here; otherwise why not."""
+  error = load_error()
+  if error:
+    return error
+  try:
+    gpus = jax.devices("cuda")
+  except RuntimeError:
+    return f"JAX has no CUDA backend (backends: {jax.default_backend()})"
+  capabilities = {getattr(d, "compute_capability", "?") for d in gpus}
+  if not capabilities <= set(SUPPORTED_COMPUTE_CAPABILITIES):
+    return (f"the kernels are built for compute capability 9.0 (Hopper) only; this machine's "
+            f"GPUs report {sorted(capabilities)}")
+  return None
+
+
+def available() -> bool:
+  return unavailable_reason() is None

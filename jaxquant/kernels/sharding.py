@@ -1,0 +1,71 @@
+"""Helpers for the kernels' partitioning: Shardy rules from factor lists, and amax pmax."""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+Dim = Union[str, tuple[str, ...]]  # a factor, or a compound of factors (major first)
+
+
+def rule(operands: Sequence[Sequence[Dim]], results: Sequence[Sequence[Dim]],
+         sizes: dict[str, int], **kinds) -> tuple[str, dict]:
+  """An einsum-like Shardy rule and its keyword arguments.
+
+  `sizes` holds every factor's size; Shardy wants the sizes of exactly the factors that
+  appear only inside compounds, so those are picked out here. `kinds` passes through
+  (reduction_factors=..., need_replication_factors=...).
+  """
+  standalone = {d for t in (*operands, *results) for d in t if isinstance(d, str)}
+  text = lambda t: " ".join(d if isinstance(d, str) else "(" + " ".join(d) + ")" for d in t)
+  string = ", ".join(map(text, operands)) + " -> " + ", ".join(map(text, results))
+  compound_only = {f: sizes[f] for t in (*operands, *results) for d in t
+                   if not isinstance(d, str) for f in d if f not in standalone}
+  return string, dict(compound_only, **kinds)
+
+
+def spec_axes(sharding, rank: int) -> list[tuple[str, ...]]:
+  """The mesh axes sharding each of the `rank` dims of an operand."""
+  spec = tuple(sharding.spec) + (None,) * rank
+  out = []
+  for entry in spec[:rank]:
+    out.append(() if entry is None else tuple(entry) if isinstance(entry, (tuple, list))
+               else (entry,))
+  return out
+
+
+def axes_size(mesh, axes: Sequence[str]) -> int:
+  size = 1
+  for a in axes:
+    size *= mesh.shape[a]
+  return size
+
+
+def keep_if_whole(mesh, axes: tuple[str, ...], dim: int, multiple: int) -> tuple[str, ...]:
+  """`axes` if every shard of a dim of size `dim` holds whole multiples of `multiple`."""
+  n = axes_size(mesh, axes)
+  return axes if n > 1 and dim % (n * multiple) == 0 else ()
+
+
+def pspec(*dims: tuple[str, ...]) -> P:
+  return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
+
+
+def pmax_amax(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """Max of non-negative (or NaN) amaxes across shards, exact: on the fp32 bit patterns,
+  whose integer order is the float order and which keeps NaN (above +inf) and subnormals."""
+  if not axes:
+    return amax
+  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+  return jax.lax.bitcast_convert_type(jax.lax.pmax(bits, axes), jnp.float32)
+
+
+def shard_index(mesh, axes: Sequence[str]) -> jax.Array:
+  """This shard's linear index over `axes` (inside a partitioned implementation)."""
+  index = jnp.uint32(0)
+  for a in axes:
+    index = index * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+  return index

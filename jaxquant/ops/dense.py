@@ -1,0 +1,130 @@
+"""`dense`: a linear layer y = x @ kernel + bias with per-role quantized GEMMs.
+
+This module resolves the quantizers (recipe or explicit), validates every argument at
+trace time with errors that name the module and role, splits the caller's PRNG key per
+role, and hands 2-D matrices to the custom_vjp in `dense_vjp`. With no quantized usage
+at all (e.g. the bf16 recipe) it is a plain `jnp.dot` in x's dtype, so its values and
+gradients are exactly jnp's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant import recipes
+from jaxquant.formats import INPUT_DTYPES
+from jaxquant.ops.dense_vjp import DenseConfig, dense_2d
+from jaxquant.ops.operands import (check_dims, check_placement, check_role_args, is_high_precision,
+                                   role_key, usages_to_quantize)
+from jaxquant.quantizers import QUANTIZER_TYPES, Quantizer, needs_key, needs_state
+from jaxquant.roles import TENSOR_TYPES
+
+
+def _quantizers(recipe, quantizers, module_type: str, name: str, what: str):
+  """({tensor_type: quantizer or None}, the default backward mode)."""
+  if recipe is not None and quantizers is not None:
+    raise ValueError(f"{what}: pass recipe= or quantizers=, not both")
+  if quantizers is None:
+    recipe = recipes.resolve(recipe)
+    return recipe.quantizers(module_type, name), recipe.backward
+  unknown = set(quantizers) - set(TENSOR_TYPES)
+  if unknown:
+    raise ValueError(f"{what}: quantizers has unknown tensor types {sorted(unknown)}; "
+                     f"expected keys among {TENSOR_TYPES}")
+  for t, q in quantizers.items():
+    if q is not None and not isinstance(q, QUANTIZER_TYPES):
+      raise TypeError(f"{what}: quantizers[{t!r}] must be a jaxquant quantizer or None, got {q!r}")
+  return {t: quantizers.get(t) for t in TENSOR_TYPES}, "quantized"
+
+
+def _check_shapes(x, kernel, bias, what: str) -> None:
+  if jnp.ndim(kernel) != 2:
+    raise ValueError(f"{what}: kernel must be rank 2 [K, N] (Flax layout), got shape {kernel.shape}")
+  if jnp.ndim(x) < 1:
+    raise ValueError(f"{what}: x must have a last (contraction) dim [..., K], got a scalar")
+  if x.shape[-1] != kernel.shape[0]:
+    raise ValueError(f"{what}: contraction dims differ: x is {x.shape} (K={x.shape[-1]}) but "
+                     f"kernel is {kernel.shape} (K={kernel.shape[0]}); kernel must be [K, N]")
+  if bias is not None and tuple(bias.shape) != (kernel.shape[1],):
+    raise ValueError(f"{what}: bias must have shape ({kernel.shape[1]},) = [N], got {bias.shape}")
+  for arg, a in (("x", x), ("kernel", kernel)) + ((("bias", bias),) if bias is not None else ()):
+    if jnp.dtype(a.dtype) not in INPUT_DTYPES:
+      raise TypeError(f"{what}: {arg} dtype must be one of bfloat16, float16, float32, got {a.dtype}")
+
+
+def _check_state(quantizers, state, what: str) -> None:
+  stateful = {t for t, q in quantizers.items() if needs_state(q)}
+  given = set(state or {})
+  if state is not None and given - stateful:
+    raise ValueError(f"{what}: state has entries {sorted(given - stateful)} whose quantizers "
+                     "do not use delayed scaling; state holds exactly the delayed roles "
+                     f"({sorted(stateful) or 'none here'})")
+  if stateful - given:
+    raise ValueError(f"{what}: roles {sorted(stateful - given)} use delayed scaling: pass "
+                     "state={tensor_type: scaling.init_state(quantizer)} for each")
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
+          recipe: Optional[recipes.CustomRecipe] = None,
+          quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
+          name: str = "", module_type: str = "linear", backward: Optional[str] = None,
+          key: Optional[jax.Array] = None,
+          state: Optional[Mapping[str, object]] = None):
+  """y = x @ kernel + bias with the GEMMs in the formats the recipe picks per role.
+
+  Args:
+    x: [..., K] activations, bfloat16 / float16 / float32. The output has x's dtype.
+    kernel: [K, N] weights (Flax layout). Its gradient comes back in its own dtype.
+    bias: optional [N], added in fp32 after the GEMM's output scales.
+    recipe: maps each role (module_type, tensor_type, name) to a quantizer; default the
+      autocast recipe, else bf16. Mutually exclusive with `quantizers`.
+    quantizers: {tensor_type: quantizer or None} for "input", "weight", "grad_output";
+      a missing entry is None (high precision).
+    name: the module path, passed to the recipe's roles and used in error messages.
+    module_type: the roles' module_type.
+    backward: "quantized" | "high_precision" | "dequantized": what the dgrad and wgrad
+      GEMMs consume (recipes.BackwardMode); default the recipe's, else "quantized".
+    key: one PRNG key for stochastic rounding; role t uses `fold_in(key, i)`, i the
+      index of t in ("input", "weight", "grad_output") (operands.role_key).
+    state: {tensor_type: DelayedScalingState} for exactly the delayed-scaling roles.
+
+  Returns:
+    y [..., N], or `(y, new_state)` when `state` is given: new_state records the input
+    and weight amaxes. The grad_output amax arrives as the gradient with respect to
+    `state["grad_output"]` (fold it in with `scaling.record_grad_amax`).
+  """
+  what = f"dense {name!r}"
+  _check_shapes(x, kernel, bias, what)
+  quantizers, default_backward = _quantizers(recipe, quantizers, module_type, name, what)
+  backward = default_backward if backward is None else backward
+  if backward not in recipes.BACKWARD_MODES:
+    raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")
+  _check_state(quantizers, state, what)
+
+  if is_high_precision(quantizers):
+    y = jnp.dot(x, kernel.astype(x.dtype))
+    if bias is not None:
+      y = y + bias.astype(x.dtype)
+    return y if state is None else (y, dict(state))
+
+  k, n = kernel.shape
+  m = math.prod(x.shape[:-1])
+  check_placement(quantizers, backward, what)
+  shapes = {"input": (m, k), "weight": (n, k), "grad_output": (m, n)}
+  keys = {}
+  for t in TENSOR_TYPES:
+    usages = usages_to_quantize(t, backward)
+    check_dims(shapes[t], quantizers[t], usages, f"{what} {t}")
+    check_role_args(t, quantizers[t], usages, key=key, state=(state or {}).get(t),
+                    what=f"{what} {t}")
+    keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
+
+  cfg = DenseConfig(tuple(quantizers.items()), backward, jnp.dtype(kernel.dtype),
+                    None if bias is None else jnp.dtype(bias.dtype))
+  y, new_state = dense_2d(cfg, x.reshape(m, k), kernel, bias, keys, dict(state or {}))
+  y = y.reshape(*x.shape[:-1], n)
+  return y if state is None else (y, new_state)

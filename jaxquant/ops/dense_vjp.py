@@ -1,0 +1,115 @@
+"""The quantized linear layer as a custom_vjp over 2-D matrices: three GEMMs.
+
+    fprop  y  = x · wᵀ     gemm(x rowwise,  w rowwise)
+    dgrad  dx = dy · w     gemm(dy rowwise, w columnwise)
+    wgrad  dwᵀ = dyᵀ · x   gemm(dy columnwise, x columnwise)
+
+x is [M, K], the kernel [K, N] (Flax layout, so w = kernelᵀ is [N, K]), dy [M, N].
+The forward pass saves each operand's columnwise residual (`operands.backward_residual`),
+tagged with `jax.ad_checkpoint.checkpoint_name` (`RESIDUAL_NAMES`) so `jax.checkpoint`
+policies can keep or drop it. Validation and argument handling live in `dense.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxquant import scaling
+from jaxquant.ops.gemm import gemm
+from jaxquant.ops.operands import (backward_residual, columnwise_operand, quantize_operand, stored,
+                                   usages_to_quantize)
+from jaxquant.quantizers import Quantizer
+from jaxquant.tensor import USAGES
+
+# checkpoint_name of the residual each role's tensor leaves for the backward pass.
+RESIDUAL_NAMES = {"input": "jaxquant_dense_input", "weight": "jaxquant_dense_weight"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+  """Static (hashable) description of one dense call."""
+
+  quantizers: tuple[tuple[str, Optional[Quantizer]], ...]  # (tensor_type, quantizer) pairs
+  backward: str  # recipes.BACKWARD_MODES
+  kernel_dtype: jnp.dtype  # gradients come back in the primal dtypes
+  bias_dtype: Optional[jnp.dtype]  # None: no bias
+
+  def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
+    return dict(self.quantizers)[tensor_type]
+
+
+def _tag(tree, name: str):
+  return jax.tree_util.tree_map(lambda leaf: checkpoint_name(leaf, name), tree)
+
+
+def _forward(cfg: DenseConfig, x, kernel, bias, keys, state):
+  new_state = dict(state)
+  operands = {}
+  for tensor_type, matrix in (("input", x), ("weight", kernel.T)):
+    operands[tensor_type], role_state = quantize_operand(
+        matrix, cfg.quantizer(tensor_type), usages_to_quantize(tensor_type, cfg.backward),
+        key=keys[tensor_type], state=state.get(tensor_type))
+    if tensor_type in state:
+      new_state[tensor_type] = role_state
+  y = gemm(operands["input"]["rowwise"], operands["weight"]["rowwise"], out_dtype=jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  residuals = {t: _tag(backward_residual(operands[t], m, cfg.backward), RESIDUAL_NAMES[t])
+               for t, m in (("input", x), ("weight", kernel.T))}
+  return y.astype(x.dtype), new_state, residuals
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dense_2d(cfg: DenseConfig, x, kernel, bias, keys, state):
+  """(y [M, N] in x's dtype, new_state). `keys` maps each tensor type to its key or None;
+  `state` maps the delayed-scaling roles to their DelayedScalingState."""
+  y, new_state, _ = _forward(cfg, x, kernel, bias, keys, state)
+  return y, new_state
+
+
+def _dense_fwd(cfg, x, kernel, bias, keys, state):
+  y, new_state, residuals = _forward(cfg, x, kernel, bias, keys, state)
+  saved = (residuals, keys["grad_output"], state.get("grad_output"))
+  return (y, new_state), saved
+
+
+def _grad_output_operands(cfg, dy, key, state):
+  """dy's operand per usage, and its amax when delayed scaling observed one."""
+  usages = usages_to_quantize("grad_output", cfg.backward)
+  if not usages:
+    return {u: stored(dy, u) for u in USAGES}, None
+  # A zeroed history makes slot 0 of the recorded state exactly this tensor's amax.
+  probe = None if state is None else scaling.DelayedScalingState(
+      jnp.zeros_like(state.amax_history), state.scale)
+  operands, recorded = quantize_operand(dy, cfg.quantizer("grad_output"), usages,
+                                        key=key, state=probe)
+  return operands, (None if recorded is None else recorded.amax_history[0])
+
+
+def _dense_bwd(cfg, saved, cotangents):
+  residuals, key, go_state = saved
+  dy, state_ct = cotangents  # dy is in y's dtype, which is x's
+  dy_ops, amax = _grad_output_operands(cfg, dy, key, go_state)
+  w_col = columnwise_operand(residuals["weight"], cfg.backward)
+  x_col = columnwise_operand(residuals["input"], cfg.backward)
+  dx = gemm(dy_ops["rowwise"], w_col, out_dtype=dy.dtype)
+  dkernel = gemm(dy_ops["columnwise"], x_col, out_dtype=jnp.float32).T.astype(cfg.kernel_dtype)
+  dbias = None
+  if cfg.bias_dtype is not None:
+    dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(cfg.bias_dtype)
+  # Forward-role states pass their incoming cotangent through (new_state is state plus a
+  # recorded amax); grad_output's gets this call's amax folded in by max, so uses of one
+  # threaded state combine by max (scaling.fold_grad_amax).
+  state_ct = dict(state_ct)
+  if amax is not None:
+    state_ct["grad_output"] = scaling.fold_grad_amax(state_ct["grad_output"], amax)
+  return dx, dkernel, dbias, None, state_ct
+
+
+dense_2d.defvjp(_dense_fwd, _dense_bwd)

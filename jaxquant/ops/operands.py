@@ -1,0 +1,193 @@
+"""GEMM operand preparation: which usages each operand needs, and producing them.
+
+Shared by `dense` and `grouped_dense`. Everything here works on one 2-D logical matrix
+(NUMERICS.md, "Usages and layouts": x [M, K], w [N, K], dy [M, N]) plus its quantizer,
+and knows nothing about custom_vjp or modules. An *operand* is what `ops.gemm` takes:
+a `QuantizedData` in its stored layout, or a high-precision matrix in that layout
+(the matrix itself for rowwise, its transpose for columnwise).
+
+The three GEMMs of a linear layer and the usage each consumes (`GEMM_OPERANDS`):
+
+| GEMM  | A operand           | B operand          |
+| ----- | ------------------- | ------------------ |
+| fprop | input rowwise       | weight rowwise     |
+| dgrad | grad_output rowwise | weight columnwise  |
+| wgrad | grad_output columnwise | input columnwise |
+
+With `backward="high_precision"` or `"dequantized"` the backward GEMMs take
+high-precision operands, so only the rowwise (forward) usages of input and weight are
+quantized and grad_output is not quantized at all (`usages_to_quantize`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant import reference
+from jaxquant.quantizers import NVFP4Quantizer, Quantizer, for_usage, needs_key, needs_state
+from jaxquant.roles import TENSOR_TYPES
+from jaxquant.tensor import USAGES, QuantizedData, Usage
+
+# GEMM -> ((A tensor type, A usage), (B tensor type, B usage)).
+GEMM_OPERANDS = {
+    "fprop": (("input", "rowwise"), ("weight", "rowwise")),
+    "dgrad": (("grad_output", "rowwise"), ("weight", "columnwise")),
+    "wgrad": (("grad_output", "columnwise"), ("input", "columnwise")),
+}
+
+
+def usages_to_quantize(tensor_type: str, backward: str) -> tuple[Usage, ...]:
+  """The usages of a role's tensor that its GEMMs consume in quantized form.
+
+  "quantized": every GEMM a tensor feeds (input, weight, grad_output: both usages).
+  "high_precision" / "dequantized": only fprop is quantized (input and weight rowwise).
+  """
+  if backward == "quantized":
+    return USAGES
+  return ("rowwise",) if tensor_type in ("input", "weight") else ()
+
+
+def role_key(key: Optional[jax.Array], tensor_type: str) -> Optional[jax.Array]:
+  """The stochastic-rounding key of one role: `fold_in(key, index)`, index in TENSOR_TYPES.
+
+  input -> 0, weight -> 1, grad_output -> 2; deterministic, so a test or another op can
+  reproduce it. (The reference quantizer then folds in 0 / 1 for the row/column usage.)
+  """
+  return None if key is None else jax.random.fold_in(key, TENSOR_TYPES.index(tensor_type))
+
+
+def stored(matrix: jax.Array, usage: Usage) -> jax.Array:
+  """A high-precision matrix in a usage's stored layout (columnwise is transposed)."""
+  return matrix if usage == "rowwise" else matrix.T
+
+
+def _quantize(x, q, usages, key, state):
+  """The one place operands are quantized; the kernel engineer routes it to kernels."""
+  return reference.quantize(x, q, usages, key=key, state=state)
+
+
+def check_dims(shape: tuple[int, int], quantizer: Optional[Quantizer], usages, what: str) -> None:
+  """Trace-time block-divisibility check of a logical [rows, cols] matrix, naming `what`."""
+  rows, cols = shape
+  for usage in usages:
+    q = for_usage(quantizer, usage)
+    if q is None:
+      continue
+    stored_shape = (rows, cols) if usage == "rowwise" else (cols, rows)
+    layout = "[rows, cols]" if usage == "rowwise" else "[cols, rows] (transposed)"
+    q.format(usage).check_dims(*stored_shape, what=(
+        f"{what}: {usage} usage of the {list(shape)} matrix, stored {layout} = {list(stored_shape)}"))
+
+
+def check_role_args(tensor_type: str, quantizer, usages, *, key, state, what: str) -> None:
+  """Errors for a missing key or a missing / unexpected delayed-scaling state."""
+  quantized = [u for u in usages if for_usage(quantizer, u) is not None]
+  if quantized and needs_state(quantizer) and state is None:
+    raise ValueError(f"{what}: {quantizer!r} uses delayed scaling: pass state="
+                     f"{{'{tensor_type}': DelayedScalingState}} (scaling.init_state)")
+  if any(needs_key(for_usage(quantizer, u)) for u in quantized) and key is None:
+    raise ValueError(f"{what}: {quantizer!r} rounds stochastically: pass a PRNG key as key=")
+
+
+def quantize_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, *,
+                     key: Optional[jax.Array] = None, state=None):
+  """Produces the GEMM operand of each requested usage of a 2-D logical matrix.
+
+  Returns `({usage: operand}, new_state)`. A usage whose quantizer is None (no
+  quantizer, or a hybrid's None side) is the high-precision matrix in its stored
+  layout and original dtype. `new_state` is `state` with this tensor's amax recorded
+  (delayed scaling), else `state` unchanged. `key` is this tensor's own key
+  (`role_key`), used only by quantizers that round stochastically.
+  """
+  if matrix.ndim != 2:
+    raise ValueError(f"quantize_operand takes a 2-D matrix, got shape {matrix.shape}")
+  usages = tuple(usages)
+  quantized = tuple(u for u in usages if for_usage(quantizer, u) is not None)
+  operands = {u: stored(matrix, u) for u in usages if u not in quantized}
+  if not quantized:
+    return operands, state
+  out = _quantize(matrix, quantizer, quantized,
+                  key if needs_key(quantizer) else None,
+                  state if needs_state(quantizer) else None)
+  qt, new_state = out if needs_state(quantizer) else (out, state)
+  for u in quantized:
+    operands[u] = qt.usage(u)
+  return operands, new_state
+
+
+def dequantized(operand, usage: Usage) -> jax.Array:
+  """An operand back to an fp32 logical matrix (for backward="dequantized")."""
+  if isinstance(operand, QuantizedData):
+    matrix = reference.dequantize_data(operand)
+  else:
+    matrix = operand.astype(jnp.float32)
+  return stored(matrix, usage)
+
+
+def _is_nvfp4(q, **options) -> bool:
+  return isinstance(q, NVFP4Quantizer) and all(getattr(q, k) == v for k, v in options.items())
+
+
+def check_placement(quantizers: Mapping[str, Optional[Quantizer]], backward: str, what: str) -> None:
+  """Rejects quantizer options whose scales cannot factor out of the GEMMs that use them.
+
+  Per-token NVFP4 (row-scaled rowwise usage): its row scales factor out of the GEMM's
+  output rows only when the tensor is a GEMM's A operand, which for the rowwise usage is
+  input (fprop) and grad_output (dgrad). The weight's rowwise usage is fprop's *B*
+  operand: its rows are the output columns N, and N is dgrad's contraction dim, so
+  per-row weight scales could neither go to the epilogue's row scaling nor be shared
+  with the columnwise copy; it is a per-output-channel scheme, not per-token.
+
+  RHT on a columnwise usage rotates the contraction dim of the GEMM that uses it; the
+  rotation cancels only when the other operand is rotated the same way (R Rᵀ = I). For
+  wgrad that means both grad_output and input columnwise carry RHT, or neither; the
+  weight's columnwise usage (dgrad B) must not, as dy rowwise never does.
+  """
+  w_row = for_usage(quantizers.get("weight"), "rowwise")
+  if _is_nvfp4(w_row, per_token=True):
+    raise ValueError(
+        f"{what}: per_token NVFP4 is not allowed for the weight role: w's rows are fprop's "
+        "output columns (B operand) and dgrad's contraction dim, so row scales cannot "
+        "factor out of the GEMM output rows; use per_token for input / grad_output")
+  if backward != "quantized":
+    return
+  if _is_nvfp4(for_usage(quantizers.get("weight"), "columnwise"), rht=True):
+    raise ValueError(f"{what}: RHT on the weight's columnwise usage would rotate dgrad's "
+                     "contraction dim on one operand only; RHT belongs to wgrad operands")
+  rht = {t: _is_nvfp4(for_usage(quantizers.get(t), "columnwise"), rht=True)
+         for t in ("input", "grad_output")}
+  if rht["input"] != rht["grad_output"]:
+    on, off = ("input", "grad_output") if rht["input"] else ("grad_output", "input")
+    raise ValueError(f"{what}: RHT on the {on} columnwise usage but not on {off}'s: wgrad "
+                     "needs both operands rotated by the same R (or neither) to cancel it")
+
+
+def is_high_precision(quantizers: Mapping[str, Optional[Quantizer]]) -> bool:
+  """Whether no usage of any role is quantized (the plain-jnp path)."""
+  return all(for_usage(q, u) is None for q in quantizers.values() for u in USAGES)
+
+
+def backward_residual(operands: Mapping[Usage, object], matrix: jax.Array, backward: str):
+  """What the forward saves for the backward GEMM that takes this tensor's columnwise usage.
+
+  "quantized": the columnwise operand itself (quantized; never the high-precision x);
+  "high_precision": the high-precision matrix; "dequantized": the rowwise operand, to be
+  dequantized in the backward pass (smaller to keep than its fp32 values).
+  """
+  if backward == "quantized":
+    return operands["columnwise"]
+  if backward == "high_precision":
+    return matrix
+  return operands["rowwise"]
+
+
+def columnwise_operand(residual, backward: str):
+  """The columnwise GEMM operand rebuilt from `backward_residual`'s result."""
+  if backward == "quantized":
+    return residual
+  if backward == "high_precision":
+    return stored(residual, "columnwise")
+  return stored(dequantized(residual, "rowwise"), "columnwise")

@@ -1,0 +1,214 @@
+"""jaxquant.dense: values and gradients against a fake-quant model, roles, usages, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import recipes, scaling
+from jaxquant.ops import dense_vjp
+from jaxquant.quantizers import (BlockFloat8Quantizer, Float8Quantizer, HybridQuantizer,
+                                 MXFP8Quantizer, NVFP4Quantizer, needs_state)
+
+from _dense_fake_quant import dense_and_grads, rel_err
+
+M0, M1, K, N = 2, 32, 96, 64  # x [2, 32, 96] -> M = 64; every format's blocks fit
+TOL = 1e-5  # fp32 accumulation in a different order, relative to the norm
+
+
+def _factory(table):
+  return lambda role: table[role.tensor_type]
+
+
+HYBRIDS = {
+    "mxfp8_row_nvfp4_col": recipes.CustomRecipe(_factory({
+        "input": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True)),
+        "weight": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()),
+        "grad_output": HybridQuantizer(MXFP8Quantizer("e5m2"),
+                                       NVFP4Quantizer(rht=True, stochastic_rounding=True)),
+    })),
+    "fp8_row_none_col": recipes.CustomRecipe(
+        lambda role: HybridQuantizer(Float8Quantizer(), None)),
+    "nvfp4_16x16_w_rht_wgrad": recipes.CustomRecipe(_factory({
+        "input": NVFP4Quantizer(rht=True),
+        "weight": NVFP4Quantizer(tile_2d=True),
+        "grad_output": NVFP4Quantizer(rht=True),
+    })),
+    "nvfp4_per_token": recipes.CustomRecipe(_factory({
+        "input": NVFP4Quantizer(rht=True, per_token=True),
+        "weight": NVFP4Quantizer(tile_2d=True),
+        "grad_output": NVFP4Quantizer(rht=True, stochastic_rounding=True, per_token=True),
+    })),
+}
+RECIPES = {**recipes.PRESETS, **HYBRIDS}
+STATE_SCALES = {"input": 60.0, "weight": 900.0, "grad_output": 2.0e4}
+
+
+def _data(dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(ks[0], (M0, M1, K), jnp.float32).astype(dtype)
+  kernel = (jax.random.normal(ks[1], (K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
+  bias = jax.random.normal(ks[2], (N,), jnp.float32).astype(dtype)
+  dy = jax.random.normal(ks[3], (M0, M1, N), jnp.float32).astype(dtype)
+  return x, kernel, bias, dy
+
+
+def _state(quantizers):
+  state = {}
+  for t, q in quantizers.items():
+    if needs_state(q):
+      s = scaling.init_state(q)
+      state[t] = scaling.DelayedScalingState(s.amax_history, jnp.float32(STATE_SCALES[t]))
+  return state or None
+
+
+def _dense_and_grads(x, kernel, bias, dy, recipe, key, state):
+  """y and the gradients of <y, dy> through jq.dense, jitted once."""
+
+  def f(x, kernel, bias):
+    out = jq.dense(x, kernel, bias, recipe=recipe, name="layer", key=key, state=state)
+    return out[0] if state is not None else out
+
+  y, vjp = jax.vjp(f, x, kernel, bias)
+  return (y, *vjp(dy))
+
+
+_jitted = jax.jit(_dense_and_grads, static_argnums=(4,))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_matches_fake_quant(name):
+  recipe = RECIPES[name]
+  x, kernel, bias, dy = _data()
+  key = jax.random.key(7)
+  quantizers = recipe.quantizers("linear", "layer")
+  state = _state(quantizers)
+  got = _jitted(x, kernel, bias, dy, recipe, key, state)
+  want = dense_and_grads(x, kernel, bias, dy, quantizers, recipe.backward, key, state)
+  for what, g, w in zip(("y", "dx", "dkernel", "dbias"), got, want):
+    assert g.dtype == w.dtype and g.shape == w.shape, what
+    assert rel_err(g, w) < TOL, (what, rel_err(g, w))
+
+
+@pytest.mark.parametrize("backward", ["high_precision", "dequantized"])
+@pytest.mark.parametrize("base", ["nvfp4", "fp8_current"])
+def test_backward_modes(backward, base):
+  recipe = recipes.CustomRecipe(recipes.get(base).qfactory, backward=backward)
+  x, kernel, bias, dy = _data()
+  key = jax.random.key(1)
+  got = _jitted(x, kernel, bias, dy, recipe, key, None)
+  want = dense_and_grads(x, kernel, bias, dy, recipe.quantizers("linear", "layer"), backward, key)
+  for what, g, w in zip(("y", "dx", "dkernel", "dbias"), got, want):
+    assert rel_err(g, w) < TOL, (what, rel_err(g, w))
+
+
+def test_bf16_recipe_is_jnp_dot_bitwise():
+  x, kernel, bias, dy = _data(jnp.bfloat16)
+  got = _jitted(x, kernel, bias, dy, recipes.bf16, None, None)
+  y, vjp = jax.vjp(lambda x, k, b: jnp.dot(x, k) + b, x, kernel, bias)
+  for g, w in zip(got, (y, *vjp(dy))):
+    assert g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_gradients_in_primal_dtypes():
+  x, kernel, bias, dy = _data(jnp.bfloat16)
+  y, dx, dk, db = _jitted(x, kernel.astype(jnp.float32), bias.astype(jnp.float16), dy,
+                          recipes.mxfp8, None, None)
+  assert (y.dtype, dx.dtype, dk.dtype, db.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32,
+                                                     jnp.float16)
+
+
+# Distinct formats per (role, usage), so a GEMM operand's format tells which one it is.
+_TAGGED = {
+    "input": HybridQuantizer(MXFP8Quantizer("e4m3"), Float8Quantizer("e4m3")),
+    "weight": HybridQuantizer(BlockFloat8Quantizer(block="128x128"), NVFP4Quantizer()),
+    "grad_output": HybridQuantizer(MXFP8Quantizer("e5m2"), Float8Quantizer("e5m2")),
+}
+_TAG_OF = {(type(q).__name__, q.format(u).element, q.format(u).block): (t, u)
+           for t, h in _TAGGED.items() for u, q in (("rowwise", h.rowwise),
+                                                     ("columnwise", h.columnwise))}
+
+
+def test_roles_and_usages_recorded(monkeypatch):
+  seen_roles, gemms = [], []
+
+  def qfactory(role):
+    seen_roles.append(role)
+    return _TAGGED[role.tensor_type]
+
+  def recording_gemm(a, b, **kw):
+    tags = []
+    for op in (a, b):
+      q_name = {"fp8_tensor": "Float8Quantizer", "fp8_block": "BlockFloat8Quantizer",
+                "mxfp8": "MXFP8Quantizer", "nvfp4": "NVFP4Quantizer"}[op.format.family.value]
+      tags.append(_TAG_OF[(q_name, op.format.element, op.format.block)])
+    gemms.append(tuple(tags))
+    return jq.ops.gemm.gemm(a, b, **kw)
+
+  monkeypatch.setattr(dense_vjp, "gemm", recording_gemm)
+  x, kernel, bias, dy = _data()
+  recipe = recipes.CustomRecipe(qfactory)
+  _dense_and_grads(x, kernel, bias, dy, recipe, None, None)
+  assert sorted((r.module_type, r.tensor_type, r.name) for r in seen_roles) == [
+      ("linear", "grad_output", "layer"), ("linear", "input", "layer"), ("linear", "weight", "layer")]
+  assert gemms == [  # fprop, dgrad, wgrad: operands (role, usage) in A, B order
+      (("input", "rowwise"), ("weight", "rowwise")),
+      (("grad_output", "rowwise"), ("weight", "columnwise")),
+      (("grad_output", "columnwise"), ("input", "columnwise")),
+  ]
+
+
+def test_per_token_beats_per_tensor_on_outlier_rows():
+  x, kernel, _, _ = _data()
+  x2d = x.reshape(-1, K)
+  scales = jnp.where(jnp.arange(x2d.shape[0]) % 16 == 0, 300.0, 1.0)[:, None]  # outlier rows
+  x2d = x2d * scales
+  exact = jnp.matmul(x2d, kernel, precision=jax.lax.Precision.HIGHEST)
+  errs = {}
+  for per_token in (False, True):
+    q = {"input": NVFP4Quantizer(per_token=per_token), "weight": NVFP4Quantizer(tile_2d=True)}
+    y = jq.dense(x2d, kernel, quantizers=q)
+    errs[per_token] = float(jnp.linalg.norm((y - exact) / scales) / jnp.linalg.norm(exact / scales))
+  print(f"NVFP4 fprop relative error, row-normalised: per-tensor {errs[False]:.4f}, "
+        f"per-token {errs[True]:.4f}")
+  assert errs[True] < 0.5 * errs[False]
+
+
+def _trace(fn, *args):
+  return jax.eval_shape(fn, *args)
+
+
+def test_errors_name_the_problem():
+  x, kernel, bias, _ = _data()
+  with pytest.raises(ValueError, match=r"dense 'l': contraction dims differ"):
+    _trace(lambda x, k: jq.dense(x, k, recipe=recipes.mxfp8, name="l"), x, kernel[:64])
+  with pytest.raises(ValueError, match=r"kernel must be rank 2"):
+    _trace(lambda x, k: jq.dense(x, k, name="l"), x, kernel[None])
+  with pytest.raises(ValueError, match=r"bias must have shape"):
+    _trace(lambda x, k, b: jq.dense(x, k, b, name="l"), x, kernel, bias[:3])
+  with pytest.raises(ValueError, match=r"dense 'l' input: columnwise usage.*divisible by its block 32"):
+    _trace(lambda x, k: jq.dense(x, k, recipe=recipes.mxfp8, name="l"), x[:, :24], kernel)
+  with pytest.raises(ValueError, match=r"dense 'l' grad_output: rowwise usage.*divisible by its block 16"):
+    _trace(lambda x, k: jq.dense(x, k, quantizers={"grad_output": NVFP4Quantizer()}, name="l"),
+           x, kernel[:, :40])
+  with pytest.raises(ValueError, match=r"dense 'l' grad_output: .*pass a PRNG key"):
+    _trace(lambda x, k: jq.dense(x, k, recipe=recipes.nvfp4, name="l"), x, kernel)
+  with pytest.raises(ValueError, match=r"roles \['grad_output', 'input', 'weight'\] use delayed"):
+    _trace(lambda x, k: jq.dense(x, k, recipe=recipes.fp8_delayed, name="l"), x, kernel)
+  with pytest.raises(TypeError, match=r"quantizers\['weight'\]"):
+    _trace(lambda x, k: jq.dense(x, k, quantizers={"weight": "fp8"}, name="l"), x, kernel)
+
+
+def test_placement_errors():
+  x, kernel, _, _ = _data()
+  with pytest.raises(ValueError, match="per_token NVFP4 is not allowed for the weight role"):
+    _trace(lambda x, k: jq.dense(x, k, quantizers={"weight": NVFP4Quantizer(per_token=True)}),
+           x, kernel)
+  with pytest.raises(ValueError, match="RHT on the input columnwise usage but not on grad_output"):
+    _trace(lambda x, k: jq.dense(x, k, quantizers={"input": NVFP4Quantizer(rht=True),
+                                                   "grad_output": MXFP8Quantizer()}), x, kernel)
+  # Fine when the backward GEMMs do not use the columnwise usages at all.
+  _trace(lambda x, k: jq.dense(x, k, quantizers={"input": NVFP4Quantizer(rht=True)},
+                               backward="high_precision"), x, kernel)
