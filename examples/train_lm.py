@@ -62,7 +62,7 @@ def moe_mlp_factory_from_jaxquant() -> MoeMlpFactory:
   return moe_mlp_factory
 
 
-def train_recipe(name: str, model, train_config: presets.TrainConfig, shared_params,
+def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig, shared_params,
                  corpus: data.ByteCorpus, validation_batches: jax.Array,
                  seed: int) -> report.RecipeResult:
   seq_len = validation_batches.shape[-1] - 1

@@ -1,8 +1,9 @@
-"""Optimizer, train state and the jitted train and eval steps, for any Flax model.
+"""Optimizer, train state and the jitted train and eval steps, for any recipe's model.
 
 The steps thread every non-'params' variable collection (jaxquant's 'quant_state' for
-delayed scaling, say): they apply the model with those collections mutable and carry the
-returned values into the next step. They know no collection by name.
+delayed scaling, say): they apply the model with those collections mutable, differentiate
+the loss with respect to them too, and let the recipe's `advance_state` turn both into
+the next step's collections. They know no collection and no recipe by name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from lm.presets import TrainConfig
+from lm.recipes import RecipeModel
 
 PARAMS = "params"
 
@@ -25,6 +27,7 @@ class TrainState:
   params: Any
   opt_state: Any
   collections: dict  # every non-'params' variable collection, threaded through the steps
+  rng: jax.Array  # split once a step for the recipe's RNG streams (stochastic rounding)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -39,18 +42,23 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_matrices))
 
 
-def init_variables(model: nn.Module, key: jax.Array, sample_tokens: jax.Array) -> dict:
-  return jax.jit(model.init)(key, sample_tokens)
+def init_variables(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
+                   rng_streams: tuple[str, ...] = ()) -> dict:
+  keys = jax.random.split(key, 1 + len(rng_streams))
+  rngs = {PARAMS: keys[0], **dict(zip(rng_streams, keys[1:]))}
+  return jax.jit(model.init)(rngs, sample_tokens)
 
 
-def init_train_state(model: nn.Module, shared_params: Any, key: jax.Array,
-                     sample_tokens: jax.Array, optimizer: optax.GradientTransformation) -> TrainState:
+def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
+                     sample_tokens: jax.Array, optimizer: optax.GradientTransformation
+                     ) -> TrainState:
   """A train state for model that starts from shared_params (the same for every recipe).
 
   The model is initialised only for its other collections; its parameters must have the
   same paths and shapes as shared_params, else the recipes would not start alike.
   """
-  variables = init_variables(model, key, sample_tokens)
+  init_key, rng = jax.random.split(key)
+  variables = init_variables(model.module, init_key, sample_tokens, model.rng_streams)
   expected = jax.tree.map(jnp.shape, shared_params)
   got = jax.tree.map(jnp.shape, variables[PARAMS])
   if expected != got:
@@ -59,7 +67,8 @@ def init_train_state(model: nn.Module, shared_params: Any, key: jax.Array,
   collections = {name: value for name, value in variables.items() if name != PARAMS}
   # A copy: the train step donates its state, and the next recipe needs the originals.
   params = jax.tree.map(jnp.copy, shared_params)
-  return TrainState(params=params, opt_state=optimizer.init(params), collections=collections)
+  return TrainState(params=params, opt_state=optimizer.init(params), collections=collections,
+                    rng=rng)
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -67,34 +76,43 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def _apply(model: nn.Module, params: Any, collections: dict, windows: jax.Array):
+def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Array,
+           rng: jax.Array):
   """Loss of windows [batch, seq + 1] and the collections as the model left them."""
   windows = windows.astype(jnp.int32)
   inputs, targets = windows[:, :-1], windows[:, 1:]
-  logits, updated = model.apply({PARAMS: params, **collections}, inputs,
-                                mutable=list(collections))
-  return next_token_loss(logits, targets), updated
+  rngs = {stream: jax.random.fold_in(rng, i) for i, stream in enumerate(model.rng_streams)}
+  logits, updated = model.module.apply({PARAMS: params, **collections}, inputs, rngs=rngs,
+                                       mutable=list(collections))
+  return next_token_loss(logits, targets), dict(updated)
 
 
-def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation
+def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]]:
 
   def train_step(state: TrainState, windows: jax.Array):
-    loss_and_collections = lambda params: _apply(model, params, state.collections, windows)
-    (loss, collections), grads = jax.value_and_grad(loss_and_collections, has_aux=True)(state.params)
+    rng, step_rng = jax.random.split(state.rng)
+    loss_and_collections = lambda params, collections: _apply(model, params, collections, windows,
+                                                              step_rng)
+    # Gradients w.r.t. the collections carry what only the backward pass sees (delayed
+    # scaling's grad_output amax); allow_int lets integer state (counters) pass through.
+    (loss, forward_collections), (grads, collection_grads) = jax.value_and_grad(
+        loss_and_collections, argnums=(0, 1), has_aux=True, allow_int=True)(
+            state.params, state.collections)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    return TrainState(params=params, opt_state=opt_state, collections=dict(collections)), loss
+    collections = model.advance_state(forward_collections, collection_grads)
+    return TrainState(params=params, opt_state=opt_state, collections=collections, rng=rng), loss
 
   return jax.jit(train_step, donate_argnums=0)
 
 
-def make_eval_step(model: nn.Module) -> Callable[[TrainState, jax.Array], jax.Array]:
+def make_eval_step(model: RecipeModel) -> Callable[[TrainState, jax.Array], jax.Array]:
 
   def eval_step(state: TrainState, windows: jax.Array) -> jax.Array:
     # Collections are mutable here too (a layer may write its state on every call), but
     # evaluation keeps none of the changes.
-    loss, _ = _apply(model, state.params, state.collections, windows)
+    loss, _ = _apply(model, state.params, state.collections, windows, state.rng)
     return loss
 
   return jax.jit(eval_step)

@@ -13,3 +13,4 @@ from jaxquant.flax.metadata import QuantizedWeight, weight_roles
 from jaxquant.flax.state import (QUANT_STATE, RoleState, combine_quant_state,
                                  update_quant_state)
 from jaxquant.flax.swap import QuantizedModel, intercepting, quantize_model
+from jaxquant.flax.nnx import QuantState

@@ -41,15 +41,15 @@ class _QuantizedGemm:
   def _init_quantization(self, recipe, name, quant_rngs):
     self.recipe = recipe
     self.model_recipe = None
-    self.name = name
-    self.quant_rngs = quant_rngs
+    self.role_name = name
+    self.quant_rngs = nnx.data(quant_rngs)  # data even while None
     if name is not None:
       self.bind_role(name, None, annotate=True)
 
   def bind_role(self, name: str, model_recipe: Optional[recipes.CustomRecipe], *,
                 annotate: bool) -> None:
     """Names the roles, records the model's recipe, creates the state the recipe needs."""
-    self.name = name
+    self.role_name = name
     self.model_recipe = model_recipe
     quantizers = self._resolve()[1]
     roles = gemm_roles(MODULE_TYPE, name)
@@ -62,11 +62,11 @@ class _QuantizedGemm:
       self.kernel.set_metadata(**nnx_weight_metadata(roles["weight"], quantizers["weight"]))
 
   def _what(self) -> str:
-    return f"{type(self).__name__} {self.name!r}"
+    return f"{type(self).__name__} {self.role_name!r}"
 
   def _resolve(self):
     recipe = recipes.resolve(self.recipe, self.model_recipe)
-    return recipe, recipe.quantizers(MODULE_TYPE, self.name or "")
+    return recipe, recipe.quantizers(MODULE_TYPE, self.role_name or "")
 
   def _state(self, quantizers):
     stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
@@ -98,7 +98,7 @@ class _QuantizedGemm:
     x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)
     state = self._state(quantizers)
     y, new_state = contraction.quantized_gemm(
-        plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=self.name or "",
+        plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=self.role_name or "",
         what=self._what(), key=self._key(quantizers), state=state)
     if new_state is not None:
       held = self.quant_state.get_value()
@@ -174,7 +174,7 @@ def _quantized_twin(module: nnx.Module, quant_rngs) -> nnx.Module:
   for attr, value in vars(module).items():
     if not attr.startswith("_pytree__"):
       setattr(twin, attr, value)
-  twin.quant_rngs = quant_rngs
+  twin.quant_rngs = nnx.data(quant_rngs)
   return twin
 
 
@@ -215,7 +215,7 @@ def swap_modules(model: nnx.Module, recipe: Optional[recipes.CustomRecipe], *,
           seen.add(id(child))
           child.bind_role(_path(child_path), recipe, annotate=True)
           if rngs is not None and child.quant_rngs is None:
-            child.quant_rngs = rngs
+            child.quant_rngs = nnx.data(rngs)
       else:
         visit(child, child_path)
 

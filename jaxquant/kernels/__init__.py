@@ -1,0 +1,20 @@
+"""JAX primitives over jaxquant's CUDA FFI kernels.
+
+Each primitive lowers to its CUDA kernel on GPUs and to the pure-JAX reference elsewhere,
+batches under `vmap` and partitions under sharded `jit` (Shardy). Importing this package
+loads the CUDA library, when it was built, and registers its FFI targets.
+
+`available()` says whether the kernels can run here, `unavailable_reason()` why not.
+"""
+
+from jaxquant.kernels import library
+from jaxquant.kernels.amax import amax
+from jaxquant.kernels.config import KernelConfig, unsupported_reason
+from jaxquant.kernels.dequantize import dequantize_data
+from jaxquant.kernels.library import available, unavailable_reason
+from jaxquant.kernels.quantize import quantize_usages
+
+library.load_error()  # register the FFI targets now, when the library exists
+
+__all__ = ["available", "unavailable_reason", "amax", "quantize_usages", "dequantize_data",
+           "KernelConfig", "unsupported_reason"]

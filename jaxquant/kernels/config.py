@@ -39,6 +39,8 @@ class KernelConfig:
   rht: bool = False  # NVFP4: Hadamard transform on the columnwise usage
   stochastic_rounding: bool = False
   amax_per_row: bool = False  # amax kernel only
+  out_dtype: Optional[str] = None  # dequantize only; not an FFI attribute (the output
+  # buffer's dtype says it on the C++ side)
 
   def ffi_attributes(self) -> dict:
     i32 = np.int32
@@ -70,7 +72,8 @@ class KernelConfig:
 
 def cast_config(quantizer: BaseQuantizer, usages: tuple[Usage, ...]) -> KernelConfig:
   """The cast config of a base quantizer producing `usages` in one pass."""
-  fmt = quantizer.format("rowwise")
+  # Row scales (per-token) belong to the rowwise usage only.
+  fmt = quantizer.format("rowwise" if "rowwise" in usages else "columnwise")
   return KernelConfig(
       format=fmt,
       rowwise="rowwise" in usages,

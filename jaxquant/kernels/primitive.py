@@ -40,7 +40,7 @@ class KernelSpec:
   """
 
   name: str
-  ffi_target: str
+  ffi_target: Callable  # config -> FFI target name
   abstract_eval: Callable
   reference: Callable
   partition: Callable
@@ -48,12 +48,11 @@ class KernelSpec:
 
 
 def _cuda_lowering(spec: KernelSpec):
-  ffi = jax.ffi.ffi_lowering(spec.ffi_target)
-
   def lower(ctx, *args, config):
     error = library.load_error()
     if error:
       raise RuntimeError(f"{spec.name}: cannot lower to the CUDA kernel: {error}")
+    ffi = jax.ffi.ffi_lowering(spec.ffi_target(config))
     return ffi(ctx, *args, **config.ffi_attributes())
 
   return lower
@@ -111,7 +110,19 @@ def define(spec: KernelSpec) -> Primitive:
   outer.multiple_results = True
   outer.def_impl(functools.partial(dispatch.apply_primitive, outer))
   outer.def_abstract_eval(spec.abstract_eval)
-  mlir.register_lowering(
-      outer, mlir.lower_fun(lambda *a, config: partitioned(config, *a), multiple_results=True))
+  lower_whole = mlir.lower_fun(lambda *a, config: inner.bind(*a, config=config),
+                               multiple_results=True)
+  lower_partitioned = mlir.lower_fun(lambda *a, config: partitioned(config, *a),
+                                     multiple_results=True)
+
+  def lower_outer(ctx, *args, config):
+    # One device (including eager calls, whose context names no devices): nothing to
+    # partition, and custom_partitioning would refuse the missing device assignment.
+    devices = getattr(ctx.module_context.axis_context, "device_assignment", ())
+    if devices is None or len(devices) == 1:
+      return lower_whole(ctx, *args, config=config)
+    return lower_partitioned(ctx, *args, config=config)
+
+  mlir.register_lowering(outer, lower_outer)
   batching.primitive_batchers[outer] = _batch_rule(outer)
   return outer

@@ -144,6 +144,27 @@ def _div_exact(a, b):
   return jnp.where(nan, from_bits(jnp.uint32(_QNAN)), res)
 
 
+def _add_exact(a, b):
+  """fl32(a + b) from the bits; a non-finite operand takes the hardware sum (exact)."""
+  hardware = a + b
+  finite = is_finite(a) & is_finite(b)
+  sa, ma, ea = decompose(a)
+  sb, mb, eb = decompose(b)
+  swap = (eb > ea) | ((eb == ea) & (mb > ma))  # make a the larger magnitude
+  sa, sb = jnp.where(swap, sb, sa), jnp.where(swap, sa, sb)
+  ma, mb = jnp.where(swap, mb, ma), jnp.where(swap, ma, mb)
+  ea, eb = jnp.where(swap, eb, ea), jnp.where(swap, ea, eb)
+  # Three guard bits, the smaller significand aligned with a sticky LSB: enough for RNE.
+  big, small = ma << 3, mb << 3
+  d = jnp.clip(ea - eb, 0, 31).astype(jnp.uint32)
+  aligned = (small >> d) | ((small & ((jnp.uint32(1) << d) - 1)) != 0).astype(jnp.uint32)
+  mant = jnp.where(sa == sb, big + aligned, big - aligned)
+  res = _pack_f32(sa, round_to_grid(jnp.maximum(mant, 1), ea - 26, -126, 23))
+  # An exact zero is +0, except -0 + -0 (IEEE round-to-nearest).
+  res = jnp.where(mant == 0, from_bits((sa & sb) << 31), res)
+  return jnp.where(finite, res, hardware)
+
+
 def _is_tiny(x):
   """Subnormal or zero-adjacent: where a flushing backend may differ from IEEE."""
   mag = bits(x) & _ABS
@@ -171,6 +192,18 @@ def mul(a, b):
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
   return _with_exact_fallback(_mul_exact, a * b, a, b)
+
+
+def add(a, b):
+  """fl32(a + b), IEEE round-to-nearest-even including subnormals."""
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return _with_exact_fallback(_add_exact, a + b, a, b)
+
+
+def neg(x):
+  """-x by flipping the sign bit (exact for subnormals and zeros on any backend)."""
+  return from_bits(bits(x) ^ _HALF_RANGE)
 
 
 def div(a, b):

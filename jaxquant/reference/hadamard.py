@@ -2,16 +2,14 @@
 
 Each run of 16 elements along the last dim is multiplied by R = diag(s) . H16 / 4. The
 summation order is part of the contract, so kernels can match it bit for bit: for each
-output j, acc = sum over i = 0..15, in order, of sign(s_i * H16[i, j]) * x_i in fp32;
-then y_j = fl32(acc * 0.25), rounded to the input dtype.
+output j, acc = t_0, then acc = fl32(acc + t_i) for i = 1..15 in order, where
+t_i = sign(s_i * H16[i, j]) * x_i (so an all -0 block sums to -0); then
+y_j = fl32(acc * 0.25), rounded to the input dtype.
 
-A flushing backend would drop subnormal addends, so each 16-block is first scaled by a
-power of two 2^p that brings its largest magnitude near 2^100 (p in [0, 126]): every
-addend and partial sum is then a normal number and each add rounds exactly as IEEE adds
-on the unscaled values would, and the single scaling back rounds once. (Blocks whose
-largest magnitude exceeds 2^77 may still lose subnormal addends on such a backend; no
-finite input of bf16 or fp16 origin reaches this case with a subnormal partner that
-survives the sum's rounding.)
+A flushing backend would drop subnormal addends and partial sums, so every add is
+`fp32.add` (IEEE-exact on any backend; a power-of-two prescaling cannot cover blocks
+that mix values near 2^100 with subnormals, whose partial sums may cancel to a tiny
+value the subnormal addend then decides).
 """
 
 from __future__ import annotations
@@ -39,18 +37,13 @@ def rht_signs() -> np.ndarray:
 def apply_rht(x: jax.Array, input_dtype) -> jax.Array:
   """RHT along the last dim of an fp32 [rows, cols] matrix, cols % 16 == 0."""
   rows, cols = x.shape
-  blocks = x.reshape(rows, cols // 16, 16)
-  block_max = fp32.abs_max(blocks, axis=-1)[..., None]
-  _, _, max_exp = fp32.decompose(block_max)
-  p = jnp.clip(100 - max_exp, 0, 126)
-  scaled = fp32.mul(blocks, fp32.exp2(p))
-  signs = rht_signs()
-  outputs = []
-  for j in range(16):
-    acc = jnp.zeros(blocks.shape[:-1], jnp.float32)
-    for i in range(16):
-      term = scaled[..., i]
-      acc = acc + term if signs[i, j] > 0 else acc - term
-    outputs.append(acc * jnp.float32(0.25))
-  y = fp32.mul(jnp.stack(outputs, axis=-1), fp32.exp2(-p))
+  blocks = x.reshape(rows, cols // 16, 1, 16)
+  signs = rht_signs()  # [i, j]
+  # term i of every output j at once: [rows, blocks, 16 (j), 16 (i)], signs applied exactly.
+  flip = jnp.asarray(signs.T < 0)
+  terms = jnp.where(flip, fp32.neg(blocks), blocks)
+  acc = terms[..., 0]
+  for i in range(1, 16):
+    acc = fp32.add(acc, terms[..., i])
+  y = fp32.mul(acc, jnp.float32(0.25))
   return fp32.round_to_dtype(y, input_dtype).reshape(rows, cols)

@@ -55,15 +55,14 @@ def amax(x: np.ndarray, axis=None) -> np.ndarray:
 
 
 def block_amax(x: np.ndarray, block) -> np.ndarray:
-  """amax of every (br x bc) block tiling x from the top left; edge blocks may be partial."""
+  """amax of every (br x bc) block tiling x from the top left; edge blocks may be partial
+  (padding with zeros never raises an amax)."""
   rows, cols = x.shape
   br, bc = block
   nr, nc = -(-rows // br), -(-cols // bc)
-  out = np.zeros((nr, nc), np.float32)
-  for i in range(nr):
-    for j in range(nc):
-      out[i, j] = amax(x[i * br:(i + 1) * br, j * bc:(j + 1) * bc])
-  return out
+  padded = np.zeros((nr * br, nc * bc), np.float32)
+  padded[:rows, :cols] = x
+  return amax(padded.reshape(nr, br, nc, bc), axis=(1, 3))
 
 
 def expand(per_block: np.ndarray, block, shape) -> np.ndarray:
@@ -176,16 +175,17 @@ def hadamard16() -> np.ndarray:
 
 
 def rht(x: np.ndarray, input_dtype) -> np.ndarray:
-  """R = diag(s) H16 / 4 on 16-blocks of the last dim, summing sequentially in fp32
-  from +0 (i = 0..15), then * 0.25, then rounded to the input dtype."""
+  """R = diag(s) H16 / 4 on 16-blocks of the last dim: the signed terms t_i summed
+  sequentially in fp32 starting from t_0 (so all -0 terms sum to -0), then * 0.25, then
+  rounded to the input dtype."""
   rows, cols = x.shape
   blocks = x.reshape(rows, cols // 16, 16).astype(np.float32)
   signs = RHT_S[:, None] * hadamard16()
   out = np.empty_like(blocks)
   with errstate():
     for j in range(16):
-      acc = np.zeros(blocks.shape[:-1], np.float32)
-      for i in range(16):
+      acc = blocks[..., 0] * signs[0, j]
+      for i in range(1, 16):
         acc = acc + blocks[..., i] if signs[i, j] > 0 else acc - blocks[..., i]
       out[..., j] = acc * F32(0.25)
   return round_to_dtype(out.reshape(rows, cols), input_dtype)

@@ -181,10 +181,16 @@ def safe_exps(dtype, top, lo=-4, hi=4):
   return list(range(lo, min(hi, jmax) + 1))
 
 
-def edge_suite(rng, shape, dtype, element, block_cols, top, exps=None) -> dict:
-  """Named edge-case tensors of one shape and dtype (one compile serves all of them)."""
+def edge_suite(rng, shape, dtype, element, block_cols, top, exps=None, anchor=None) -> dict:
+  """Named edge-case tensors of one shape and dtype (one compile serves all of them).
+
+  `anchor`, if given, is written to the first element: it fixes the tensor's amax (NVFP4
+  uses 2688 = 6 * 448, which makes S_enc exactly 1).
+  """
   exps = safe_exps(dtype, top) if exps is None else exps
   base = blocky_ties(rng, shape, dtype, element, block_cols, top, exps)
+  if anchor is not None:
+    base.reshape(-1)[0] = anchor
   flat = base.reshape(-1).astype(np.float32)
   n = flat.size
   cases = {"ties": base}

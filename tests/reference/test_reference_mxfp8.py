@@ -35,16 +35,14 @@ def test_mxfp8_shapes(shape, usages):
 
 
 def _amax_for_t(t_bits: int, fmax) -> list:
-  """Block amaxes b with fl32(b * fl32(1/fmax)) at or next to the fp32 pattern t_bits."""
-  c = np.float32(1) / fmax
-  b0 = np.uint32(t_bits).view(np.float32) / c
-  out = [b0]
+  """Block amaxes b (3 fp32 steps either side of t / fl32(1/fmax)) whose
+  t = fl32(b * fl32(1/fmax)) hits the fp32 pattern t_bits or its neighbours."""
+  with np.errstate(all="ignore"):
+    b = np.uint32(t_bits).view(np.float32) / (np.float32(1) / fmax)
+  out, up, down = [b], b, b
   for _ in range(3):
-    out += [np.nextafter(out[-2 if len(out) > 1 else 0], np.float32(np.inf))]
-  lo = b0
-  for _ in range(3):
-    lo = np.nextafter(lo, np.float32(0))
-    out.append(lo)
+    up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(0))
+    out += [up, down]
   return out
 
 

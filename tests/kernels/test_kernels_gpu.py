@@ -1,0 +1,139 @@
+"""CUDA kernels against the reference, bit for bit, on the GPU (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxquant import kernels, reference, scaling
+from jaxquant.ops import quantize as ops
+from kernel_cases import (DELAYED, QUANTIZERS, SR_QUANTIZERS, assert_same_bits, edge_input,
+                          random_input)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
+]
+
+SHAPES = [(128, 256), (256, 1056), (1024, 768), (4096, 512)]
+DTYPES = [jnp.bfloat16, jnp.float32]
+
+
+@functools.partial(jax.jit, static_argnames=("quantizer", "implementation"))
+def quantize_jit(x, key, *, quantizer, implementation):
+  return ops.quantize(x, quantizer, key=key, implementation=implementation)
+
+
+def both(x, quantizer, key=None):
+  key = jax.random.key(0) if key is None else key
+  return (quantize_jit(x, key, quantizer=quantizer, implementation="kernel"),
+          quantize_jit(x, key, quantizer=quantizer, implementation="reference"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_random_inputs_bit_exact(name, shape, dtype):
+  for seed in range(2):
+    got, want = both(random_input(seed + 100 * shape[0], shape, dtype), QUANTIZERS[name])
+    assert_same_bits(got, want, f"{name} {shape} seed {seed}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_edge_cases_bit_exact(name, dtype):
+  nvfp4 = "nvfp4" in name
+  cases = [("inf", dict(nan=False, inf=True)), ("nan", dict(nan=True, inf=False))]
+  if not nvfp4:
+    cases.append(("nan_and_inf", dict(nan=True, inf=True)))
+  for label, kw in cases:
+    got, want = both(edge_input((256, 512), dtype, **kw), QUANTIZERS[name])
+    assert_same_bits(got, want, f"{name} edge {label}")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "block_1x128"])
+def test_empty_tensor(name):
+  got, want = both(jnp.zeros((0, 64), jnp.bfloat16), QUANTIZERS[name])
+  assert_same_bits(got, want, f"{name} empty")
+
+
+def test_leading_dims_flattened():
+  x = random_input(3, (4, 64, 256), jnp.bfloat16).reshape(4, 64, 256)
+  got, want = both(x, QUANTIZERS["mxfp8_e4m3"])
+  assert_same_bits(got, want, "mxfp8 3-D input")
+
+
+def test_delayed_scaling_bit_exact():
+  x = random_input(5, (512, 1024), jnp.bfloat16)
+  state = scaling.DelayedScalingState(jnp.zeros((16,), jnp.float32), jnp.float32(3.0))
+  f = jax.jit(lambda x, s, impl: ops.quantize(x, DELAYED, state=s, implementation=impl),
+              static_argnums=2)
+  assert_same_bits(f(x, state, "kernel"), f(x, state, "reference"), "delayed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("mode", ["tensor", "row", "rht"])
+def test_amax_bit_exact(mode, dtype):
+  x = edge_input((512, 1024), dtype, nan=False, inf=False)
+  f = jax.jit(lambda x: kernels.amax(x, per_row=mode == "row", rht=mode == "rht"))
+  xf = x.astype(jnp.float32)
+  if mode == "rht":
+    want = reference.fp32.abs_max(reference.hadamard.apply_rht(xf.T, x.dtype))
+  else:
+    want = reference.fp32.abs_max(xf, axis=1 if mode == "row" else None)
+  assert_same_bits(f(x), jax.jit(lambda: want)(), f"amax {mode}")
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_dequantize_bit_exact(name, out_dtype):
+  x = edge_input((256, 512), jnp.bfloat16, nan="nvfp4" not in name, inf=True)
+  qt = quantize_jit(x, jax.random.key(0), quantizer=QUANTIZERS[name], implementation="reference")
+  for usage in ("rowwise", "columnwise"):
+    f = jax.jit(lambda qt, impl: ops.dequantize(qt, usage, out_dtype, implementation=impl),
+                static_argnums=1)
+    assert_same_bits(f(qt, "kernel"), f(qt, "reference"), f"dequantize {name} {usage}")
+
+
+@pytest.mark.parametrize("name", sorted(SR_QUANTIZERS))
+def test_stochastic_rounding(name):
+  q = SR_QUANTIZERS[name]
+  x = random_input(11, (256, 512), jnp.bfloat16)
+  k1, k2 = jax.random.key(1), jax.random.key(2)
+  a = quantize_jit(x, k1, quantizer=q, implementation="kernel")
+  # Reproducible per key, different across keys.
+  assert_same_bits(a, quantize_jit(x, k1, quantizer=q, implementation="kernel"), "same key")
+  b = quantize_jit(x, k2, quantizer=q, implementation="kernel")
+  assert not np.array_equal(np.asarray(a.rowwise.data), np.asarray(b.rowwise.data))
+  # Scales and global amaxes do not depend on the random bits: bit-exact.
+  ref = quantize_jit(x, k1, quantizer=q, implementation="reference")
+  for usage in ("rowwise", "columnwise"):
+    got, want = a.usage(usage), ref.usage(usage)
+    assert_same_bits((got.scale_inv, got.amax), (want.scale_inv, want.amax), f"{name} {usage} scales")
+  # Same distribution as the reference: the gap between a kernel mean and a reference
+  # mean (32 keys each) is no larger than the gap between two reference means, and the
+  # rowwise means converge to the input (SR is unbiased).
+  keys = jax.random.split(jax.random.key(3), 96)
+
+  @functools.partial(jax.jit, static_argnames="impl")
+  def mean_dequant(keys, impl):
+    def one(key):
+      qt = ops.quantize(x, q, key=key, implementation=impl)
+      return jnp.stack([ops.dequantize(qt, u, jnp.float32, implementation="reference").reshape(-1)
+                        for u in ("rowwise", "columnwise")])
+    return jax.lax.map(one, keys).mean(axis=0)
+
+  kernel = np.asarray(mean_dequant(keys[:32], "kernel"))
+  ref_a = np.asarray(mean_dequant(keys[32:64], "reference"))
+  ref_b = np.asarray(mean_dequant(keys[64:], "reference"))
+  for i, usage in enumerate(("rowwise", "columnwise")):
+    gap = np.abs(kernel[i] - ref_a[i]).mean()
+    noise = np.abs(ref_b[i] - ref_a[i]).mean()
+    assert gap < 1.2 * noise, f"{name} {usage}: kernel-reference gap {gap} vs noise {noise}"
+  exact = np.asarray(x.astype(jnp.float32)).reshape(-1)
+  assert abs((kernel[0] - exact).mean()) < 0.05 * np.abs(exact).mean(), "rowwise SR is biased"

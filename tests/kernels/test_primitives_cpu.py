@@ -1,0 +1,152 @@
+"""The kernel primitives off the GPU: reference lowering, vmap, sharding, validation.
+
+These run everywhere (CI included): on the CPU each primitive lowers to the reference, so
+what is checked is the primitive machinery, the layouts and the partitioning rules.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxquant import kernels, reference
+from jaxquant.kernels.config import KernelConfig, cast_config
+from jaxquant.ops import quantize as ops
+from jaxquant.quantizers import MXFP8Quantizer, NVFP4Quantizer
+from kernel_cases import QUANTIZERS, SR_QUANTIZERS, assert_same_bits, random_input
+
+ALL = dict(QUANTIZERS, **SR_QUANTIZERS)
+
+
+@functools.partial(jax.jit, static_argnames=("quantizer", "implementation"))
+def quantize_jit(x, key, *, quantizer, implementation):
+  return ops.quantize(x, quantizer, key=key, implementation=implementation)
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_reference_lowering_matches_reference(name):
+  # On the CPU the kernel primitives lower to the reference; with a threefry key even the
+  # stochastic rounding bits match.
+  x = random_input(1, (64, 128), jnp.bfloat16)
+  key = jax.random.key(4)
+  assert_same_bits(quantize_jit(x, key, quantizer=ALL[name], implementation="kernel"),
+                   quantize_jit(x, key, quantizer=ALL[name], implementation="reference"), name)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4_per_token_rht"])
+def test_vmap_quantizes_each_element_separately(name):
+  q = QUANTIZERS[name]
+  xs = jnp.stack([random_input(s, (32, 64), jnp.float32) * (s + 1) for s in range(3)])
+  batched = jax.jit(jax.vmap(lambda x: kernels.quantize_usages(x, q, ("rowwise", "columnwise"))))(xs)
+  for i in range(3):
+    one = kernels.quantize_usages(xs[i], q, ("rowwise", "columnwise"))
+    assert_same_bits(jax.tree.map(lambda a: a[i], batched), one, f"{name} vmap element {i}")
+
+
+def _mesh():
+  return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+
+
+@pytest.mark.parametrize("spec", [P("a", None), P(None, "b"), P("a", "b"), P(("a", "b"), None)],
+                         ids=str)
+@pytest.mark.parametrize("name", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4_per_token_rht", "nvfp4_16x16",
+                                  "block_128x128"])
+def test_sharded_matches_unsharded(name, spec):
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (fake) devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  q = QUANTIZERS[name]
+  x = random_input(2, (512, 1024), jnp.bfloat16)
+  want = kernels.quantize_usages(x, q, ("rowwise", "columnwise"))
+  mesh = _mesh()
+  xs = jax.device_put(x, NamedSharding(mesh, spec))
+  f = jax.jit(lambda x: kernels.quantize_usages(x, q, ("rowwise", "columnwise")))
+  got = f(xs)
+  assert_same_bits(got, want, f"{name} sharded {spec}")
+  hlo = f.lower(xs).compile().as_text()
+  # Blocks stay whole within a shard: the input is never gathered.
+  assert "all-gather" not in hlo, f"{name} {spec}: the input was gathered"
+  if spec != P(None, "b") or name != "mxfp8_e4m3":
+    return
+  assert got["rowwise"].data.sharding.spec == P(None, "b")
+
+
+def test_sharded_amax_is_global():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (fake) devices")
+  x = random_input(3, (256, 512), jnp.float32).at[17, 300].set(1e6)
+  xs = jax.device_put(x, NamedSharding(_mesh(), P("a", "b")))
+  got = jax.jit(kernels.amax)(xs)
+  assert float(got) == 1e6
+  rows = jax.jit(functools.partial(kernels.amax, per_row=True))(xs)
+  assert_same_bits(rows, reference.fp32.abs_max(x, axis=1), "per-row amax sharded")
+
+
+def test_config_matches_the_cpp_struct():
+  header = pathlib.Path(__file__).parents[2] / "ffi/include/jaxquant/ffi_glue.h"
+  cpp = re.findall(r'StructMember<\w+>\("(\w+)"\)', header.read_text())
+  attrs = KernelConfig(format=MXFP8Quantizer().format("rowwise")).ffi_attributes()
+  assert cpp == list(attrs), "KernelConfig.ffi_attributes() and ffi_glue.h disagree"
+
+
+def test_cast_config_options():
+  c = cast_config(NVFP4Quantizer(rht=True, stochastic_rounding=True, per_token=True),
+                  ("rowwise", "columnwise"))
+  assert c.rht and c.stochastic_rounding and c.format.row_scaled
+  assert not c.usage_format("columnwise").row_scaled
+  # Columnwise alone: no row scales (they belong to the rowwise usage).
+  assert not cast_config(NVFP4Quantizer(per_token=True), ("columnwise",)).format.row_scaled
+
+
+# ---------------------------------------------------------------- errors in Python
+
+def test_bad_dims_rejected_with_the_rule():
+  x = jnp.zeros((64, 48), jnp.bfloat16)
+  with pytest.raises(ValueError, match="divisible by its block 32"):
+    kernels.quantize_usages(x, MXFP8Quantizer(), ("rowwise",))
+
+
+def test_kernel_limits_rejected_when_forced():
+  x = jnp.zeros((64, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="16x16 tiles with RHT"):
+    ops.quantize(x, NVFP4Quantizer(tile_2d=True, rht=True), implementation="kernel")
+  # "auto" takes the reference for what the kernels do not cover.
+  ops.quantize(x, NVFP4Quantizer(tile_2d=True, rht=True), implementation="auto")
+
+
+def test_bad_inputs_rejected():
+  with pytest.raises(TypeError, match="int32"):
+    kernels.amax(jnp.zeros((16, 16), jnp.int32))
+  with pytest.raises(ValueError, match="matrix"):
+    kernels.amax(jnp.zeros((16,), jnp.float32))
+  with pytest.raises(ValueError, match="multiple of 16"):
+    kernels.amax(jnp.zeros((8, 16), jnp.float32), rht=True)
+  with pytest.raises(ValueError, match="key"):
+    kernels.quantize_usages(jnp.zeros((16, 16), jnp.float32),
+                            NVFP4Quantizer(stochastic_rounding=True), ("rowwise",))
+  qt = reference.quantize(jnp.ones((32, 32), jnp.float32), MXFP8Quantizer())
+  bad = qt.rowwise.__class__(qt.rowwise.data[:16], qt.rowwise.scale_inv, None, qt.rowwise.format)
+  with pytest.raises(ValueError, match="dequantize scales"):
+    kernels.dequantize_data(bad, jnp.float32)
+
+
+def test_implementation_switch(monkeypatch):
+  monkeypatch.setenv("JAXQUANT_BACKEND", "nonsense")
+  with pytest.raises(ValueError, match="JAXQUANT_BACKEND"):
+    ops.quantize(jnp.ones((32, 32)), MXFP8Quantizer())
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  assert ops.resolve_implementation(None) == "reference"
+  assert ops.resolve_implementation("kernel") == "kernel"
+
+
+def test_availability_is_explained():
+  if kernels.available():
+    pytest.skip("kernels available here")
+  assert isinstance(kernels.unavailable_reason(), str) and kernels.unavailable_reason()
