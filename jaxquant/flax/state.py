@@ -77,6 +77,10 @@ def _per_layer(fn, *states: scaling.DelayedScalingState):
 def update_quant_state(quant_state: Any, state_grads: Any = None) -> Any:
   """Advances every `RoleState` in `quant_state` by one training step.
 
+  For an NNX model, pass the model itself and the grads of the step (an `nnx.State`
+  holding the `QuantState` gradients, e.g. from `nnx.grad(..., argnums=nnx.DiffState(0,
+  (nnx.Param, QuantState)))`): the model's state is updated in place and returned.
+
   Args:
     quant_state: any pytree holding RoleStates (a Linen `"quant_state"` collection, an
       NNX `nnx.State` of `QuantState` variables, or a dict containing either), as the
@@ -97,6 +101,14 @@ def update_quant_state(quant_state: Any, state_grads: Any = None) -> Any:
     q = _delayed(state.quantizer)
     return dataclasses.replace(state, scaling=_per_layer(lambda x: scaling.update(x, q), s))
 
+  from flax import nnx  # only to recognise an NNX model
+  if isinstance(quant_state, nnx.Module):
+    from jaxquant.flax.nnx import QuantState
+    model = quant_state
+    grads = None if state_grads is None else nnx.filter_state(state_grads, QuantState)
+    new_state = update_quant_state(nnx.state(model, QuantState), grads)
+    nnx.update(model, new_state)
+    return new_state
   if state_grads is None:
     return jax.tree.map(lambda s: advance(s, None), quant_state, is_leaf=is_role_state)
   return jax.tree.map(advance, quant_state, state_grads, is_leaf=is_role_state)

@@ -62,8 +62,9 @@ def _batch_rule(outer: Primitive):
   """vmap: one kernel call per batch element (per-tensor amaxes stay per element)."""
 
   def rule(args, dims, *, config):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-    moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is batching.not_mapped
+    # An unbatched argument has dim None (batching.not_mapped).
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is None
              else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     out = jax.lax.map(lambda xs: outer.bind(*xs, config=config), moved)
     return out, [0] * len(out)

@@ -63,7 +63,7 @@ def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usag
     else:
       row_amax = col_amax = compute_amax(x2d)
   elif family is Family.NVFP4:
-    row_amax, col_amax = _nvfp4_amaxes(x2d, quantizer, usages)
+    row_amax, col_amax = nvfp4_amaxes(x2d, quantizer, usages)
   seed = jnp.zeros((2,), jnp.uint32)
   if config.stochastic_rounding:
     if key is None:
@@ -80,7 +80,7 @@ def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usag
   return result
 
 
-def _nvfp4_amaxes(x2d, q: NVFP4Quantizer, usages):
+def nvfp4_amaxes(x2d, q: NVFP4Quantizer, usages):
   """(rowwise, columnwise) global amaxes, each computed at most once."""
   row = col = jnp.zeros((), jnp.float32)
   tensor = None

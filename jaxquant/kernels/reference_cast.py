@@ -20,18 +20,22 @@ USAGE_INDEX = {"rowwise": 0, "columnwise": 1}
 
 
 def _nvfp4_with_amax(x, fmt: Format, amax, random_bits) -> QuantizedData:
-  """reference.nvfp4.quantize with the global amax (scalar or [rows]) given."""
+  """reference.nvfp4.quantize with the global amax (scalar or [rows]) given.
+
+  Kept line for line in step with reference/nvfp4.py (test_reference_lowering_matches_
+  reference checks it); it goes away once the reference takes the amax as an argument.
+  """
   rows, _ = x.shape
   s_enc, s_dec = nvfp4.global_scales(amax)
   if fmt.row_scaled:
     s_enc, s_dec = s_enc.reshape(rows, 1), s_dec.reshape(rows, 1)
   block_amax = block_reduce(x, fmt.block, fp32.abs_max)
   scale_codes = elements.encode(
-      fp32.mul(block_amax, fp32.mul(s_enc, jnp.float32(nvfp4._ONE_SIXTH))), "e4m3")
+      fp32.mul(block_amax, s_enc * jnp.float32(nvfp4._ONE_SIXTH)), "e4m3")
   s = elements.decode(scale_codes, "e4m3")
   enc = jnp.minimum(fp32.div(jnp.float32(1.0), fp32.mul(s, s_dec)), nvfp4._FLT_MAX)
   enc = jnp.where(s == 0, jnp.float32(0.0), enc)
-  y = fp32.mul(x, expand_blocks(enc, fmt.block, x.shape))
+  y = fp32.mul_for_encoding(x, expand_blocks(enc, fmt.block, x.shape))
   codes = (elements.encode(y, "e2m1") if random_bits is None
            else nvfp4._encode_stochastic(y, random_bits))
   scale = jax.lax.bitcast_convert_type(scale_codes, jnp.float8_e4m3fn)

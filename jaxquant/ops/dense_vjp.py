@@ -50,8 +50,9 @@ def _tag(tree, name: str):
 
 def _forward(cfg: DenseConfig, x, kernel, bias, keys, state):
   new_state = dict(state)
+  matrices = {"input": x, "weight": kernel.T}  # logical x [M, K] and w [N, K]
   operands = {}
-  for tensor_type, matrix in (("input", x), ("weight", kernel.T)):
+  for tensor_type, matrix in matrices.items():
     operands[tensor_type], role_state = quantize_operand(
         matrix, cfg.quantizer(tensor_type), usages_to_quantize(tensor_type, cfg.backward),
         key=keys[tensor_type], state=state.get(tensor_type))
@@ -61,7 +62,7 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state):
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   residuals = {t: _tag(backward_residual(operands[t], m, cfg.backward), RESIDUAL_NAMES[t])
-               for t, m in (("input", x), ("weight", kernel.T))}
+               for t, m in matrices.items()}
   return y.astype(x.dtype), new_state, residuals
 
 

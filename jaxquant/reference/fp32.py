@@ -10,6 +10,8 @@ per-array test keeps ordinary inputs on the hardware path.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,7 @@ def _pack_f32(sign, mag_code):
   return from_bits((sign << 31) | mag)
 
 
+@jax.jit
 def _mul_exact(a, b):
   sa, ma, ea = decompose(a)
   sb, mb, eb = decompose(b)
@@ -122,6 +125,7 @@ def _mul_exact(a, b):
   return jnp.where(nan, from_bits(jnp.uint32(_QNAN)), res)
 
 
+@jax.jit
 def _div_exact(a, b):
   sa, ma, ea = decompose(a)
   sb, mb, eb = decompose(b)
@@ -171,22 +175,50 @@ def _is_tiny(x):
   return (mag != 0) & (mag < _MIN_NORMAL)
 
 
-def _hardware_ok(a, b, result):
-  """The hardware result is IEEE-exact unless a subnormal came in or went out."""
-  out_tiny = ((bits(result) & _ABS) < _MIN_NORMAL) & ~is_zero(a) & ~is_zero(b) & is_finite(a) & is_finite(b)
+def _hardware_ok(a, b, result, exact_zero=None):
+  """The hardware result is IEEE-exact unless a subnormal came in or went out.
+
+  A zero result from nonzero finite operands may be a flushed subnormal, unless
+  `exact_zero` says the exact result is zero (a + b with b == -a).
+  """
+  nonzero_finite = ~is_zero(a) & ~is_zero(b) & is_finite(a) & is_finite(b)
+  out_tiny = ((bits(result) & _ABS) < _MIN_NORMAL) & nonzero_finite
+  if exact_zero is not None:
+    out_tiny &= ~exact_zero
   return ~(_is_tiny(a) | _is_tiny(b) | out_tiny)
 
 
-def _with_exact_fallback(exact_fn, hw_result, a, b):
+@functools.lru_cache(maxsize=None)
+def _host_exact(exact_fn):
+  """`exact_fn` as a host callback running its own jitted program (cached per shape)."""
+  compiled = jax.jit(exact_fn)
+  return lambda a, b: np.asarray(compiled(a, b))
+
+
+def _with_exact_fallback(exact_fn, hw_result, a, b, exact_zero=None):
+  """The hardware result where it is IEEE-exact, the integer emulation elsewhere.
+
+  Only XLA's CPU runtime flushes subnormals (it sets FTZ/DAZ for every computation, with
+  no flag to turn that off); GPUs follow IEEE, so other platforms take the hardware
+  result. On the CPU the emulation runs only when an element needs it, and runs as a
+  separately compiled program through a host callback: inlined, its hundreds of integer
+  operations at every call site multiplied the compile time of each quantize several
+  times, for a path that ordinary data never takes.
+  """
   a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
-  ok = _hardware_ok(a, b, hw_result)
-  select = lambda: jnp.where(ok, hw_result, exact_fn(a, b))
-  # On the CPU the exact path is costly and rarely needed: skip it when no element needs
-  # it. Elsewhere a select fuses into the elementwise work and needs no host round trip.
-  cpu = lambda: lax.cond(jnp.all(ok), lambda: hw_result, select)
-  return lax.platform_dependent(cpu=cpu, default=select)
+  ok = _hardware_ok(a, b, hw_result, exact_zero)
+
+  def patched():
+    exact = jax.pure_callback(_host_exact(exact_fn), jax.ShapeDtypeStruct(a.shape, jnp.float32),
+                              a, b, vmap_method="broadcast_all")
+    return jnp.where(ok, hw_result, exact)
+
+  cpu = lambda: lax.cond(jnp.all(ok), lambda: hw_result, patched)
+  return lax.platform_dependent(cpu=cpu, default=lambda: hw_result)
 
 
+# jit: traced once per operand shape and cached, as references call these many times.
+@jax.jit
 def mul(a, b):
   """fl32(a * b), IEEE round-to-nearest-even including subnormals."""
   a = jnp.asarray(a, jnp.float32)
@@ -198,7 +230,8 @@ def add(a, b):
   """fl32(a + b), IEEE round-to-nearest-even including subnormals."""
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
-  return _with_exact_fallback(_add_exact, a + b, a, b)
+  return _with_exact_fallback(_add_exact, a + b, a, b,
+                              exact_zero=(bits(a) ^ bits(b)) == _HALF_RANGE)
 
 
 def neg(x):
@@ -206,11 +239,45 @@ def neg(x):
   return from_bits(bits(x) ^ _HALF_RANGE)
 
 
+@jax.jit
 def div(a, b):
   """fl32(a / b), IEEE round-to-nearest-even including subnormals."""
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
   return _with_exact_fallback(_div_exact, a / b, a, b)
+
+
+def _normalized(x):
+  """(x * 2^k exactly, k) with k = 63 for subnormal x (making it normal), else k = 0.
+
+  For subnormal x = f * 2^-149, setting the exponent field to 64 gives 2^-63 + f * 2^-86,
+  and subtracting 2^-63 (exact, Sterbenz) leaves f * 2^-86 = x * 2^63.
+  """
+  u = bits(x)
+  tiny = _is_tiny(x)
+  lifted = from_bits((u & _ABS) | np.uint32(64 << 23)) - jnp.float32(2.0 ** -63)
+  lifted = jnp.where((u >> 31) == 1, -lifted, lifted)
+  return jnp.where(tiny, lifted, x), jnp.where(tiny, 63, 0)
+
+
+def mul_for_encoding(x, s):
+  """fl32(x * s) where it is at least the smallest normal; below that, a value of the
+  right sign and magnitude below 2^-126 (possibly zero).
+
+  For the product that is next rounded to an FP8 or E2M1 element: every such element's
+  smallest nonzero magnitude is far above 2^-126, so products that small encode as a
+  signed zero whatever their exact value. Subnormal operands are lifted into the normal
+  range by an exact power of two first, so a flushing backend still multiplies them
+  exactly; this costs a few operations instead of `mul`'s integer emulation.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  s = jnp.asarray(s, jnp.float32)
+  xn, kx = _normalized(x)
+  sn, ks = _normalized(s)
+  p = xn * sn  # both normal: IEEE-rounded unless the exact product is below 2^-126
+  k = kx + ks  # 0, 63 or 126; undo in steps of 2^-63 (a normal number)
+  p = jnp.where(k >= 63, p * jnp.float32(2.0 ** -63), p)
+  return jnp.where(k == 126, p * jnp.float32(2.0 ** -63), p)
 
 
 def exp2(n):

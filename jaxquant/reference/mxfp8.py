@@ -27,7 +27,7 @@ def scale_exponent(block_amax: jax.Array, fmax: float) -> jax.Array:
 def quantize(x: jax.Array, fmt: Format) -> QuantizedData:
   e = scale_exponent(block_reduce(x, fmt.block, fp32.abs_max), fmt.fmax)
   inv_scale = fp32.exp2(127 - expand_blocks(e, fmt.block, x.shape).astype(jnp.int32))
-  codes = elements.encode(fp32.mul(x, inv_scale), fmt.element)
+  codes = elements.encode(fp32.mul_for_encoding(x, inv_scale), fmt.element)
   scale = jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu)
   return QuantizedData(elements.codes_to_dtype(codes, fmt.element), scale, None, fmt)
 

@@ -17,7 +17,9 @@ _ONE_SIXTH = np.float32(1.0) / np.float32(6.0)
 
 def global_scales(amax: jax.Array):
   """(S_enc, S_dec) from a global amax (scalar or per row)."""
-  s_enc = jnp.minimum(fp32.div(jnp.float32(2688.0), amax), _FLT_MAX)
+  # Hardware division is exact here for the same reason as FP8's fmax / amax: a subnormal
+  # amax gives inf (IEEE overflow, or division by a flushed zero), then FLT_MAX.
+  s_enc = jnp.minimum(jnp.float32(2688.0) / amax, _FLT_MAX)
   s_enc = jnp.where(fp32.is_zero(amax) | fp32.is_zero(s_enc), jnp.float32(1.0), s_enc)
   return s_enc, fp32.div(jnp.float32(1.0), s_enc)
 
@@ -50,11 +52,11 @@ def quantize(x: jax.Array, fmt: Format, *, random_bits=None) -> QuantizedData:
   else:
     s_enc_b, s_dec_b = s_enc, s_dec
   scale_codes = elements.encode(
-      fp32.mul(block_amax, fp32.mul(s_enc_b, jnp.float32(_ONE_SIXTH))), "e4m3")
+      fp32.mul(block_amax, s_enc_b * jnp.float32(_ONE_SIXTH)), "e4m3")  # S_enc / 6 is normal
   s = elements.decode(scale_codes, "e4m3")
   enc = jnp.minimum(fp32.div(jnp.float32(1.0), fp32.mul(s, s_dec_b)), _FLT_MAX)
   enc = jnp.where(s == 0, jnp.float32(0.0), enc)
-  y = fp32.mul(x, expand_blocks(enc, fmt.block, x.shape))
+  y = fp32.mul_for_encoding(x, expand_blocks(enc, fmt.block, x.shape))
   if random_bits is None:
     codes = elements.encode(y, "e2m1")
   else:

@@ -1,10 +1,12 @@
 """The language-model example runs end to end (tiny preset, bf16) and learns something."""
 
+import collections
 import json
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
@@ -50,15 +52,21 @@ def test_validation_split_is_deterministic_and_disjoint():
 
 
 def test_train_windows_repeat_for_the_same_seed():
-  tokens = (data.np.arange(1000) % 256).astype(data.np.uint8)
+  tokens = (np.arange(1000) % 256).astype(np.uint8)
   first = next(data.train_batches(tokens, seed=3, batch_size=4, seq_len=8))
   again = next(data.train_batches(tokens, seed=3, batch_size=4, seq_len=8))
   assert (first == again).all() and first.shape == (4, 9)
 
 
 def test_custom_policy_keeps_the_last_layer_and_head_in_bf16():
-  assert recipes.layer_index("decoder/layer_3/mlp/wi") == 3
-  assert recipes.layer_index("head") is None
+  Role = collections.namedtuple("Role", "module_type tensor_type name")
+  qfactory = recipes.nvfp4_with_bf16_tail(n_layers=4, nvfp4_factory=lambda role: "nvfp4")
+  assert qfactory(Role("linear", "weight", "decoder/layer_2/mlp/wi")) == "nvfp4"
+  assert qfactory(Role("linear", "input", "decoder/layer_3/attention/query")) is None
+  assert qfactory(Role("linear", "weight", "head")) is None
+
+
+def test_recipe_names():
   assert recipes.parse_recipe_names("all") == list(recipes.RECIPE_NAMES)
   with pytest.raises(ValueError, match="unknown recipe"):
     recipes.parse_recipe_names("fp9")

@@ -62,7 +62,7 @@ def random_input(seed: int, shape, dtype) -> jax.Array:
 def edge_input(shape, dtype, *, nan: bool, inf: bool) -> jax.Array:
   """NUMERICS.md's edge cases in one matrix: zero rows and blocks, subnormals, negative
   zero, exact ties for FP8 (block amax 448: scale 1), optional +-inf and NaN."""
-  x = np.asarray(random_input(7, shape, np.float32))
+  x = np.array(random_input(7, shape, np.float32))  # a writable copy
   x[0] = 0.0                                      # all-zero row (and blocks)
   x[1] = -0.0                                     # negative zeros
   x[2] = np.float32(2.0 ** -133) * np.arange(shape[1])  # fp32 subnormals

@@ -19,8 +19,10 @@ pytestmark = [
     pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
 ]
 
-SHAPES = [(128, 256), (256, 1056), (1024, 768), (4096, 512)]
 DTYPES = [jnp.bfloat16, jnp.float32]
+# (shape, dtype): K = 1056 and 768 leave partial column tiles; fp32 has other tile widths.
+CASES = [((128, 256), jnp.bfloat16), ((256, 1056), jnp.bfloat16), ((4096, 1024), jnp.bfloat16),
+         ((1024, 768), jnp.float32), ((128, 512), jnp.float16)]
 
 
 @functools.partial(jax.jit, static_argnames=("quantizer", "implementation"))
@@ -28,14 +30,27 @@ def quantize_jit(x, key, *, quantizer, implementation):
   return ops.quantize(x, quantizer, key=key, implementation=implementation)
 
 
+CPU = jax.devices("cpu")[0]
+
+
+def on_cpu(tree):
+  return jax.device_put(tree, CPU)
+
+
+def reference_on_cpu(fn, *args):
+  """The reference runs on the CPU: XLA:GPU divides with div.full.f32 (up to 1 ulp off,
+  openxla/xla#37181), so on the GPU the reference is not NUMERICS.md's IEEE arithmetic."""
+  return fn(*on_cpu(args))
+
+
 def both(x, quantizer, key=None):
   key = jax.random.key(0) if key is None else key
   return (quantize_jit(x, key, quantizer=quantizer, implementation="kernel"),
-          quantize_jit(x, key, quantizer=quantizer, implementation="reference"))
+          reference_on_cpu(functools.partial(quantize_jit, quantizer=quantizer,
+                                             implementation="reference"), x, key))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape,dtype", CASES, ids=lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name)
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_random_inputs_bit_exact(name, shape, dtype):
   for seed in range(2):
@@ -63,7 +78,7 @@ def test_empty_tensor(name):
 
 
 def test_leading_dims_flattened():
-  x = random_input(3, (4, 64, 256), jnp.bfloat16).reshape(4, 64, 256)
+  x = random_input(3, (256, 256), jnp.bfloat16).reshape(4, 64, 256)
   got, want = both(x, QUANTIZERS["mxfp8_e4m3"])
   assert_same_bits(got, want, "mxfp8 3-D input")
 
@@ -73,7 +88,7 @@ def test_delayed_scaling_bit_exact():
   state = scaling.DelayedScalingState(jnp.zeros((16,), jnp.float32), jnp.float32(3.0))
   f = jax.jit(lambda x, s, impl: ops.quantize(x, DELAYED, state=s, implementation=impl),
               static_argnums=2)
-  assert_same_bits(f(x, state, "kernel"), f(x, state, "reference"), "delayed")
+  assert_same_bits(f(x, state, "kernel"), reference_on_cpu(f, x, state, "reference"), "delayed")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -81,23 +96,25 @@ def test_delayed_scaling_bit_exact():
 def test_amax_bit_exact(mode, dtype):
   x = edge_input((512, 1024), dtype, nan=False, inf=False)
   f = jax.jit(lambda x: kernels.amax(x, per_row=mode == "row", rht=mode == "rht"))
-  xf = x.astype(jnp.float32)
+  xf = on_cpu(x).astype(jnp.float32)
   if mode == "rht":
     want = reference.fp32.abs_max(reference.hadamard.apply_rht(xf.T, x.dtype))
   else:
     want = reference.fp32.abs_max(xf, axis=1 if mode == "row" else None)
-  assert_same_bits(f(x), jax.jit(lambda: want)(), f"amax {mode}")
+  assert_same_bits(f(x), want, f"amax {mode}")
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_dequantize_bit_exact(name, out_dtype):
   x = edge_input((256, 512), jnp.bfloat16, nan="nvfp4" not in name, inf=True)
-  qt = quantize_jit(x, jax.random.key(0), quantizer=QUANTIZERS[name], implementation="reference")
+  qt = reference_on_cpu(functools.partial(quantize_jit, quantizer=QUANTIZERS[name],
+                                          implementation="reference"), x, jax.random.key(0))
   for usage in ("rowwise", "columnwise"):
     f = jax.jit(lambda qt, impl: ops.dequantize(qt, usage, out_dtype, implementation=impl),
                 static_argnums=1)
-    assert_same_bits(f(qt, "kernel"), f(qt, "reference"), f"dequantize {name} {usage}")
+    kernel = f(jax.device_put(qt, jax.devices()[0]), "kernel")
+    assert_same_bits(kernel, reference_on_cpu(f, qt, "reference"), f"dequantize {name} {usage}")
 
 
 @pytest.mark.parametrize("name", sorted(SR_QUANTIZERS))
@@ -111,7 +128,8 @@ def test_stochastic_rounding(name):
   b = quantize_jit(x, k2, quantizer=q, implementation="kernel")
   assert not np.array_equal(np.asarray(a.rowwise.data), np.asarray(b.rowwise.data))
   # Scales and global amaxes do not depend on the random bits: bit-exact.
-  ref = quantize_jit(x, k1, quantizer=q, implementation="reference")
+  ref = reference_on_cpu(functools.partial(quantize_jit, quantizer=q, implementation="reference"),
+                         x, k1)
   for usage in ("rowwise", "columnwise"):
     got, want = a.usage(usage), ref.usage(usage)
     assert_same_bits((got.scale_inv, got.amax), (want.scale_inv, want.amax), f"{name} {usage} scales")

@@ -102,9 +102,9 @@ def check_against_oracle(x_np, quantizer, usages=USAGES, *, key=None, state=None
     q = for_usage(quantizer, usage)
     what = f"{label} {quantizer} {usage} {x_np.dtype}{list(x_np.shape)}"
     if q is None:
-      hp = np.asarray(qt.usage(usage))
+      hp = np.ascontiguousarray(qt.usage(usage))
       want = np.asarray(x_np).reshape(-1, x_np.shape[-1])
-      want = want if usage == "rowwise" else want.T
+      want = np.ascontiguousarray(want if usage == "rowwise" else want.T)
       assert hp.dtype == want.dtype, what
       assert_bits_equal(hp.view(np.uint8), want.view(np.uint8), what + " hp")
       continue

@@ -1,0 +1,169 @@
+"""Cast-kernel benchmark: effective bandwidth against a device copy and the XLA reference.
+
+    python benchmarks/run.py [--rows 16384 --cols 8192] [--quick]
+
+Everything is measured in one process: a device copy of the input (read + write, the
+bandwidth ceiling), each cast through the CUDA kernels, and the same cast through the
+XLA reference path (`implementation="reference"`). Effective bandwidth counts the fewest
+bytes a cast must move: the input read once and every output (data, scales) written once.
+Prints a table and writes benchmarks/results/<gpu>.json, a list of records
+{"op", "shape", "metric", "value"}; ratio metrics are fraction_of_copy (kernel bandwidth
+over copy bandwidth) and speedup_vs_xla (reference time over kernel time); the
+effective_tbps records carry the absolute numbers behind them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import kernels
+from jaxquant.kernels.amax import amax
+from jaxquant.kernels.cast import cast_p
+from jaxquant.kernels.config import cast_config
+from jaxquant.kernels.quantize import nvfp4_amaxes
+from jaxquant.kernels.reference_cast import reference_cast
+from jaxquant.ops import quantize as ops
+from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
+                                 MXFP8Quantizer, NVFP4Quantizer)
+
+BOTH = ("rowwise", "columnwise")
+
+
+def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
+  """Median over rounds of the mean time of `reps` back-to-back calls (device time: the
+  calls queue asynchronously, so host dispatch overlaps the previous call's work)."""
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / reps * 1e3)
+  return statistics.median(samples)
+
+
+def nbytes(tree) -> int:
+  return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def cast_only(q, usages):
+  """The cast kernel alone, global amaxes given (as with delayed scaling or an amax fused
+  upstream), and the same computation through the XLA reference lowering."""
+  config = cast_config(q, usages)
+  seed = jnp.zeros((2,), jnp.uint32)
+
+  def amaxes(x):
+    if isinstance(q, NVFP4Quantizer):
+      return nvfp4_amaxes(x, q, usages)
+    one = jnp.float32(3.0) if isinstance(q, DelayedFloat8Quantizer) else amax(x)
+    return one, one
+
+  kernel = jax.jit(lambda x, r, c: cast_p.bind(x, r, c, seed, config=config))
+  xla = jax.jit(lambda x, r, c: reference_cast(x, r, c, seed, config=config))
+  return amaxes, kernel, xla
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rows", type=int, default=16384)
+  parser.add_argument("--cols", type=int, default=8192)
+  parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+  parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<gpu>.json)")
+  args = parser.parse_args()
+  if not kernels.available():
+    raise SystemExit(f"kernels unavailable: {kernels.unavailable_reason()}")
+  reps = dict(reps=5, rounds=3) if args.quick else {}
+  shape = (args.rows, args.cols)
+  x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
+  key = jax.random.key(1)
+  records = []
+
+  def record(op, metric, value):
+    records.append(dict(op=op, shape=list(shape), metric=metric, value=round(float(value), 4)))
+
+  copy = jax.jit(lambda x: -x)
+  copy_ms = time_ms(copy, x, **reps)
+  copy_tbps = 2 * x.nbytes / copy_ms / 1e9
+  record("device_copy", "effective_tbps", copy_tbps)
+
+  cases = [
+      # (op name, quantizer, usages, mode): mode "cast" gives the kernel its amaxes,
+      # "quantize" includes the amax pass (the input is then read twice by the kernels).
+      ("fp8_tensor_cast_transpose", DelayedFloat8Quantizer(), BOTH, "cast"),
+      ("fp8_current_amax_cast_transpose", Float8Quantizer(), BOTH, "quantize"),
+      ("mxfp8_row_col", MXFP8Quantizer(), BOTH, "cast"),
+      ("mxfp8_row", MXFP8Quantizer(), ("rowwise",), "cast"),
+      ("nvfp4_row_col", NVFP4Quantizer(), BOTH, "cast"),
+      ("nvfp4_row_col_incl_amax", NVFP4Quantizer(), BOTH, "quantize"),
+      ("nvfp4_rht_sr_row_col", NVFP4Quantizer(rht=True, stochastic_rounding=True), BOTH, "cast"),
+      ("nvfp4_rht_sr_row_col_incl_amax", NVFP4Quantizer(rht=True, stochastic_rounding=True),
+       BOTH, "quantize"),
+      ("nvfp4_16x16_row_col", NVFP4Quantizer(tile_2d=True), BOTH, "cast"),
+      ("nvfp4_per_token_row", NVFP4Quantizer(per_token=True), ("rowwise",), "cast"),
+      ("block_fp8_1x128_row_col", BlockFloat8Quantizer(), BOTH, "cast"),
+      ("block_fp8_128x128_row_col", BlockFloat8Quantizer(block="128x128"), BOTH, "cast"),
+  ]
+  rows = []
+  for op, q, usages, mode in cases:
+    if mode == "cast":
+      amaxes, kernel, xla = cast_only(q, usages)
+      r, c = jax.jit(amaxes)(x)
+      kernel_args = xla_args = (x, r, c)
+      out = kernel(*kernel_args)
+    else:
+      kernel = jax.jit(lambda x: ops.quantize(x, q, usages, key=key, implementation="kernel"))
+      xla = jax.jit(lambda x: ops.quantize(x, q, usages, key=key, implementation="reference"))
+      kernel_args = xla_args = (x,)
+      out = kernel(x)
+    moved = x.nbytes + nbytes(out)
+    k_ms = time_ms(kernel, *kernel_args, **reps)
+    x_ms = time_ms(xla, *xla_args, **reps)
+    tbps = moved / k_ms / 1e9
+    record(op, "effective_tbps", tbps)
+    record(op, "fraction_of_copy", tbps / copy_tbps)
+    record(op, "speedup_vs_xla", x_ms / k_ms)
+    rows.append((op, k_ms, x_ms, tbps, tbps / copy_tbps, x_ms / k_ms))
+
+  deq = jax.jit(lambda qt: ops.dequantize(qt, "rowwise", jnp.bfloat16, implementation="kernel"))
+  deq_xla = jax.jit(lambda qt: ops.dequantize(qt, "rowwise", jnp.bfloat16, implementation="reference"))
+  for op, q in (("mxfp8_dequantize_row", MXFP8Quantizer()), ("nvfp4_dequantize_row", NVFP4Quantizer())):
+    qt = ops.quantize(x, q, ("rowwise",), implementation="kernel")
+    moved = nbytes(qt.rowwise) + x.nbytes
+    k_ms, x_ms = time_ms(deq, qt, **reps), time_ms(deq_xla, qt, **reps)
+    tbps = moved / k_ms / 1e9
+    record(op, "effective_tbps", tbps)
+    record(op, "fraction_of_copy", tbps / copy_tbps)
+    record(op, "speedup_vs_xla", x_ms / k_ms)
+    rows.append((op, k_ms, x_ms, tbps, tbps / copy_tbps, x_ms / k_ms))
+
+  a_ms = time_ms(jax.jit(amax), x, **reps)
+  a_tbps = x.nbytes / a_ms / 1e9
+  record("amax_tensor", "effective_tbps", a_tbps)
+  record("amax_tensor", "fraction_of_copy", a_tbps / copy_tbps)
+  rows.append(("amax_tensor", a_ms, float("nan"), a_tbps, a_tbps / copy_tbps, float("nan")))
+
+  gpu = jax.devices()[0].device_kind
+  print(f"\n{gpu}, input {shape} bf16, device copy {copy_tbps:.2f} TB/s ({copy_ms:.3f} ms)")
+  print(f"{'op':34s} {'kernel ms':>9s} {'xla ms':>8s} {'TB/s':>6s} {'of copy':>7s} {'vs xla':>7s}")
+  for op, k_ms, x_ms, tbps, frac, speed in rows:
+    print(f"{op:34s} {k_ms:9.3f} {x_ms:8.3f} {tbps:6.2f} {frac:7.2f} {speed:6.1f}x")
+  out_path = pathlib.Path(args.out) if args.out else (
+      pathlib.Path(__file__).parent / "results" / (re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ".json"))
+  out_path.parent.mkdir(parents=True, exist_ok=True)
+  out_path.write_text(json.dumps(records, indent=1) + "\n")
+  print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,222 @@
+"""Tiny decoder-only Transformers written the ordinary Flax way (Linen and NNX), with no
+jaxquant in them, and the train steps the tests run them with.
+
+Every GEMM is a Flax layer: query/key/value are DenseGeneral (Linear in NNX), the output
+projection an Einsum, the MLP and the head Dense. Kernels carry logical axis names.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import jaxquant.flax as jqf
+
+VOCAB, D_MODEL, HEADS, D_FF, SEQ, LAYERS, BATCH = 64, 32, 2, 64, 16, 2, 4
+HEAD_DIM = D_MODEL // HEADS
+DTYPE = jnp.bfloat16
+# The GEMM modules of LinenLM by path; each emits input, weight and grad_output roles.
+GEMM_PATHS = tuple(f"layer_{i}/{m}" for i in range(LAYERS)
+                   for m in ("attention/query", "attention/key", "attention/value",
+                             "attention/out", "mlp/wi", "mlp/wo")) + ("head",)
+NNX_GEMM_PATHS = tuple(f"layers/{i}/{m}" for i in range(LAYERS)
+                       for m in ("attention/query", "attention/key", "attention/value",
+                                 "attention/out", "mlp/wi", "mlp/wo")) + ("head",)
+
+
+def _init(names):
+  return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+
+
+class Attention(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    def heads(name):
+      return nn.DenseGeneral((HEADS, HEAD_DIM), dtype=DTYPE, name=name,
+                             kernel_init=_init(("embed", "heads", "kv")))(x)
+    q, k, v = heads("query"), heads("key"), heads("value")
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    attended = nn.dot_product_attention(q, k, v, mask=mask, dtype=DTYPE)
+    return nn.Einsum((HEADS, HEAD_DIM, D_MODEL), "bshd,hdm->bsm", dtype=DTYPE, name="out",
+                     kernel_init=_init(("heads", "kv", "embed")))(attended)
+
+
+class Mlp(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(D_FF, dtype=DTYPE, name="wi", kernel_init=_init(("embed", "mlp")))(x)
+    return nn.Dense(D_MODEL, dtype=DTYPE, name="wo", kernel_init=_init(("mlp", "embed")))(nn.gelu(h))
+
+
+class Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = x + Attention(name="attention")(nn.RMSNorm(dtype=DTYPE)(x))
+    return x + Mlp(name="mlp")(nn.RMSNorm(dtype=DTYPE)(x))
+
+
+class LinenLM(nn.Module):
+  """tokens [batch, seq] -> logits [batch, seq, vocab] fp32."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, D_MODEL, dtype=DTYPE, name="embed",
+                 embedding_init=_init(("vocab", "embed")))(tokens)
+    for i in range(LAYERS):
+      x = Block(name=f"layer_{i}")(x)
+    x = nn.RMSNorm(dtype=DTYPE)(x)
+    return nn.Dense(VOCAB, dtype=DTYPE, name="head", kernel_init=_init(("embed", "vocab")))(x) \
+        .astype(jnp.float32)
+
+
+class ScanBlock(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, _):
+    return Block(name="block")(x), None
+
+
+class ScannedLinenLM(nn.Module):
+  """The layers under nn.scan of nn.remat, state stacked along a 'layers' axis."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, D_MODEL, dtype=DTYPE, name="embed")(tokens)
+    layers = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0, "quant_state": 0},
+                     split_rngs={"params": True}, length=LAYERS,
+                     metadata_params={nn.PARTITION_NAME: "layers"})
+    x, _ = layers(name="layers")(x, None)
+    return nn.Dense(VOCAB, dtype=DTYPE, name="head")(x).astype(jnp.float32)
+
+
+# ---- NNX ----
+
+class NnxAttention(nnx.Module):
+
+  def __init__(self, rngs):
+    linear = lambda: nnx.Linear(D_MODEL, D_MODEL, dtype=DTYPE, rngs=rngs)
+    self.query, self.key, self.value = linear(), linear(), linear()
+    self.out = nnx.Einsum("bshd,hdm->bsm", (HEADS, HEAD_DIM, D_MODEL), (D_MODEL,),
+                          dtype=DTYPE, rngs=rngs)
+
+  def __call__(self, x):
+    split = lambda t: t.reshape(*t.shape[:2], HEADS, HEAD_DIM)
+    q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+    return self.out(nnx.dot_product_attention(q, k, v, mask=mask, dtype=DTYPE))
+
+
+class NnxMlp(nnx.Module):
+
+  def __init__(self, rngs):
+    self.wi = nnx.Linear(D_MODEL, D_FF, dtype=DTYPE, rngs=rngs)
+    self.wo = nnx.Linear(D_FF, D_MODEL, dtype=DTYPE, rngs=rngs)
+
+  def __call__(self, x):
+    return self.wo(nnx.gelu(self.wi(x)))
+
+
+class NnxBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.attention_norm = nnx.RMSNorm(D_MODEL, dtype=DTYPE, rngs=rngs)
+    self.attention = NnxAttention(rngs)
+    self.mlp_norm = nnx.RMSNorm(D_MODEL, dtype=DTYPE, rngs=rngs)
+    self.mlp = NnxMlp(rngs)
+
+  def __call__(self, x):
+    x = x + self.attention(self.attention_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class NnxLM(nnx.Module):
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, D_MODEL, dtype=DTYPE, rngs=rngs)
+    self.layers = nnx.List([NnxBlock(rngs) for _ in range(LAYERS)])
+    self.norm = nnx.RMSNorm(D_MODEL, dtype=DTYPE, rngs=rngs)
+    self.head = nnx.Linear(D_MODEL, VOCAB, dtype=DTYPE, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for layer in self.layers:
+      x = layer(x)
+    return self.head(self.norm(x)).astype(jnp.float32)
+
+
+# ---- Data and train steps ----
+
+def batch(seed=0, batch_size=BATCH):
+  """A learnable batch: each row counts up from a random start (mod VOCAB)."""
+  starts = jax.random.randint(jax.random.key(seed), (batch_size, 1), 0, VOCAB)
+  return (starts + jnp.arange(SEQ + 1)) % VOCAB
+
+
+def xent(logits, windows):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
+
+
+def optimizer():
+  return optax.adamw(1e-2)
+
+
+def linen_train_step(model, tx):
+  """The README's Linen step: params and quant_state both differentiated; the state
+  gradient carries the grad_output amaxes into `update_quant_state`."""
+
+  def loss_fn(params, collections, windows, key):
+    logits, updated = model.apply({"params": params, **collections}, windows[:, :-1],
+                                  rngs={"quant": key}, mutable=list(collections))
+    return xent(logits, windows), updated
+
+  def step(params, opt_state, collections, windows, key):
+    (loss, updated), (grads, state_grads) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(params, collections, windows, key)
+    collections = jqf.update_quant_state(updated, state_grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, collections, loss
+
+  return step
+
+
+def linen_init(model, windows):
+  variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), windows[:, :-1]))
+  params = variables.pop("params")
+  return params, variables
+
+
+def train_linen(model, params, collections, steps, windows):
+  tx = optimizer()
+  opt_state = tx.init(params)
+  step = jax.jit(linen_train_step(model, tx))
+  losses = []
+  for i in range(steps):
+    params, opt_state, collections, loss = step(params, opt_state, collections, windows,
+                                                jax.random.key(i))
+    losses.append(float(loss))
+  return losses, (params, opt_state, collections)
+
+
+def nnx_train_step(model, optimizer, windows):
+  """The README's NNX step (use under nnx.jit)."""
+
+  def loss_fn(model):
+    return xent(model(windows[:, :-1]), windows)
+
+  diff = nnx.DiffState(0, (nnx.Param, jqf.QuantState))
+  loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(model)
+  jqf.update_quant_state(model, grads)
+  optimizer.update(model, nnx.filter_state(grads, nnx.Param))
+  return loss
+
+
+def train_nnx(model, steps, windows):
+  opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
+  step = nnx.jit(nnx_train_step)
+  return [float(step(model, opt, windows)) for _ in range(steps)]
