@@ -156,7 +156,8 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
   }
 }
 
-ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets,
+ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*row_amax*/,
+                          ffi::AnyBuffer /*col_amax*/, ffi::AnyBuffer /*seed*/, ffi::RemainingRets rets,
                           KernelConfig cfg) {
   int64_t M, K;
   if (!matrix_dims(x, M, K)) return invalid("fp8_block_cast: x must be rank 2");
@@ -205,6 +206,9 @@ ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingR
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8BlockCast, jaxquant::fp8_block_cast,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // row amax (unused)
+                                  .Arg<xla::ffi::AnyBuffer>()  // col amax (unused)
+                                  .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
                                   .RemainingRets()
                                   .Attrs<jaxquant::KernelConfig>());

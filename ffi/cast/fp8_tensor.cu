@@ -100,6 +100,7 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void fp8_tensor_cast_kernel(
 }
 
 ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax_or_scale,
+                           ffi::AnyBuffer /*col_amax: the same*/, ffi::AnyBuffer /*seed*/,
                            ffi::RemainingRets rets, KernelConfig cfg) {
   int64_t M, K;
   if (!matrix_dims(x, M, K)) return invalid("fp8_tensor_cast: x must be rank 2");
@@ -142,7 +143,9 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8TensorCast, jaxquant::fp8_tensor_cast,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // amax or delayed scale
+                                  .Arg<xla::ffi::AnyBuffer>()  // col amax (the same, unused)
+                                  .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
                                   .RemainingRets()
                                   .Attrs<jaxquant::KernelConfig>());

@@ -115,7 +115,8 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void mxfp8_cast_kernel(const 
   }
 }
 
-ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets,
+ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*row_amax*/,
+                      ffi::AnyBuffer /*col_amax*/, ffi::AnyBuffer /*seed*/, ffi::RemainingRets rets,
                       KernelConfig cfg) {
   int64_t M, K;
   if (!matrix_dims(x, M, K)) return invalid("mxfp8_cast: x must be rank 2");
@@ -151,6 +152,9 @@ ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantMxfp8Cast, jaxquant::mxfp8_cast,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // row amax (unused)
+                                  .Arg<xla::ffi::AnyBuffer>()  // col amax (unused)
+                                  .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
                                   .RemainingRets()
                                   .Attrs<jaxquant::KernelConfig>());

@@ -29,7 +29,9 @@ def plain_losses():
   return tt.train_nnx(tt.NnxLM(nnx.Rngs(0)), STEPS, tt.batch())
 
 
-@pytest.mark.parametrize("recipe", list(recipes.PRESETS.values()) + [CUSTOM],
+# The Linen tests train every preset; here the ones that exercise NNX-specific paths
+# (bit-identity, QuantState, stochastic-rounding keys, per-module None) keep CI short.
+@pytest.mark.parametrize("recipe", [recipes.bf16, recipes.fp8_delayed, CUSTOM],
                          ids=lambda r: r.name)
 def test_trains_under_recipe(plain_losses, recipe):
   plain = tt.NnxLM(nnx.Rngs(0))
@@ -66,11 +68,10 @@ def test_params_interchange_and_annotations():
   plain = tt.NnxLM(nnx.Rngs(0))
   model = jqf.quantize_model(tt.NnxLM(nnx.Rngs(5)), CUSTOM, annotate=True,
                              rngs=nnx.Rngs(quant=0))
-  nnx.update(model, nnx.state(plain, nnx.Param))
+  roles = jqf.weight_roles(model)  # (nnx.update with a plain state replaces metadata too)
   bf16_model = jqf.quantize_model(tt.NnxLM(nnx.Rngs(5)), recipes.bf16)
   nnx.update(bf16_model, nnx.state(plain, nnx.Param))
   np.testing.assert_array_equal(bf16_model(tokens), plain(tokens))
-  roles = jqf.weight_roles(model)
   assert sorted(roles) == sorted(f"{p}/kernel" for p in tt.NNX_GEMM_PATHS)
   assert roles["head/kernel"][1] is None and roles["layers/0/mlp/wi/kernel"][1] is None
   assert roles["layers/1/mlp/wi/kernel"][1] == recipes.nvfp4_factory(roles["layers/1/mlp/wi/kernel"][0])

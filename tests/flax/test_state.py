@@ -27,12 +27,15 @@ def test_scanned_remat_state_is_per_layer_and_advances_once_per_step():
   assert scanned["input"].scaling.amax_history.shape == (tt.LAYERS, 1024)
   assert scanned["input"].role.name == "layers/block/mlp/wi"
   _, (_, _, collections) = tt.train_linen(model, params, collections, 2, windows)
-  for state in _role_states(collections):
+  scanned = _role_states(collections["quant_state"]["layers"])
+  assert len(scanned) == 3 * 6  # six GEMMs per block, three roles each
+  for state in scanned:
     hist = state.scaling.amax_history
     # Two updates: the two recorded amaxes rolled to the end, slot 0 cleared, per layer.
     assert np.all(hist[:, -2:] > 0) and np.all(hist[:, :-2] == 0), state.role
     assert np.all(state.scaling.scale != 1.0), state.role  # grad_output's included
-    assert not np.array_equal(hist[0], hist[1]), state.role
+    if state.role.tensor_type != "weight":  # (truncated-normal kernels share their amax)
+      assert not np.array_equal(hist[0], hist[1]), state.role
 
 
 def test_gradient_accumulation_combines_by_max():
