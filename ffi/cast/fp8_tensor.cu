@@ -7,7 +7,7 @@
 namespace jaxquant {
 namespace {
 
-constexpr int kTileRows = 64;
+template <typename T> constexpr int kTileRows = kCastTileRows<T>;
 
 struct Fp8TensorOut {
   uint8_t* row_data;   // [M, K]
@@ -20,10 +20,10 @@ template <typename T>
 __global__ __launch_bounds__(kThreads, kMinBlocks) void fp8_tensor_cast_kernel(
     const T* __restrict__ x, const float* __restrict__ amax_or_scale, int64_t M, int64_t K,
     KernelConfig cfg, Fp8TensorOut out) {
-  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows / kWarps;
-  __shared__ Vec16<T> tile[kTileRows][32];
+  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows<T> / kWarps;
+  __shared__ Vec16<T> tile[kTileRows<T>][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows<T>;
   const int64_t k0 = static_cast<int64_t>(blockIdx.y) * TC;
   const int64_t col = k0 + lane * V;
 
@@ -74,7 +74,7 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void fp8_tensor_cast_kernel(
   if (out.col_data != nullptr) {
     __syncthreads();
     // Each thread writes 16 contiguous bytes of a transposed row per chunk.
-    constexpr int kChunk = 16, kParts = kThreads / TC, kRowsPerPart = kTileRows / kParts;
+    constexpr int kChunk = 16, kParts = kThreads / TC, kRowsPerPart = kTileRows<T> / kParts;
     const int c = threadIdx.x % TC, part = threadIdx.x / TC;
     const int64_t k = k0 + c;
     const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
@@ -128,7 +128,7 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     // An empty tensor still gets its scale_inv: one CTA that touches no element.
-    const dim3 grid(M == 0 ? 1 : (M + kTileRows - 1) / kTileRows,
+    const dim3 grid(M == 0 ? 1 : (M + kTileRows<T> - 1) / kTileRows<T>,
                     K == 0 ? 1 : (K + kTileCols<T> - 1) / kTileCols<T>);
     fp8_tensor_cast_kernel<T><<<grid, kThreads, 0, stream>>>(
         reinterpret_cast<const T*>(x.untyped_data()),

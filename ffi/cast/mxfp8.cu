@@ -10,7 +10,7 @@
 namespace jaxquant {
 namespace {
 
-constexpr int kTileRows = 64;
+template <typename T> constexpr int kTileRows = kCastTileRows<T>;
 constexpr int kBlock = 32;
 
 struct Mxfp8Out {
@@ -24,10 +24,10 @@ template <typename T>
 __global__ __launch_bounds__(kThreads, kMinBlocks) void mxfp8_cast_kernel(const T* __restrict__ x,
                                                               int64_t M, int64_t K,
                                                               int32_t element, Mxfp8Out out) {
-  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows / kWarps;
-  __shared__ Vec16<T> tile[kTileRows][32];
+  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows<T> / kWarps;
+  __shared__ Vec16<T> tile[kTileRows<T>][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows<T>;
   const int64_t k0 = static_cast<int64_t>(blockIdx.y) * TC;
   const int64_t col = k0 + lane * V;
   const float fmax = element_max(element);
@@ -81,7 +81,7 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void mxfp8_cast_kernel(const 
   if (out.col_data != nullptr) {
     __syncthreads();
     // TC columns; with fp32 (TC = 128) two threads share a column, one per row half.
-    constexpr int kParts = kThreads / TC, kRowsPerPart = kTileRows / kParts;
+    constexpr int kParts = kThreads / TC, kRowsPerPart = kTileRows<T> / kParts;
     const int c = threadIdx.x % TC, part = threadIdx.x / TC;
     const int64_t k = k0 + c;
     const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
@@ -139,7 +139,7 @@ ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*ro
   if (M == 0 || K == 0) return ffi::Error::Success();
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    const dim3 grid((M + kTileRows - 1) / kTileRows, (K + kTileCols<T> - 1) / kTileCols<T>);
+    const dim3 grid((M + kTileRows<T> - 1) / kTileRows<T>, (K + kTileCols<T> - 1) / kTileCols<T>);
     mxfp8_cast_kernel<T><<<grid, kThreads, 0, stream>>>(
         reinterpret_cast<const T*>(x.untyped_data()), M, K, cfg.element, out);
     return cuda_status("mxfp8_cast");

@@ -12,7 +12,7 @@
 namespace jaxquant {
 namespace {
 
-constexpr int kTileRows = 64;
+template <typename T> constexpr int kTileRows = kCastTileRows<T>;
 constexpr int kBlock = 16;
 
 struct Nvfp4Args {
@@ -89,11 +89,11 @@ template <typename T, bool kTile2d, bool kRht, bool kSr>
 __global__ __launch_bounds__(kThreads, kMinBlocks) void nvfp4_cast_kernel(const T* __restrict__ x,
                                                               int64_t M, int64_t K,
                                                               Nvfp4Args args, Nvfp4Out out) {
-  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows / kWarps;
-  __shared__ Vec16<T> tile[kTileRows][32];
-  __shared__ uint8_t tile_scale[kTileRows / kBlock][TC / kBlock];
+  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows<T> / kWarps;
+  __shared__ Vec16<T> tile[kTileRows<T>][32];
+  __shared__ uint8_t tile_scale[kTileRows<T> / kBlock][TC / kBlock];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows<T>;
   const int64_t k0 = static_cast<int64_t>(blockIdx.y) * TC;
   const int64_t col = k0 + lane * V;
   const Philox philox{kSr ? args.seed[0] : 0u, kSr ? args.seed[1] : 0u};
@@ -123,7 +123,7 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void nvfp4_cast_kernel(const 
   if (!column_phase) return;
   __syncthreads();
 
-  constexpr int kParts = kThreads / TC, kRowsPerPart = kTileRows / kParts;
+  constexpr int kParts = kThreads / TC, kRowsPerPart = kTileRows<T> / kParts;
   const int c = threadIdx.x % TC, part = threadIdx.x / TC;
   const int64_t k = k0 + c;
   const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
@@ -223,7 +223,7 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
   args.row_scaled = cfg.row_scaled;
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    const dim3 grid((M + kTileRows - 1) / kTileRows, (K + kTileCols<T> - 1) / kTileCols<T>);
+    const dim3 grid((M + kTileRows<T> - 1) / kTileRows<T>, (K + kTileCols<T> - 1) / kTileCols<T>);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     auto launch = [&](auto kernel) {
       kernel<<<grid, kThreads, 0, stream>>>(xp, M, K, args, out);

@@ -24,7 +24,7 @@ def test_fsdp_losses_match_one_device():
   params, collections = tt.linen_init(model, windows)
   single, _ = tt.train_linen(model, params, collections, STEPS, windows)
 
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   boxed = jax.eval_shape(model.init, jax.random.key(0), windows[:, :-1])["params"]
   param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
   assert param_shardings["layer_0"]["mlp"]["wi"]["kernel"].spec == P("data", None)

@@ -8,7 +8,6 @@ only difference left is the fp32 summation order of the emulated GEMMs.
 """
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -83,16 +82,7 @@ def _run_both(recipe):
   return run(x, w, b, dy, _pad_groups(np.asarray(x)), _pad_groups(np.asarray(dy)))
 
 
-# The reference's exact-fp32 graphs make each quantized recipe 50-160 s of tracing and
-# compiling on CPU (grouped op plus oracle); the full matrix runs with JAXQUANT_FULL_TESTS=1.
-_FULL = pytest.mark.skipif(not os.environ.get("JAXQUANT_FULL_TESTS"),
-                           reason="slow on CPU; set JAXQUANT_FULL_TESTS=1")
-
-
-@pytest.mark.parametrize("name", ["bf16", pytest.param("fp8_current", marks=_FULL),
-                                  pytest.param("mxfp8", marks=_FULL),
-                                  pytest.param("nvfp4", marks=_FULL),
-                                  pytest.param("hybrid", marks=_FULL)])
+@pytest.mark.parametrize("name", ["bf16", "fp8_current", "mxfp8", "nvfp4", "hybrid"])
 def test_matches_per_expert_dense(name):
   (y, dx, dw, db), (yo, dxo, dwo, dbo) = _run_both(_recipe(name))
   tol = dict(rtol=2e-5, atol=2e-5 * float(np.abs(np.asarray(yo)).max()))

@@ -29,11 +29,13 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+// NaN becomes the canonical quiet NaN (as XLA's convert gives), not the payload-keeping
+// pattern of the intrinsics.
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
+  return v != v ? __ushort_as_bfloat16(0x7FC0) : __float2bfloat16_rn(v);
 }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
+  return v != v ? __ushort_as_half(0x7E00) : __float2half_rn(v);
 }
 
 // Largest finite value of the input dtype: the per-tensor scale used when fmax / amax
@@ -177,9 +179,9 @@ __device__ __forceinline__ uint32_t e2m1_code_sr(float v, uint32_t u) {
     // Lower neighbour: the largest magnitude <= a.
     code = (a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f);
     const float lo = code < 4 ? 0.5f * code : (code == 4 ? 2.0f : code == 5 ? 3.0f : 4.0f);
-    const float hi = code < 3 ? 0.5f * (code + 1) : (code == 3 ? 2.0f : code == 4 ? 3.0f
-                                                                 : code == 5 ? 4.0f : 6.0f);
-    const float frac = (a - lo) / (hi - lo);
+    // hi - lo is 0.5, 1 or 2: multiplying by its reciprocal is the exact division.
+    const float inv_step = code < 3 ? 2.0f : code < 6 ? 1.0f : 0.5f;
+    const float frac = (a - lo) * inv_step;
     const float threshold = (static_cast<float>(u) + 0.5f) * (1.0f / 256.0f);
     code += frac > threshold;
   }

@@ -15,14 +15,18 @@ namespace jaxquant {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// Resident CTAs per SM the cast kernels ask the compiler for (caps registers at 128), so that
+// Resident CTAs per SM the cast kernels ask the compiler for (caps registers at 64), so that
 // one CTA's loads overlap another's compute and stores.
-constexpr int kMinBlocks = 2;
+constexpr int kMinBlocks = 4;
 
 // Elements of T in one 16-byte vector.
 template <typename T> constexpr int kVec = 16 / sizeof(T);
 // Tile width: one warp covers one tile row with one vector per lane.
 template <typename T> constexpr int kTileCols = 32 * kVec<T>;
+// Tile height of the one-pass casts: 32 rows per column-phase thread (one MXFP8 block, two
+// NVFP4 blocks); with fp32 (128-column tiles) two threads share a column, hence 64 rows.
+// Short tiles keep registers low, so several CTAs per SM overlap loads with compute.
+template <typename T> constexpr int kCastTileRows = 32 * (kThreads / kTileCols<T>);
 
 template <typename T>
 struct alignas(16) Vec16 {
