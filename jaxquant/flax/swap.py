@@ -51,9 +51,8 @@ def _linen_interceptor(recipe: Optional[recipes.CustomRecipe], annotate: bool):
 class QuantizedModel(nn.Module):
   """A Linen model whose Dense / DenseGeneral / Einsum GEMMs follow `recipe`.
 
-  Same params as `module`. Only `__call__` is quantized; for another method `f` use
-  `quantized.apply(variables, ..., method=lambda m, *a: m(*a))` on a module whose
-  `__call__` calls it, or wrap that call in `jaxquant.flax.swap.intercepting(recipe)`.
+  Same params as `module`. Only `__call__` is quantized; to quantize the GEMMs of
+  another method, call it inside `intercepting(recipe)`.
   """
 
   module: nn.Module

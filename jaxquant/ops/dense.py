@@ -18,27 +18,11 @@ import jax.numpy as jnp
 from jaxquant import recipes
 from jaxquant.formats import INPUT_DTYPES
 from jaxquant.ops.dense_vjp import DenseConfig, dense_2d
-from jaxquant.ops.operands import (check_dims, check_placement, check_role_args, is_high_precision,
-                                   role_key, usages_to_quantize)
-from jaxquant.quantizers import QUANTIZER_TYPES, Quantizer, needs_key, needs_state
+from jaxquant.ops.operands import (check_dims, check_placement, check_role_args, check_state,
+                                   is_high_precision, resolve_quantizers, role_key,
+                                   usages_to_quantize)
+from jaxquant.quantizers import Quantizer, needs_key
 from jaxquant.roles import TENSOR_TYPES
-
-
-def _quantizers(recipe, quantizers, module_type: str, name: str, what: str):
-  """({tensor_type: quantizer or None}, the default backward mode)."""
-  if recipe is not None and quantizers is not None:
-    raise ValueError(f"{what}: pass recipe= or quantizers=, not both")
-  if quantizers is None:
-    recipe = recipes.resolve(recipe)
-    return recipe.quantizers(module_type, name), recipe.backward
-  unknown = set(quantizers) - set(TENSOR_TYPES)
-  if unknown:
-    raise ValueError(f"{what}: quantizers has unknown tensor types {sorted(unknown)}; "
-                     f"expected keys among {TENSOR_TYPES}")
-  for t, q in quantizers.items():
-    if q is not None and not isinstance(q, QUANTIZER_TYPES):
-      raise TypeError(f"{what}: quantizers[{t!r}] must be a jaxquant quantizer or None, got {q!r}")
-  return {t: quantizers.get(t) for t in TENSOR_TYPES}, "quantized"
 
 
 def _check_shapes(x, kernel, bias, what: str) -> None:
@@ -54,18 +38,6 @@ def _check_shapes(x, kernel, bias, what: str) -> None:
   for arg, a in (("x", x), ("kernel", kernel)) + ((("bias", bias),) if bias is not None else ()):
     if jnp.dtype(a.dtype) not in INPUT_DTYPES:
       raise TypeError(f"{what}: {arg} dtype must be one of bfloat16, float16, float32, got {a.dtype}")
-
-
-def _check_state(quantizers, state, what: str) -> None:
-  stateful = {t for t, q in quantizers.items() if needs_state(q)}
-  given = set(state or {})
-  if state is not None and given - stateful:
-    raise ValueError(f"{what}: state has entries {sorted(given - stateful)} whose quantizers "
-                     "do not use delayed scaling; state holds exactly the delayed roles "
-                     f"({sorted(stateful) or 'none here'})")
-  if stateful - given:
-    raise ValueError(f"{what}: roles {sorted(stateful - given)} use delayed scaling: pass "
-                     "state={tensor_type: scaling.init_state(quantizer)} for each")
 
 
 def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
@@ -99,11 +71,11 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
   """
   what = f"dense {name!r}"
   _check_shapes(x, kernel, bias, what)
-  quantizers, default_backward = _quantizers(recipe, quantizers, module_type, name, what)
+  quantizers, default_backward = resolve_quantizers(recipe, quantizers, module_type, name, what)
   backward = default_backward if backward is None else backward
   if backward not in recipes.BACKWARD_MODES:
     raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")
-  _check_state(quantizers, state, what)
+  check_state(quantizers, state, what)
 
   if is_high_precision(quantizers):
     y = jnp.dot(x, kernel.astype(x.dtype))

@@ -31,8 +31,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import recipes, scaling
 from jaxquant.formats import INPUT_DTYPES
-from jaxquant.ops.dense import _check_state, _quantizers
-from jaxquant.ops.operands import check_placement, check_role_args, role_key, usages_to_quantize
+from jaxquant.ops.operands import (check_placement, check_role_args, check_state, resolve_quantizers,
+                                   role_key, usages_to_quantize)
 from jaxquant.ops.ragged import ragged_contract, ragged_matmul
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key
 from jaxquant.reference import grouped as ref
@@ -297,11 +297,11 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   """
   what = f"grouped_dense {name!r}"
   _check_args(x, kernel, group_sizes, bias, what)
-  quantizers, default_backward = _quantizers(recipe, quantizers, MODULE_TYPE, name, what)
+  quantizers, default_backward = resolve_quantizers(recipe, quantizers, MODULE_TYPE, name, what)
   backward = default_backward if backward is None else backward
   if backward not in recipes.BACKWARD_MODES:
     raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")
-  _check_state(quantizers, state, what)
+  check_state(quantizers, state, what)
   check_placement(quantizers, backward, what)
   num_groups, k, n = kernel.shape
   _check_weight_dims(quantizers, backward, k, n, what)

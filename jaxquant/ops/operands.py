@@ -26,8 +26,9 @@ from typing import Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxquant import reference
-from jaxquant.quantizers import NVFP4Quantizer, Quantizer, for_usage, needs_key, needs_state
+from jaxquant import recipes, reference
+from jaxquant.quantizers import (QUANTIZER_TYPES, NVFP4Quantizer, Quantizer, for_usage, needs_key,
+                                 needs_state)
 from jaxquant.roles import TENSOR_TYPES
 from jaxquant.tensor import USAGES, QuantizedData, Usage
 
@@ -191,3 +192,33 @@ def columnwise_operand(residual, backward: str):
   if backward == "high_precision":
     return stored(residual, "columnwise")
   return stored(dequantized(residual, "rowwise"), "columnwise")
+
+
+def resolve_quantizers(recipe, quantizers, module_type: str, name: str, what: str):
+  """({tensor_type: quantizer or None}, the default backward mode) from a recipe or a dict."""
+  if recipe is not None and quantizers is not None:
+    raise ValueError(f"{what}: pass recipe= or quantizers=, not both")
+  if quantizers is None:
+    recipe = recipes.resolve(recipe)
+    return recipe.quantizers(module_type, name), recipe.backward
+  unknown = set(quantizers) - set(TENSOR_TYPES)
+  if unknown:
+    raise ValueError(f"{what}: quantizers has unknown tensor types {sorted(unknown)}; "
+                     f"expected keys among {TENSOR_TYPES}")
+  for t, q in quantizers.items():
+    if q is not None and not isinstance(q, QUANTIZER_TYPES):
+      raise TypeError(f"{what}: quantizers[{t!r}] must be a jaxquant quantizer or None, got {q!r}")
+  return {t: quantizers.get(t) for t in TENSOR_TYPES}, "quantized"
+
+
+def check_state(quantizers, state, what: str) -> None:
+  """State must hold exactly the delayed-scaling roles."""
+  stateful = {t for t, q in quantizers.items() if needs_state(q)}
+  given = set(state or {})
+  if state is not None and given - stateful:
+    raise ValueError(f"{what}: state has entries {sorted(given - stateful)} whose quantizers "
+                     "do not use delayed scaling; state holds exactly the delayed roles "
+                     f"({sorted(stateful) or 'none here'})")
+  if stateful - given:
+    raise ValueError(f"{what}: roles {sorted(stateful - given)} use delayed scaling: pass "
+                     "state={tensor_type: scaling.init_state(quantizer)} for each")
