@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm import data, presets, recipes, report, training
-from lm.model import MoeMlpFactory, TransformerLM
+from lm.model import TransformerLM
+from lm.moe import moe_mlp_factory
 from lm.progress import ProgressBar
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
@@ -52,14 +53,16 @@ def with_steps(train: presets.TrainConfig, steps: int | None) -> presets.TrainCo
   return dataclasses.replace(train, steps=steps, warmup_steps=min(train.warmup_steps, max(1, steps // 10)))
 
 
-def moe_mlp_factory_from_jaxquant() -> MoeMlpFactory:
-  try:
-    from jaxquant.flax import moe_mlp_factory
-  except ImportError as error:
-    raise NotImplementedError(
-        "--moe needs jaxquant.flax.moe_mlp_factory (the MoE block on grouped GEMMs), which "
-        f"this jaxquant install does not provide yet ({error}). Run without --moe.") from error
-  return moe_mlp_factory
+def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipes.RecipeModel]:
+  """Every recipe's model, built before any trains: a bad recipe fails now, not in an hour."""
+  models = {}
+  for name in recipe_names:
+    recipe = recipes.recipe_for(name, config.n_layers)
+    if moe:
+      recipe = recipes.for_moe_block(recipe)
+    plain_model = TransformerLM(config, moe_mlp_factory(recipe) if moe else None)
+    models[name] = recipes.model_for_recipe(plain_model, recipe)
+  return models
 
 
 def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig, shared_params,
@@ -122,11 +125,9 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   preset = presets.PRESETS[args.preset]
   train_config = with_steps(preset.train, args.steps)
   recipe_names = recipes.parse_recipe_names(args.recipes)
-  moe_factory = moe_mlp_factory_from_jaxquant() if args.moe else None
-  plain_model = TransformerLM(preset.model, moe_factory)
-  # Resolve every recipe before training any: a missing one fails now, not after an hour.
-  models = {name: recipes.model_for_recipe(plain_model, name, preset.model.n_layers)
-            for name in recipe_names}
+  models = build_models(recipe_names, preset.model, args.moe)
+  # Every recipe starts from these: the bf16 (plain) model's parameters.
+  plain_model = build_models([recipes.PLAIN_RECIPE], preset.model, args.moe)[recipes.PLAIN_RECIPE]
 
   corpus = data.load_stdlib_corpus()
   entropy = data.unigram_entropy_nats(corpus.validation)
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
 
   seq_len = preset.model.seq_len
   sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
-  shared_params = training.init_variables(plain_model, jax.random.key(args.seed),
+  shared_params = training.init_variables(plain_model.module, jax.random.key(args.seed),
                                           sample_tokens)[training.PARAMS]
   n_params = sum(p.size for p in jax.tree.leaves(shared_params))
   print(f"model: {n_params:,} parameters, preset {args.preset!r}, {train_config.steps} steps of "

@@ -37,9 +37,12 @@ class ModelConfig:
 
 
 # The MoE hook. A factory `moe_mlp_factory(config, name=...)` returns a module mapping
-# [batch, seq, d_model] -> [batch, seq, d_model]; it replaces every block's MLP. It will
-# come from jaxquant.flax (the grouped-GEMM MoE block); the plain model needs none.
+# [batch, seq, d_model] -> [batch, seq, d_model]; it replaces every block's MLP (lm/moe.py
+# builds one on jaxquant's MoE block).
 MoeMlpFactory = Callable[..., nn.Module]
+# Any module may sow auxiliary losses (already weighted, e.g. MoE load balancing) into this
+# collection; the train step adds their sum to the loss it differentiates.
+AUX_LOSSES = "aux_losses"
 
 
 def rotary_embedding(x: jax.Array, base: float = 10000.0) -> jax.Array:

@@ -1,8 +1,10 @@
-"""Recipe names -> the model each recipe trains.
+"""Recipe names -> the jaxquant recipe, and the model each recipe trains.
 
 This is the example's one quantization seam: 'bf16' trains the plain model; every other
 name hands the plain model and a jaxquant recipe to `jaxquant.flax.quantize_model`, which
-swaps its nn.Dense layers for quantized ones with the same parameters. What the train
+swaps its nn.Dense layers for quantized ones with the same parameters (the MoE block's
+grouped projections take the recipe directly, lm/moe.py). 'custom' is a per-role policy
+written here as a `CustomRecipe`: nvidia_nvfp4_policy. What the train
 step must do beyond the plain model's (advance delayed-scaling state, feed stochastic
 rounding a key) comes back with it in a `RecipeModel`, so training.py knows no recipe.
 """
@@ -11,14 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
+from jaxquant import recipes as jq_recipes
+from jaxquant.flax import quantize_model, update_quant_state
+from jaxquant.flax.linen import QUANT_RNG
+from jaxquant.ops.grouped_dense import MODULE_TYPE as GROUPED_LINEAR
+from jaxquant.quantizers import Quantizer, needs_state
+from jaxquant.roles import QuantizerRole
 
 PLAIN_RECIPE = "bf16"
 # Presets of jaxquant.recipes, by the same name.
 PRESET_RECIPES = ("fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "hybrid")
-# A per-role policy written here with CustomRecipe: nvfp4_with_bf16_tail below.
+# A per-role policy written here with CustomRecipe: nvidia_nvfp4_policy below.
 CUSTOM_RECIPE = "custom"
 RECIPE_NAMES = (PLAIN_RECIPE,) + PRESET_RECIPES + (CUSTOM_RECIPE,)
 
@@ -59,41 +67,56 @@ def layer_index(module_path: str) -> Optional[int]:
   return int(match.group(1)) if match else None
 
 
-def nvfp4_with_bf16_tail(n_layers: int, nvfp4_factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
-  """A per-role policy after NVIDIA's NVFP4 recipe: NVFP4 GEMMs, the last layers in bf16.
+def nvidia_nvfp4_policy(n_layers: int) -> jq_recipes.CustomRecipe:
+  """NVIDIA's NVFP4 pretraining recipe as a per-role policy (a CustomRecipe).
 
-  Roles in the last BF16_TAIL_FRACTION of the decoder layers (at least one) and outside
-  them (the output head) get None, i.e. bf16; every other role gets nvfp4_factory's
-  quantizer.
+  The GEMMs of the last BF16_TAIL_FRACTION of the decoder layers (at least one) and the
+  output head, which sits outside the layers, run in bf16 (None); every other role gets
+  jaxquant's NVFP4 preset quantizer for it.
   """
   first_bf16_layer = n_layers - max(1, round(BF16_TAIL_FRACTION * n_layers))
 
-  def qfactory(role):
+  def qfactory(role: QuantizerRole) -> Optional[Quantizer]:
     layer = layer_index(role.name)
     if layer is None or layer >= first_bf16_layer:
       return None
-    return nvfp4_factory(role)
+    return jq_recipes.nvfp4_factory(role)
 
-  return qfactory
+  return jq_recipes.CustomRecipe(qfactory, name=CUSTOM_RECIPE)
 
 
-def model_for_recipe(plain_model: nn.Module, name: str, n_layers: int) -> RecipeModel:
-  """The model that trains under recipe `name`; raises early, naming what is missing."""
-  if name == PLAIN_RECIPE:
-    return RecipeModel(plain_model, keep_forward_state, rng_streams=())
-  try:
-    from jaxquant import recipes as jaxquant_recipes
-    from jaxquant.flax import quantize_model, update_quant_state
-    from jaxquant.flax.linen import QUANT_RNG
-  except ImportError as error:
-    raise RuntimeError(
-        f"recipe {name!r} needs jaxquant.flax.quantize_model and jaxquant.recipes, which this "
-        f"jaxquant install does not provide ({error}). Run with --recipes {PLAIN_RECIPE} meanwhile."
-    ) from error
+def recipe_for(name: str, n_layers: int) -> jq_recipes.CustomRecipe:
+  """jaxquant's preset recipe of that name, or the custom per-role policy."""
   if name == CUSTOM_RECIPE:
-    recipe = jaxquant_recipes.CustomRecipe(
-        nvfp4_with_bf16_tail(n_layers, jaxquant_recipes.nvfp4_factory), name=CUSTOM_RECIPE)
-  else:
-    recipe = jaxquant_recipes.get(name)
+    return nvidia_nvfp4_policy(n_layers)
+  return jq_recipes.get(name)
+
+
+def for_moe_block(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:
+  """The recipe adapted to the MoE block (lm/moe.py).
+
+  - The router (a [d_model, experts] nn.Dense) stays in high precision: its few logits
+    decide where every token goes, and its tiny output dimension does not tile into
+    quantization blocks.
+  - The grouped expert projections hold no delayed-scaling state yet (jaxquant's
+    GroupedDense raises for it), so where the recipe says delayed scaling they use the same
+    FP8 formats with current scaling.
+  """
+
+  def qfactory(role):
+    if role.name.rsplit("/", 1)[-1] == "router":
+      return None
+    quantizer = recipe.quantizer(role)
+    if role.module_type == GROUPED_LINEAR and needs_state(quantizer):
+      return jq_recipes.fp8_current_factory(role)
+    return quantizer
+
+  return jq_recipes.CustomRecipe(qfactory, backward=recipe.backward, name=recipe.name)
+
+
+def model_for_recipe(plain_model: nn.Module, recipe: jq_recipes.CustomRecipe) -> RecipeModel:
+  """What trains under the recipe: bf16 the plain model, the rest its quantized swap-in."""
+  if recipe.name == PLAIN_RECIPE:
+    return RecipeModel(plain_model, keep_forward_state, rng_streams=())
   return RecipeModel(quantize_model(plain_model, recipe), update_quant_state,
                      rng_streams=(QUANT_RNG,))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lm.model import AUX_LOSSES
 from lm.presets import TrainConfig
 from lm.recipes import RecipeModel
 
@@ -46,7 +47,9 @@ def init_variables(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
                    rng_streams: tuple[str, ...] = ()) -> dict:
   keys = jax.random.split(key, 1 + len(rng_streams))
   rngs = {PARAMS: keys[0], **dict(zip(rng_streams, keys[1:]))}
-  return jax.jit(model.init)(rngs, sample_tokens)
+  # Unboxed: jaxquant's own layers (the MoE block's) box their weights with role metadata,
+  # which differs between recipes and would make the param trees differ.
+  return nn.unbox(jax.jit(model.init)(rngs, sample_tokens))
 
 
 def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
@@ -78,13 +81,17 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Array,
            rng: jax.Array):
-  """Loss of windows [batch, seq + 1] and the collections as the model left them."""
+  """(objective, (next-token loss, collections as the model left them)) of windows
+  [batch, seq + 1]; the objective adds the auxiliary losses the model sowed."""
   windows = windows.astype(jnp.int32)
   inputs, targets = windows[:, :-1], windows[:, 1:]
   rngs = {stream: jax.random.fold_in(rng, i) for i, stream in enumerate(model.rng_streams)}
   logits, updated = model.module.apply({PARAMS: params, **collections}, inputs, rngs=rngs,
-                                       mutable=list(collections))
-  return next_token_loss(logits, targets), dict(updated)
+                                       mutable=[*collections, AUX_LOSSES])
+  updated = dict(updated)
+  aux_loss = sum(jax.tree.leaves(updated.pop(AUX_LOSSES, {})), jnp.float32(0))
+  loss = next_token_loss(logits, targets)
+  return loss + aux_loss, (loss, updated)
 
 
 def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation
@@ -96,7 +103,7 @@ def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation
                                                               step_rng)
     # Gradients w.r.t. the collections carry what only the backward pass sees (delayed
     # scaling's grad_output amax); allow_int lets integer state (counters) pass through.
-    (loss, forward_collections), (grads, collection_grads) = jax.value_and_grad(
+    (_, (loss, forward_collections)), (grads, collection_grads) = jax.value_and_grad(
         loss_and_collections, argnums=(0, 1), has_aux=True, allow_int=True)(
             state.params, state.collections)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -112,7 +119,7 @@ def make_eval_step(model: RecipeModel) -> Callable[[TrainState, jax.Array], jax.
   def eval_step(state: TrainState, windows: jax.Array) -> jax.Array:
     # Collections are mutable here too (a layer may write its state on every call), but
     # evaluation keeps none of the changes.
-    loss, _ = _apply(model, state.params, state.collections, windows, state.rng)
+    _, (loss, _) = _apply(model, state.params, state.collections, windows, state.rng)
     return loss
 
   return jax.jit(eval_step)

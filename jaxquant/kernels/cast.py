@@ -10,7 +10,6 @@ device casts only its own shard.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax._src.core import ShapedArray
 

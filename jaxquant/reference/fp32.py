@@ -195,12 +195,13 @@ def _host_exact(exact_fn):
   return lambda a, b: np.asarray(compiled(a, b))
 
 
-def _with_exact_fallback(exact_fn, hw_result, a, b, exact_zero=None):
+def _with_exact_fallback(exact_fn, hw_result, a, b, exact_zero=None, ieee_elsewhere=True):
   """The hardware result where it is IEEE-exact, the integer emulation elsewhere.
 
   Only XLA's CPU runtime flushes subnormals (it sets FTZ/DAZ for every computation, with
-  no flag to turn that off); GPUs follow IEEE, so other platforms take the hardware
-  result. On the CPU the emulation runs only when an element needs it, and runs as a
+  no flag to turn that off); elsewhere the hardware result is IEEE where
+  `ieee_elsewhere` (GPU multiplies and adds round correctly; XLA:GPU's fp32 division is
+  the approximate div.full.f32, so division takes the emulation there). On the CPU the emulation runs only when an element needs it, and runs as a
   separately compiled program through a host callback: inlined, its hundreds of integer
   operations at every call site multiplied the compile time of each quantize several
   times, for a path that ordinary data never takes.
@@ -214,7 +215,8 @@ def _with_exact_fallback(exact_fn, hw_result, a, b, exact_zero=None):
     return jnp.where(ok, hw_result, exact)
 
   cpu = lambda: lax.cond(jnp.all(ok), lambda: hw_result, patched)
-  return lax.platform_dependent(cpu=cpu, default=lambda: hw_result)
+  elsewhere = (lambda: hw_result) if ieee_elsewhere else (lambda: exact_fn(a, b))
+  return lax.platform_dependent(cpu=cpu, default=elsewhere)
 
 
 # jit: traced once per operand shape and cached, as references call these many times.
@@ -244,7 +246,7 @@ def div(a, b):
   """fl32(a / b), IEEE round-to-nearest-even including subnormals."""
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
-  return _with_exact_fallback(_div_exact, a / b, a, b)
+  return _with_exact_fallback(_div_exact, a / b, a, b, ieee_elsewhere=False)
 
 
 def _normalized(x):

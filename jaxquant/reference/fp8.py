@@ -27,10 +27,7 @@ def scale_from_amax(amax, fmax: float, *, eps: float, pow2: bool, input_dtype) -
   eps_bits = fp32.bits(jnp.float32(eps))
   amax_bits = fp32.bits(amax)
   a = fp32.from_bits(jnp.where(amax_bits < eps_bits, eps_bits, amax_bits))
-  # Hardware division is exact here: a subnormal `a` overflows the quotient in IEEE and
-  # divides by a flushed zero on a flushing backend, inf either way; otherwise the
-  # quotient is at least fmax / FLT_MAX, a normal number.
-  scale = jnp.float32(fmax) / a
+  scale = fp32.div(jnp.float32(fmax), a)
   value_for_inf = jnp.float32(jnp.finfo(input_dtype).max)
   scale = jnp.where(jnp.isinf(scale), value_for_inf, scale)
   if pow2:

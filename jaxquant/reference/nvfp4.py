@@ -17,9 +17,7 @@ _ONE_SIXTH = np.float32(1.0) / np.float32(6.0)
 
 def global_scales(amax: jax.Array):
   """(S_enc, S_dec) from a global amax (scalar or per row)."""
-  # Hardware division is exact here for the same reason as FP8's fmax / amax: a subnormal
-  # amax gives inf (IEEE overflow, or division by a flushed zero), then FLT_MAX.
-  s_enc = jnp.minimum(jnp.float32(2688.0) / amax, _FLT_MAX)
+  s_enc = jnp.minimum(fp32.div(jnp.float32(2688.0), amax), _FLT_MAX)
   s_enc = jnp.where(fp32.is_zero(amax) | fp32.is_zero(s_enc), jnp.float32(1.0), s_enc)
   return s_enc, fp32.div(jnp.float32(1.0), s_enc)
 
@@ -33,8 +31,10 @@ def _encode_stochastic(y: jax.Array, random_bits: jax.Array) -> jax.Array:
   """E2M1 code of y, rounding up with probability equal to y's position between grid points."""
   v = jnp.abs(y)
   lo_code, lo, hi = elements.e2m1_neighbours(v)
-  frac = (v - lo) / (hi - lo)  # exact: v - lo is Sterbenz-exact and hi - lo a power of two
-  threshold = (random_bits.astype(jnp.float32) + 0.5) / 256.0
+  # Exact: v - lo is Sterbenz-exact and hi - lo a power of two, so multiplying by its
+  # reciprocal is exact too (a hardware division need not be: XLA:GPU's is approximate).
+  frac = (v - lo) * (1.0 / (hi - lo))
+  threshold = (random_bits.astype(jnp.float32) + 0.5) * jnp.float32(1.0 / 256.0)
   mag = lo_code + (frac > threshold).astype(jnp.uint32)
   mag = jnp.where(v >= 6.0, jnp.uint32(7), mag)
   sign = fp32.bits(y) >> 31

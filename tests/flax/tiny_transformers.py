@@ -32,47 +32,53 @@ def _init(names):
 
 
 class Attention(nn.Module):
+  dtype: jnp.dtype = DTYPE
 
   @nn.compact
   def __call__(self, x):
     def heads(name):
-      return nn.DenseGeneral((HEADS, HEAD_DIM), dtype=DTYPE, name=name,
+      return nn.DenseGeneral((HEADS, HEAD_DIM), dtype=self.dtype, name=name,
                              kernel_init=_init(("embed", "heads", "kv")))(x)
     q, k, v = heads("query"), heads("key"), heads("value")
     mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-    attended = nn.dot_product_attention(q, k, v, mask=mask, dtype=DTYPE)
-    return nn.Einsum((HEADS, HEAD_DIM, D_MODEL), "bshd,hdm->bsm", dtype=DTYPE, name="out",
+    attended = nn.dot_product_attention(q, k, v, mask=mask, dtype=self.dtype)
+    return nn.Einsum((HEADS, HEAD_DIM, D_MODEL), "bshd,hdm->bsm", dtype=self.dtype, name="out",
                      kernel_init=_init(("heads", "kv", "embed")))(attended)
 
 
 class Mlp(nn.Module):
+  dtype: jnp.dtype = DTYPE
 
   @nn.compact
   def __call__(self, x):
-    h = nn.Dense(D_FF, dtype=DTYPE, name="wi", kernel_init=_init(("embed", "mlp")))(x)
-    return nn.Dense(D_MODEL, dtype=DTYPE, name="wo", kernel_init=_init(("mlp", "embed")))(nn.gelu(h))
+    h = nn.Dense(D_FF, dtype=self.dtype, name="wi", kernel_init=_init(("embed", "mlp")))(x)
+    return nn.Dense(D_MODEL, dtype=self.dtype, name="wo",
+                    kernel_init=_init(("mlp", "embed")))(nn.gelu(h))
 
 
 class Block(nn.Module):
+  dtype: jnp.dtype = DTYPE
 
   @nn.compact
   def __call__(self, x):
-    x = x + Attention(name="attention")(nn.RMSNorm(dtype=DTYPE)(x))
-    return x + Mlp(name="mlp")(nn.RMSNorm(dtype=DTYPE)(x))
+    x = x + Attention(self.dtype, name="attention")(nn.RMSNorm(dtype=self.dtype)(x))
+    return x + Mlp(self.dtype, name="mlp")(nn.RMSNorm(dtype=self.dtype)(x))
 
 
 class LinenLM(nn.Module):
-  """tokens [batch, seq] -> logits [batch, seq, vocab] fp32."""
+  """tokens [batch, seq] -> logits [batch, seq, vocab] fp32; `dtype` is the compute dtype."""
+
+  dtype: jnp.dtype = DTYPE
 
   @nn.compact
   def __call__(self, tokens):
-    x = nn.Embed(VOCAB, D_MODEL, dtype=DTYPE, name="embed",
+    x = nn.Embed(VOCAB, D_MODEL, dtype=self.dtype, name="embed",
                  embedding_init=_init(("vocab", "embed")))(tokens)
     for i in range(LAYERS):
-      x = Block(name=f"layer_{i}")(x)
-    x = nn.RMSNorm(dtype=DTYPE)(x)
-    return nn.Dense(VOCAB, dtype=DTYPE, name="head", kernel_init=_init(("embed", "vocab")))(x) \
-        .astype(jnp.float32)
+      x = Block(self.dtype, name=f"layer_{i}")(x)
+    x = nn.RMSNorm(dtype=self.dtype)(x)
+    return nn.Dense(VOCAB, dtype=self.dtype, name="head",
+                    kernel_init=_init(("embed", "vocab")))(x).astype(jnp.float32)
 
 
 class ScanBlock(nn.Module):
