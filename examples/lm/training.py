@@ -67,7 +67,8 @@ def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
   if expected != got:
     raise ValueError("the recipe's model has other parameters than the plain model "
                      f"(paths or shapes differ):\n plain: {expected}\n recipe: {got}")
-  collections = {name: value for name, value in variables.items() if name != PARAMS}
+  collections = {name: value for name, value in variables.items()
+                 if name not in (PARAMS, AUX_LOSSES)}
   # A copy: the train step donates its state, and the next recipe needs the originals.
   params = jax.tree.map(jnp.copy, shared_params)
   return TrainState(params=params, opt_state=optimizer.init(params), collections=collections,
