@@ -5,7 +5,7 @@ starts from the same parameters and sees the same batches in the same order, so 
 validation-loss gaps between recipes come from the number formats alone.
 
   python examples/train_lm.py                         # all recipes, the cpu preset
-  python examples/train_lm.py --preset gpu            # ~57M parameters, for one H100
+  python examples/train_lm.py --preset gpu            # ~58M parameters, for one H100
   python examples/train_lm.py --recipes bf16,mxfp8 --steps 100
 
 Outputs (in --out): val_loss.png (the validation curves of all recipes), results.md (final
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import pathlib
 import time
 
@@ -24,10 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm import data, presets, recipes, report, training
-from lm.model import TransformerLM
+from lm.model import ModelConfig, TransformerLM, fused_attention_compiles
 from lm.moe import moe_mlp_factory
 from lm.progress import ProgressBar
 
+# The host waits for the device once every SYNC_EVERY steps (and at each eval), not every
+# step: in between it queues the next steps while the device computes.
+SYNC_EVERY = 10
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
 RECIPE_HELP = ("'all' or a comma-separated list of: " + ", ".join(recipes.RECIPE_NAMES) +
                f". '{recipes.CUSTOM_RECIPE}' is a per-role policy: NVFP4 with the last layers "
@@ -42,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--moe", action="store_true", help="replace each MLP with jaxquant's MoE block")
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output folder")
   parser.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data order")
+  parser.add_argument("--time-budget-s", type=float,
+                      help="stop training once the run has taken this many seconds; the outputs "
+                      "mark the recipe that was cut short and those not run")
   return parser.parse_args(argv)
 
 
@@ -65,9 +72,10 @@ def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipe
   return models
 
 
-def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig, shared_params,
-                 corpus: data.ByteCorpus, validation_batches: jax.Array,
-                 seed: int) -> report.RecipeResult:
+def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig,
+                 shared_params, corpus: data.ByteCorpus, validation_batches: jax.Array, seed: int,
+                 deadline: float) -> report.RecipeResult:
+  """Trains one recipe; stops early (and says so in the result) once perf_counter() > deadline."""
   seq_len = validation_batches.shape[-1] - 1
   tokens_per_step = train_config.batch_size * seq_len
   optimizer = training.make_optimizer(train_config)
@@ -80,36 +88,47 @@ def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.Tr
   def validation_loss() -> float:
     return float(np.mean([eval_step(state, windows) for windows in validation_batches]))
 
-  result = report.RecipeResult(name, eval_steps=[0], val_losses=[validation_loss()],
-                               train_losses=[], step_seconds=[], compile_seconds=0.0)
+  result = report.RecipeResult(name, planned_steps=train_config.steps, eval_steps=[0],
+                               val_losses=[validation_loss()], train_losses=[],
+                               window_step_seconds=[], compile_seconds=0.0)
   batches = data.train_batches(corpus.train, seed, train_config.batch_size, seq_len)
   progress = ProgressBar(name, train_config.steps)
-  smoothed_step_seconds = None
+  window_losses, window_start = [], time.perf_counter()
   for step in range(1, train_config.steps + 1):
-    windows = next(batches)
-    start = time.perf_counter()
-    state, loss = train_step(state, windows)
-    loss = float(loss)  # waits for the step, so each step's time is its own
-    seconds = time.perf_counter() - start
-    if step == 1:
-      result.compile_seconds = seconds
-    else:
-      result.step_seconds.append(seconds)
-      smoothed_step_seconds = seconds if smoothed_step_seconds is None else (
-          0.9 * smoothed_step_seconds + 0.1 * seconds)
-    result.train_losses.append(loss)
-    progress.update(step, loss, tokens_per_step / (smoothed_step_seconds or seconds))
-    if step % train_config.eval_every == 0 or step == train_config.steps:
-      result.eval_steps.append(step)
-      result.val_losses.append(validation_loss())
+    state, loss = train_step(state, next(batches))
+    window_losses.append(loss)  # a device array: the host runs ahead until the window ends
+    evaluate = step % train_config.eval_every == 0 or step == train_config.steps
+    if step == 1 or evaluate or step % SYNC_EVERY == 0:
+      result.train_losses.extend(float(l) for l in window_losses)  # waits for the window
+      seconds = (time.perf_counter() - window_start) / len(window_losses)
+      if step == 1:
+        result.compile_seconds = seconds
+      else:
+        result.window_step_seconds.append(seconds)
+      progress.update(step, result.train_losses[-1], tokens_per_step / seconds)
+      out_of_time = time.perf_counter() > deadline
+      if evaluate or out_of_time:
+        result.eval_steps.append(step)
+        result.val_losses.append(validation_loss())
+      if out_of_time:
+        break
+      window_losses, window_start = [], time.perf_counter()
   progress.close()
-  if not result.step_seconds:  # a one-step run: its only step compiled too
-    result.step_seconds.append(result.compile_seconds)
+  if not result.window_step_seconds:  # a one-step run: its only step compiled too
+    result.window_step_seconds.append(result.compile_seconds)
   return result
 
 
-def run_info(args, preset: presets.Preset, train_config, n_params: int, corpus, entropy) -> dict:
-  model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(preset.model).items()}
+def write_outputs(out: pathlib.Path, results: list[report.RecipeResult], not_run: list[str],
+                  entropy: float, title: str, info: dict) -> None:
+  out.mkdir(parents=True, exist_ok=True)
+  report.write_curves_json(out / report.CURVES_JSON, results, {**info, "not_run": not_run})
+  report.plot_validation_curves(out / report.CURVES_PNG, results, entropy, title)
+  report.write_results_table(out / report.RESULTS_TABLE, results, not_run, entropy, title)
+
+
+def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entropy) -> dict:
+  model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(model).items()}
   return {"preset": args.preset, "seed": args.seed, "moe": args.moe, "model": model_config,
           "train": dataclasses.asdict(train_config), "parameters": n_params,
           "corpus": {"root": str(corpus.root), "train_bytes": int(corpus.train.size),
@@ -121,13 +140,17 @@ def run_info(args, preset: presets.Preset, train_config, n_params: int, corpus, 
 
 
 def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
+  start = time.perf_counter()
   args = parse_args(argv)
   preset = presets.PRESETS[args.preset]
+  model_config = preset.model
+  if jax.default_backend() == "gpu" and fused_attention_compiles(model_config):
+    model_config = dataclasses.replace(model_config, attention_implementation="cudnn")
   train_config = with_steps(preset.train, args.steps)
   recipe_names = recipes.parse_recipe_names(args.recipes)
-  models = build_models(recipe_names, preset.model, args.moe)
+  models = build_models(recipe_names, model_config, args.moe)
   # Every recipe starts from these: the bf16 (plain) model's parameters.
-  plain_model = build_models([recipes.PLAIN_RECIPE], preset.model, args.moe)[recipes.PLAIN_RECIPE]
+  plain_model = build_models([recipes.PLAIN_RECIPE], model_config, args.moe)[recipes.PLAIN_RECIPE]
 
   corpus = data.load_stdlib_corpus()
   entropy = data.unigram_entropy_nats(corpus.validation)
@@ -136,31 +159,40 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   print(f"unigram byte entropy of the validation split: {entropy:.4f} nats "
         f"({data.nats_to_bits(entropy):.4f} bits) per byte")
 
-  seq_len = preset.model.seq_len
+  seq_len = model_config.seq_len
   sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
   shared_params = training.init_variables(plain_model.module, jax.random.key(args.seed),
                                           sample_tokens)[training.PARAMS]
   n_params = sum(p.size for p in jax.tree.leaves(shared_params))
   print(f"model: {n_params:,} parameters, preset {args.preset!r}, {train_config.steps} steps of "
-        f"{train_config.batch_size}x{seq_len} tokens, on {jax.devices()[0]}")
+        f"{train_config.batch_size}x{seq_len} tokens, on {jax.devices()[0]}, "
+        f"attention: {model_config.attention_implementation or 'xla'}")
+  if args.moe and "fp8_delayed" in recipe_names:
+    print("--moe: under fp8_delayed the experts' grouped GEMMs use current scaling "
+          "(jaxquant's GroupedDense keeps no delayed-scaling state yet)")
   validation_batches = jnp.asarray(data.fixed_validation_batches(
       corpus.validation, args.seed, train_config.eval_batches, train_config.batch_size, seq_len))
 
-  results = [train_recipe(name, models[name], train_config, shared_params, corpus,
-                          validation_batches, args.seed) for name in recipe_names]
-
-  args.out.mkdir(parents=True, exist_ok=True)
   title = f"byte LM on the Python stdlib, preset {args.preset} ({n_params / 1e6:.1f}M parameters)"
-  report.write_curves_json(args.out / report.CURVES_JSON, results,
-                           run_info(args, preset, train_config, n_params, corpus, entropy))
-  report.plot_validation_curves(args.out / report.CURVES_PNG, results, entropy, title)
-  report.write_results_table(args.out / report.RESULTS_TABLE, results, entropy, title)
+  info = run_info(args, model_config, train_config, n_params, corpus, entropy)
+  deadline = start + (args.time_budget_s or math.inf)
+  results: list[report.RecipeResult] = []
+  for index, name in enumerate(recipe_names):
+    if results and time.perf_counter() > deadline:
+      break
+    results.append(train_recipe(name, models[name], train_config, shared_params, corpus,
+                                validation_batches, args.seed, deadline))
+    # After every recipe, so a run cut short (--time-budget-s, or killed) still leaves what
+    # it finished, and names the rest as not run.
+    write_outputs(args.out, results, recipe_names[index + 1:], entropy, title, info)
+  not_run = recipe_names[len(results):]
   print()
-  print(report.results_table(results, entropy), end="")
+  print(report.results_table(results, not_run, entropy), end="")
   for result in results:
     print(f"{result.recipe}: final validation loss {result.final_val_loss:.4f} nats per byte; "
           f"unigram byte entropy {entropy:.4f}")
   print(f"outputs in {args.out}: {report.CURVES_PNG}, {report.RESULTS_TABLE}, {report.CURVES_JSON}")
+  print(f"total time {time.perf_counter() - start:.0f} s")
   return results
 
 

@@ -2,7 +2,7 @@
 
 Every GEMM is an `nn.Dense`, so `jaxquant.flax.quantize_model` can swap them for quantized
 layers without this file knowing about quantization. The module paths are the names the
-recipe's roles see, e.g. 'decoder/layer_3/mlp/wi' or 'decoder/layer_0/attention/query'.
+recipe's roles see, e.g. 'decoder/layer_3/mlp/wi' or 'decoder/layer_0/attention/qkv'.
 
 Parameters are fp32; activations and GEMMs run in `ModelConfig.dtype` (bf16), norms and
 softmax statistics in fp32, logits are returned in fp32 for the loss.
@@ -28,6 +28,9 @@ class ModelConfig:
   d_ff: int = 512
   dtype: Any = jnp.bfloat16
   init_std: float = 0.02
+  # jax.nn.dot_product_attention's `implementation`: None is XLA's (it materializes the
+  # [batch, heads, seq, seq] scores), "cudnn" the fused flash attention (GPU only).
+  attention_implementation: Optional[str] = None
 
   def __post_init__(self):
     if self.d_model % self.n_heads:
@@ -58,6 +61,21 @@ def rotary_embedding(x: jax.Array, base: float = 10000.0) -> jax.Array:
   return rotated.astype(x.dtype)
 
 
+def fused_attention_compiles(config: ModelConfig) -> bool:
+  """Whether cuDNN's fused attention, forward and backward, compiles for config's shapes here."""
+  head_dim = config.d_model // config.n_heads
+  qkv = jnp.zeros((1, config.seq_len, config.n_heads, head_dim), config.dtype)
+  attention_sum = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+  try:
+    jax.jit(jax.grad(attention_sum, argnums=(0, 1, 2))).lower(qkv, qkv, qkv).compile()
+  except Exception as error:  # any failure (no GPU, old cuDNN, shapes) means: use XLA's
+    print(f"cuDNN fused attention unavailable ({type(error).__name__}: {str(error)[:200]}); "
+          "using XLA's attention")
+    return False
+  return True
+
+
 def _dense(features: int, name: str, config: ModelConfig, std: float) -> nn.Dense:
   return nn.Dense(features, name=name, dtype=config.dtype, param_dtype=jnp.float32,
                   kernel_init=nn.initializers.normal(stddev=std))
@@ -75,14 +93,12 @@ class CausalSelfAttention(nn.Module):
     # grow with depth (GPT-2's scaled init).
     out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
 
-    def heads(name: str) -> jax.Array:
-      projected = _dense(cfg.d_model, name, cfg, cfg.init_std)(x)
-      return projected.reshape(batch, seq_len, cfg.n_heads, head_dim)
-
-    query = rotary_embedding(heads("query"))
-    key = rotary_embedding(heads("key"))
-    value = heads("value")
-    attended = jax.nn.dot_product_attention(query, key, value, is_causal=True)
+    # One GEMM for query, key and value: the input is quantized once, not three times.
+    qkv = _dense(3 * cfg.d_model, "qkv", cfg, cfg.init_std)(x)
+    query, key, value = jnp.split(qkv.reshape(batch, seq_len, 3 * cfg.n_heads, head_dim), 3, axis=2)
+    query, key = rotary_embedding(query), rotary_embedding(key)
+    attended = jax.nn.dot_product_attention(query, key, value, is_causal=True,
+                                            implementation=cfg.attention_implementation)
     attended = attended.reshape(batch, seq_len, cfg.d_model)
     return _dense(cfg.d_model, "out", cfg, out_std)(attended)
 

@@ -18,10 +18,12 @@ RESULTS_TABLE = "results.md"
 @dataclasses.dataclass
 class RecipeResult:
   recipe: str
+  planned_steps: int
   eval_steps: list[int]  # steps after which validation ran (0: before training)
   val_losses: list[float]  # nats, mean over the fixed validation batches
   train_losses: list[float]  # nats, one per step
-  step_seconds: list[float]  # one per step, the first (compiling) one excluded
+  # Mean step time of each window between host syncs (the first, compiling step excluded).
+  window_step_seconds: list[float]
   compile_seconds: float  # the first step, compilation included
 
   @property
@@ -29,8 +31,12 @@ class RecipeResult:
     return self.val_losses[-1]
 
   @property
+  def completed(self) -> bool:
+    return self.eval_steps[-1] == self.planned_steps
+
+  @property
   def median_step_seconds(self) -> float:
-    return statistics.median(self.step_seconds)
+    return statistics.median(self.window_step_seconds)
 
 
 def relative_gap(loss: float, baseline: Optional[float]) -> Optional[float]:
@@ -38,12 +44,14 @@ def relative_gap(loss: float, baseline: Optional[float]) -> Optional[float]:
 
 
 def _baseline_loss(results: list[RecipeResult]) -> Optional[float]:
-  return next((r.final_val_loss for r in results if r.recipe == PLAIN_RECIPE), None)
+  return next((r.final_val_loss for r in results if r.recipe == PLAIN_RECIPE and r.completed),
+              None)
 
 
 def write_curves_json(path: pathlib.Path, results: list[RecipeResult], run_info: dict) -> None:
   payload = {"run": run_info,
              "recipes": {r.recipe: {**dataclasses.asdict(r), "final_val_loss": r.final_val_loss,
+                                    "completed": r.completed,
                                     "median_step_seconds": r.median_step_seconds}
                          for r in results}}
   path.write_text(json.dumps(payload, indent=1))
@@ -74,20 +82,25 @@ def plot_validation_curves(path: pathlib.Path, results: list[RecipeResult],
   plt.close(figure)
 
 
-def results_table(results: list[RecipeResult], unigram_entropy: float) -> str:
+def results_table(results: list[RecipeResult], not_run: list[str], unigram_entropy: float) -> str:
+  """Gaps are relative to bf16's final loss, and only between runs that completed."""
   baseline = _baseline_loss(results)
   lines = ["| recipe | final val loss (nats) | gap to bf16 | median step (ms) | first step, compile incl. (s) |",
            "| --- | --- | --- | --- | --- |"]
   for r in results:
-    gap = relative_gap(r.final_val_loss, baseline)
+    gap = relative_gap(r.final_val_loss, baseline) if r.completed else None
     gap_text = "n/a" if gap is None else f"{gap:+.2%}"
-    lines.append(f"| {r.recipe} | {r.final_val_loss:.4f} | {gap_text} | "
+    loss_text = f"{r.final_val_loss:.4f}"
+    if not r.completed:
+      loss_text += f" (stopped at step {r.eval_steps[-1]} of {r.planned_steps}: time budget)"
+    lines.append(f"| {r.recipe} | {loss_text} | {gap_text} | "
                  f"{1e3 * r.median_step_seconds:.1f} | {r.compile_seconds:.1f} |")
+  lines.extend(f"| {name} | not run | n/a | n/a | n/a |" for name in not_run)
   lines.append("")
   lines.append(f"Unigram byte entropy of the validation split: {unigram_entropy:.4f} nats.")
   return "\n".join(lines) + "\n"
 
 
-def write_results_table(path: pathlib.Path, results: list[RecipeResult], unigram_entropy: float,
-                        heading: str) -> None:
-  path.write_text(f"# {heading}\n\n" + results_table(results, unigram_entropy))
+def write_results_table(path: pathlib.Path, results: list[RecipeResult], not_run: list[str],
+                        unigram_entropy: float, heading: str) -> None:
+  path.write_text(f"# {heading}\n\n" + results_table(results, not_run, unigram_entropy))

@@ -5,6 +5,10 @@ module path as name) through `flax.metadata` (a `QuantizedWeight` box in Linen, 
 metadata in NNX), so `metadata.weight_roles` lists it like any dense kernel. The call is
 `ops.grouped_dense`. The bias, when used, is [G, N] (one per expert).
 
+The recipe resolves like the dense layers': the module's own, then the model's
+(`quantize_model` passes it: `linen_call(..., model_recipe=)` from its interceptor,
+`NnxGroupedDense.bind_role` in NNX), then autocast's.
+
 Seam: these modules take recipes without delayed scaling (per-group `RoleState`s in the
 "quant_state" collection are the next step; `ops.grouped_dense` already takes
 per-group state, see `init_grouped_state`); a delayed recipe raises. Stochastic rounding
@@ -30,8 +34,8 @@ QUANT_RNG = "quant"
 default_kernel_init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
 
-def _quantizers(recipe, name, what):
-  recipe = recipes.resolve(recipe)
+def _quantizers(recipe, model_recipe, name, what):
+  recipe = recipes.resolve(recipe, model_recipe)
   quantizers = recipe.quantizers(MODULE_TYPE, name)
   delayed = sorted(t for t, q in quantizers.items() if needs_state(q))
   if delayed:
@@ -54,39 +58,65 @@ class GroupedDense(nn.Module):
 
   @nn.compact
   def __call__(self, x, group_sizes):
-    name = "/".join(self.path)
-    what = f"GroupedDense {name!r}"
-    recipe, quantizers = _quantizers(self.recipe, name, what)
-    kernel = self.param("kernel", self.kernel_init,
-                        (self.num_groups, x.shape[-1], self.features), self.param_dtype)
-    annotate_linen_weight(self, "kernel", QuantizerRole(MODULE_TYPE, "weight", name),
-                          quantizers["weight"])
-    bias = (self.param("bias", self.bias_init, (self.num_groups, self.features), self.param_dtype)
-            if self.use_bias else None)
-    key = self.make_rng(QUANT_RNG) if any(map(needs_key, quantizers.values())) else None
-    return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name, key=key)
+    return linen_call(self, x, group_sizes)
+
+
+def linen_call(module: GroupedDense, x, group_sizes, *,
+               model_recipe: Optional[recipes.CustomRecipe] = None):
+  """GroupedDense's computation, under the model's recipe unless the module has its own."""
+  name = "/".join(module.path)
+  what = f"GroupedDense {name!r}"
+  recipe, quantizers = _quantizers(module.recipe, model_recipe, name, what)
+  kernel = module.param("kernel", module.kernel_init,
+                        (module.num_groups, x.shape[-1], module.features), module.param_dtype)
+  annotate_linen_weight(module, "kernel", QuantizerRole(MODULE_TYPE, "weight", name),
+                        quantizers["weight"])
+  bias = (module.param("bias", module.bias_init, (module.num_groups, module.features),
+                       module.param_dtype) if module.use_bias else None)
+  key = module.make_rng(QUANT_RNG) if any(map(needs_key, quantizers.values())) else None
+  return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name, key=key)
 
 
 class NnxGroupedDense(nnx.Module):
-  """NNX: the same layer; `name` names its roles (NNX modules do not know their path)."""
+  """NNX: the same layer; `name` names its roles (NNX modules do not know their path;
+  `quantize_model` sets it to the module path)."""
 
   def __init__(self, in_features: int, out_features: int, num_groups: int, *,
                use_bias: bool = False, recipe: Optional[recipes.CustomRecipe] = None,
                name: str = "", param_dtype=jnp.float32, kernel_init=default_kernel_init,
                rngs: nnx.Rngs):
-    self.recipe, self.name = recipe, name
-    _, quantizers = _quantizers(recipe, name, f"GroupedDense {name!r}")
-    role = QuantizerRole(MODULE_TYPE, "weight", name)
     self.kernel = nnx.Param(kernel_init(rngs.params(), (num_groups, in_features, out_features),
-                                        param_dtype),
-                            **nnx_weight_metadata(role, quantizers["weight"]))
+                                        param_dtype))
     self.bias = (nnx.Param(jnp.zeros((num_groups, out_features), param_dtype))
                  if use_bias else None)
-    self.rngs = rngs if any(map(needs_key, quantizers.values())) else None
+    self.recipe, self.model_recipe, self.name = recipe, None, name
+    quantizers = self._resolve()[1]
+    # The module's own stochastic-rounding recipe draws from `rngs`; a model recipe's
+    # from the rngs given to `quantize_model`.
+    self.quant_rngs = nnx.data(rngs if any(map(needs_key, quantizers.values())) else None)
+    self.bind_role(name, None)
+
+  def bind_role(self, name: str, model_recipe: Optional[recipes.CustomRecipe]) -> None:
+    """Names the roles and records the model's recipe (the module's own still wins)."""
+    self.name, self.model_recipe = name, model_recipe
+    quantizers = self._resolve()[1]
+    role = QuantizerRole(MODULE_TYPE, "weight", name)
+    self.kernel.set_metadata(**nnx_weight_metadata(role, quantizers["weight"]))
+
+  def _resolve(self):
+    return _quantizers(self.recipe, self.model_recipe, self.name, f"GroupedDense {self.name!r}")
+
+  def _key(self, quantizers):
+    if not any(map(needs_key, quantizers.values())):
+      return None
+    if self.quant_rngs is None:
+      raise ValueError(f"GroupedDense {self.name!r}: its recipe rounds stochastically; pass "
+                       "rngs= to quantize_model (an nnx.Rngs with a 'quant' stream)")
+    return self.quant_rngs[QUANT_RNG]()
 
   def __call__(self, x, group_sizes):
-    recipe, quantizers = _quantizers(self.recipe, self.name, f"GroupedDense {self.name!r}")
-    key = None if self.rngs is None else self.rngs[QUANT_RNG]()
+    recipe, quantizers = self._resolve()
+    key = self._key(quantizers)
     bias = None if self.bias is None else self.bias[...]
     return grouped_dense(x, self.kernel[...], group_sizes, bias, recipe=recipe, name=self.name,
                          key=key)

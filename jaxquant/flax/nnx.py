@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxquant import recipes
 from jaxquant.flax import contraction
+from jaxquant.flax.grouped import NnxGroupedDense
 from jaxquant.flax.metadata import QUANTIZER_KEY, ROLE_KEY, nnx_weight_metadata
 from jaxquant.flax.state import init_role_states
 from jaxquant.ops.operands import is_high_precision
@@ -44,10 +45,10 @@ class _QuantizedGemm:
     self.role_name = name
     self.quant_rngs = nnx.data(quant_rngs)  # data even while None
     if name is not None:
-      self.bind_role(name, None, annotate=True)
+      self.bind_role(name, None)
 
   def bind_role(self, name: str, model_recipe: Optional[recipes.CustomRecipe], *,
-                annotate: bool) -> None:
+                annotate: bool = True) -> None:
     """Names the roles, records the model's recipe, creates the state the recipe needs."""
     self.role_name = name
     self.model_recipe = model_recipe
@@ -154,6 +155,8 @@ class Einsum(_QuantizedGemm, nnx.Einsum):
 
 
 QUANTIZED_MODULES = (Linear, Einsum)
+# jaxquant's own layers, which `quantize_model` binds to their path and the model recipe.
+NATIVE_MODULES = QUANTIZED_MODULES + (NnxGroupedDense,)
 # Exactly these Flax classes are swapped (their subclasses may override __call__).
 _SWAPPED = {nnx.Linear: Linear, nnx.Einsum: Einsum}
 
@@ -210,10 +213,10 @@ def swap_modules(model: nnx.Module, recipe: Optional[recipes.CustomRecipe], *,
           raise TypeError(f"quantize_model: cannot replace the layer at {_path(child_path)!r} "
                           f"inside an immutable {type(node).__name__}; use nnx.List / nnx.Dict")
         impl.set_key(node, key, twins[id(child)])
-      elif isinstance(child, QUANTIZED_MODULES):
+      elif isinstance(child, NATIVE_MODULES):
         if id(child) not in seen:
           seen.add(id(child))
-          child.bind_role(_path(child_path), recipe, annotate=True)
+          child.bind_role(_path(child_path), recipe)
           if rngs is not None and child.quant_rngs is None:
             child.quant_rngs = nnx.data(rngs)
       else:

@@ -7,10 +7,12 @@
   `nn.intercept_methods`. The interceptor redirects `__call__` of every `nn.Dense`,
   `nn.DenseGeneral` and `nn.Einsum` (exactly those classes: a subclass may compute
   something else) to `linen.gemm_call`, which uses the intercepted module's attributes
-  and params. jaxquant's own Linen layers get the model recipe as their fallback.
+  and params. jaxquant's own Linen layers (GroupedDense included) get the model recipe
+  as their fallback.
 - NNX: replaces, in place, every `nnx.Linear` / `nnx.Einsum` (exactly those classes)
   reachable from the model by a jaxquant layer holding the *same* Param variables, and
-  returns the model. jaxquant's own NNX layers get the model recipe as their fallback.
+  returns the model. jaxquant's own NNX layers (NnxGroupedDense included) get the model
+  recipe as their fallback and their module path as role name.
 
 Each swapped layer's roles are named by its module path; layers the recipe maps to None
 run Flax's own code. With `annotate=True` the weights also carry role metadata
@@ -26,7 +28,7 @@ from typing import Any, Optional
 import flax.linen as nn
 
 from jaxquant import recipes
-from jaxquant.flax import linen
+from jaxquant.flax import grouped, linen
 
 # Exactly these classes are swapped (their subclasses may override __call__).
 LINEN_GEMMS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
@@ -40,6 +42,8 @@ def _linen_interceptor(recipe: Optional[recipes.CustomRecipe], annotate: bool):
       return next_fun(*args, **kwargs)
     if isinstance(module, linen.QUANTIZED_MODULES):
       return linen._call_native(module, *args, model_recipe=recipe, **kwargs)
+    if isinstance(module, grouped.GroupedDense):
+      return grouped.linen_call(module, *args, model_recipe=recipe, **kwargs)
     if type(module) in LINEN_GEMMS:
       return linen.gemm_call(module, next_fun, args, kwargs, model_recipe=recipe,
                              annotate=annotate)

@@ -1,27 +1,38 @@
-"""The language-model example runs end to end (tiny preset, bf16) and learns something."""
+"""The language-model example: end to end on the tiny preset, and its pieces."""
 
 import collections
 import json
+import os
 import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from lm import data, recipes  # noqa: E402  (importable only once examples/ is on the path)
+from lm import data, presets, recipes, training  # noqa: E402  (needs examples/ on the path)
+from lm.model import TransformerLM  # noqa: E402
+
+from jaxquant.quantizers import NVFP4Quantizer  # noqa: E402
+
+TINY = presets.PRESETS["tiny"]
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[pathlib.Path, str]:
+  """bf16 and one quantized recipe, with the MoE block: the script as a user runs it."""
   out = tmp_path_factory.mktemp("train_lm")
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
   completed = subprocess.run(
-      [sys.executable, str(EXAMPLES / "train_lm.py"), "--preset", "tiny", "--recipes", "bf16",
-       "--out", str(out)],
-      capture_output=True, text=True, timeout=240, check=False)
+      [sys.executable, str(EXAMPLES / "train_lm.py"), "--preset", "tiny", "--moe",
+       "--recipes", "bf16,fp8_current", "--out", str(out)],
+      capture_output=True, text=True, timeout=300, check=False, env=env)
   assert completed.returncode == 0, completed.stdout + completed.stderr
   return out, completed.stdout
 
@@ -30,15 +41,46 @@ def test_writes_all_outputs(tiny_run):
   out, _ = tiny_run
   for name in ("val_loss.png", "results.md", "curves.json"):
     assert (out / name).stat().st_size > 0, name
-  assert "| bf16 |" in (out / "results.md").read_text()
+  table = (out / "results.md").read_text()
+  assert "| bf16 |" in table and "| fp8_current |" in table
 
 
-def test_loss_decreases_below_initial(tiny_run):
+def test_every_recipe_learns(tiny_run):
   out, stdout = tiny_run
   curves = json.loads((out / "curves.json").read_text())
-  bf16 = curves["recipes"]["bf16"]
-  assert bf16["val_losses"][-1] < bf16["val_losses"][0] - 0.5
+  assert curves["run"]["moe"] and curves["run"]["not_run"] == []
+  for name in ("bf16", "fp8_current"):
+    run = curves["recipes"][name]
+    assert run["completed"] and run["val_losses"][-1] < run["val_losses"][0] - 0.5, name
   assert "unigram byte entropy" in stdout
+
+
+def _train(recipe_name: str, steps: int):
+  """(collections, rng) of the tiny model's train state before and after `steps` steps."""
+  plain = TransformerLM(TINY.model)
+  model = recipes.model_for_recipe(plain, recipes.recipe_for(recipe_name, TINY.model.n_layers))
+  tokens = jnp.zeros((TINY.train.batch_size, TINY.model.seq_len), jnp.int32)
+  params = training.init_variables(plain, jax.random.key(0), tokens)[training.PARAMS]
+  optimizer = training.make_optimizer(TINY.train)
+  state = training.init_train_state(model, params, jax.random.key(0), tokens, optimizer)
+  # Copies: the step donates its input state.
+  before = (jax.tree.map(np.asarray, state.collections), np.asarray(jax.random.key_data(state.rng)))
+  step = training.make_train_step(model, optimizer)
+  batches = data.train_batches(data.load_stdlib_corpus().train, 0, TINY.train.batch_size,
+                               TINY.model.seq_len)
+  for _ in range(steps):
+    state, _ = step(state, next(batches))
+  return before, (state.collections, np.asarray(jax.random.key_data(state.rng)))
+
+
+def test_delayed_scales_follow_the_amaxes_of_all_three_roles():
+  (old_state, old_rng), (new_state, new_rng) = _train("fp8_delayed", steps=2)
+  old = old_state["quant_state"]["decoder"]["layer_0"]["mlp"]["wi"]
+  new = new_state["quant_state"]["decoder"]["layer_0"]["mlp"]["wi"]
+  for tensor_type in ("input", "weight", "grad_output"):  # grad_output: from the backward pass
+    assert float(old[tensor_type].scaling.scale) == 1.0
+    assert float(new[tensor_type].scaling.scale) != 1.0, tensor_type
+  assert not np.array_equal(old_rng, new_rng)  # the 'quant' stream gets a fresh key per step
 
 
 def test_validation_split_is_deterministic_and_disjoint():
@@ -58,12 +100,22 @@ def test_train_windows_repeat_for_the_same_seed():
   assert (first == again).all() and first.shape == (4, 9)
 
 
-def test_custom_policy_keeps_the_last_layer_and_head_in_bf16():
-  Role = collections.namedtuple("Role", "module_type tensor_type name")
-  qfactory = recipes.nvfp4_with_bf16_tail(n_layers=4, nvfp4_factory=lambda role: "nvfp4")
-  assert qfactory(Role("linear", "weight", "decoder/layer_2/mlp/wi")) == "nvfp4"
-  assert qfactory(Role("linear", "input", "decoder/layer_3/attention/query")) is None
-  assert qfactory(Role("linear", "weight", "head")) is None
+Role = collections.namedtuple("Role", "module_type tensor_type name")
+
+
+def test_custom_policy_keeps_the_last_layers_and_head_in_bf16():
+  recipe = recipes.nvidia_nvfp4_policy(n_layers=8)
+  assert isinstance(recipe.quantizer(Role("linear", "weight", "decoder/layer_6/mlp/wi")),
+                    NVFP4Quantizer)
+  assert recipe.quantizer(Role("linear", "input", "decoder/layer_7/attention/qkv")) is None
+  assert recipe.quantizer(Role("linear", "weight", "head")) is None
+
+
+def test_moe_recipe_keeps_the_router_high_precision_and_experts_stateless():
+  recipe = recipes.for_moe_block(recipes.recipe_for("fp8_delayed", 2))
+  assert recipe.quantizer(Role("linear", "input", "decoder/layer_0/mlp/moe/router")) is None
+  expert = recipe.quantizer(Role("grouped_linear", "grad_output", "decoder/layer_0/mlp/moe/up"))
+  assert type(expert).__name__ == "Float8Quantizer" and expert.element == "e5m2"
 
 
 def test_recipe_names():
