@@ -52,6 +52,6 @@ PRESETS = {
     # Hadamard transform and stochastic rounding) and eight compilations into the budget.
     "gpu": Preset(
         ModelConfig(seq_len=512, d_model=896, n_layers=6, n_heads=14, d_ff=3584),
-        TrainConfig(batch_size=32, steps=250, warmup_steps=25, peak_learning_rate=1e-3,
-                    eval_every=50, eval_batches=8)),
+        TrainConfig(batch_size=32, steps=200, warmup_steps=20, peak_learning_rate=1e-3,
+                    eval_every=40, eval_batches=8)),
 }

@@ -206,16 +206,19 @@ def _with_exact_fallback(exact_fn, hw_result, a, b, exact_zero=None, ieee_elsewh
   operations at every call site multiplied the compile time of each quantize several
   times, for a path that ordinary data never takes.
   """
-  a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
-  ok = _hardware_ok(a, b, hw_result, exact_zero)
+  # Checks run on the operands as given (often a scalar or per-block scale) and broadcast
+  # with the result; broadcasting a constant operand first would have XLA constant-fold
+  # checks over the whole broadcast shape.
+  ok = jnp.broadcast_to(_hardware_ok(a, b, hw_result, exact_zero), hw_result.shape)
+  full = lambda v: jnp.broadcast_to(v, hw_result.shape)
 
   def patched():
-    exact = jax.pure_callback(_host_exact(exact_fn), jax.ShapeDtypeStruct(a.shape, jnp.float32),
-                              a, b, vmap_method="broadcast_all")
+    exact = jax.pure_callback(_host_exact(exact_fn), jax.ShapeDtypeStruct(hw_result.shape, jnp.float32),
+                              full(a), full(b), vmap_method="broadcast_all")
     return jnp.where(ok, hw_result, exact)
 
   cpu = lambda: lax.cond(jnp.all(ok), lambda: hw_result, patched)
-  elsewhere = (lambda: hw_result) if ieee_elsewhere else (lambda: exact_fn(a, b))
+  elsewhere = (lambda: hw_result) if ieee_elsewhere else (lambda: exact_fn(full(a), full(b)))
   return lax.platform_dependent(cpu=cpu, default=elsewhere)
 
 
