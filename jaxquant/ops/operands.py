@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import recipes, reference
+from jaxquant.ops.quantize import quantize  # the CUDA kernels where they run, else the reference
 from jaxquant.quantizers import (QUANTIZER_TYPES, NVFP4Quantizer, Quantizer, for_usage, needs_key,
                                  needs_state)
 from jaxquant.roles import TENSOR_TYPES
@@ -63,11 +64,6 @@ def role_key(key: Optional[jax.Array], tensor_type: str) -> Optional[jax.Array]:
 def stored(matrix: jax.Array, usage: Usage) -> jax.Array:
   """A high-precision matrix in a usage's stored layout (columnwise is transposed)."""
   return matrix if usage == "rowwise" else matrix.T
-
-
-def _quantize(x, q, usages, key, state):
-  """The one place operands are quantized; the kernel engineer routes it to kernels."""
-  return reference.quantize(x, q, usages, key=key, state=state)
 
 
 def check_dims(shape: tuple[int, int], quantizer: Optional[Quantizer], usages, what: str) -> None:
@@ -110,9 +106,9 @@ def quantize_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, 
   operands = {u: stored(matrix, u) for u in usages if u not in quantized}
   if not quantized:
     return operands, state
-  out = _quantize(matrix, quantizer, quantized,
-                  key if needs_key(quantizer) else None,
-                  state if needs_state(quantizer) else None)
+  out = quantize(matrix, quantizer, quantized,
+                 key=key if needs_key(quantizer) else None,
+                 state=state if needs_state(quantizer) else None)
   qt, new_state = out if needs_state(quantizer) else (out, state)
   for u in quantized:
     operands[u] = qt.usage(u)

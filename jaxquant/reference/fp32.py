@@ -3,19 +3,20 @@
 NUMERICS.md defines every step as IEEE fp32 with round-to-nearest-even. XLA's CPU
 runtime flushes subnormal inputs and outputs of arithmetic to zero, so a plain `a * b`
 differs from IEEE whenever a subnormal is involved (tiny amaxes, all-subnormal blocks,
-E8M0 scales of 2^-127). The operations here decode the fp32 bits into an integer
-significand and exponent, compute exactly in uint32, and round once with RNE; a cheap
-per-array test keeps ordinary inputs on the hardware path.
+E8M0 scales of 2^-127). The operations here take the hardware result where a cheap test
+shows it is IEEE-exact and recompute the rest with integer arithmetic (decode the bits
+into significand and exponent, compute exactly, round once with RNE): on the host for
+the CPU backend (`host_fp32`), on the device for division on GPUs (`_div_exact`).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxquant.reference import host_fp32
 
 # uint32 constants: Python ints above 2^31 would not fit JAX's default int32.
 _HALF_RANGE = np.uint32(0x80000000)
@@ -102,30 +103,6 @@ def _pack_f32(sign, mag_code):
 
 
 @jax.jit
-def _mul_exact(a, b):
-  sa, ma, ea = decompose(a)
-  sb, mb, eb = decompose(b)
-  sign = sa ^ sb
-  # 24x24-bit significand product in 12-bit limbs: P = hi * 2^24 + lo.
-  ah, al = ma >> 12, ma & 0xFFF
-  bh, bl = mb >> 12, mb & 0xFFF
-  mid = ah * bl + al * bh
-  low_full = ((mid & 0xFFF) << 12) + al * bl
-  hi = ah * bh + (mid >> 12) + (low_full >> 24)
-  lo = low_full & 0xFFFFFF
-  # Keep 31 bits of P (P >> 17) with the dropped bits folded into a sticky LSB.
-  mant = (hi << 7) | (lo >> 17) | ((lo & 0x1FFFF) != 0).astype(jnp.uint32)
-  code = round_to_grid(mant, ea + eb - 46 + 17, -126, 23)
-  res = _pack_f32(sign, code)
-  zero = (ma == 0) | (mb == 0)
-  res = jnp.where(zero, from_bits(sign << 31), res)
-  inf = ~is_finite(a) | ~is_finite(b)
-  res = jnp.where(inf, from_bits((sign << 31) | _EXP), res)
-  nan = is_nan(a) | is_nan(b) | (inf & zero)
-  return jnp.where(nan, from_bits(jnp.uint32(_QNAN)), res)
-
-
-@jax.jit
 def _div_exact(a, b):
   sa, ma, ea = decompose(a)
   sb, mb, eb = decompose(b)
@@ -148,27 +125,6 @@ def _div_exact(a, b):
   return jnp.where(nan, from_bits(jnp.uint32(_QNAN)), res)
 
 
-def _add_exact(a, b):
-  """fl32(a + b) from the bits; a non-finite operand takes the hardware sum (exact)."""
-  hardware = a + b
-  finite = is_finite(a) & is_finite(b)
-  sa, ma, ea = decompose(a)
-  sb, mb, eb = decompose(b)
-  swap = (eb > ea) | ((eb == ea) & (mb > ma))  # make a the larger magnitude
-  sa, sb = jnp.where(swap, sb, sa), jnp.where(swap, sa, sb)
-  ma, mb = jnp.where(swap, mb, ma), jnp.where(swap, ma, mb)
-  ea, eb = jnp.where(swap, eb, ea), jnp.where(swap, ea, eb)
-  # Three guard bits, the smaller significand aligned with a sticky LSB: enough for RNE.
-  big, small = ma << 3, mb << 3
-  d = jnp.clip(ea - eb, 0, 31).astype(jnp.uint32)
-  aligned = (small >> d) | ((small & ((jnp.uint32(1) << d) - 1)) != 0).astype(jnp.uint32)
-  mant = jnp.where(sa == sb, big + aligned, big - aligned)
-  res = _pack_f32(sa, round_to_grid(jnp.maximum(mant, 1), ea - 26, -126, 23))
-  # An exact zero is +0, except -0 + -0 (IEEE round-to-nearest).
-  res = jnp.where(mant == 0, from_bits((sa & sb) << 31), res)
-  return jnp.where(finite, res, hardware)
-
-
 def _is_tiny(x):
   """Subnormal or zero-adjacent: where a flushing backend may differ from IEEE."""
   mag = bits(x) & _ABS
@@ -188,23 +144,16 @@ def _hardware_ok(a, b, result, exact_zero=None):
   return ~(_is_tiny(a) | _is_tiny(b) | out_tiny)
 
 
-@functools.lru_cache(maxsize=None)
-def _host_exact(exact_fn):
-  """`exact_fn` as a host callback running its own jitted program (cached per shape)."""
-  compiled = jax.jit(exact_fn)
-  return lambda a, b: np.asarray(compiled(a, b))
-
-
-def _with_exact_fallback(exact_fn, hw_result, a, b, exact_zero=None, ieee_elsewhere=True):
-  """The hardware result where it is IEEE-exact, the integer emulation elsewhere.
+def _with_exact_fallback(host_exact, hw_result, a, b, exact_zero=None, device_exact=None):
+  """The hardware result where it is IEEE-exact, an exact integer computation elsewhere.
 
   Only XLA's CPU runtime flushes subnormals (it sets FTZ/DAZ for every computation, with
-  no flag to turn that off); elsewhere the hardware result is IEEE where
-  `ieee_elsewhere` (GPU multiplies and adds round correctly; XLA:GPU's fp32 division is
-  the approximate div.full.f32, so division takes the emulation there). On the CPU the emulation runs only when an element needs it, and runs as a
-  separately compiled program through a host callback: inlined, its hundreds of integer
-  operations at every call site multiplied the compile time of each quantize several
-  times, for a path that ordinary data never takes.
+  no flag to turn that off). There, elements that need it are recomputed by
+  `host_exact` (numpy integers, `host_fp32`) in a host callback, only when some element
+  needs it: inlined, an integer emulation at every call site multiplied the compile time
+  of each quantize several times, for a path ordinary data never takes. Elsewhere the
+  hardware result is IEEE, unless `device_exact` is given (XLA:GPU's fp32 division is
+  the approximate div.full.f32), which then computes every element.
   """
   # Checks run on the operands as given (often a scalar or per-block scale) and broadcast
   # with the result; broadcasting a constant operand first would have XLA constant-fold
@@ -213,12 +162,12 @@ def _with_exact_fallback(exact_fn, hw_result, a, b, exact_zero=None, ieee_elsewh
   full = lambda v: jnp.broadcast_to(v, hw_result.shape)
 
   def patched():
-    exact = jax.pure_callback(_host_exact(exact_fn), jax.ShapeDtypeStruct(hw_result.shape, jnp.float32),
+    exact = jax.pure_callback(host_exact, jax.ShapeDtypeStruct(hw_result.shape, jnp.float32),
                               full(a), full(b), vmap_method="broadcast_all")
     return jnp.where(ok, hw_result, exact)
 
   cpu = lambda: lax.cond(jnp.all(ok), lambda: hw_result, patched)
-  elsewhere = (lambda: hw_result) if ieee_elsewhere else (lambda: exact_fn(full(a), full(b)))
+  elsewhere = (lambda: hw_result) if device_exact is None else (lambda: device_exact(full(a), full(b)))
   return lax.platform_dependent(cpu=cpu, default=elsewhere)
 
 
@@ -228,14 +177,14 @@ def mul(a, b):
   """fl32(a * b), IEEE round-to-nearest-even including subnormals."""
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
-  return _with_exact_fallback(_mul_exact, a * b, a, b)
+  return _with_exact_fallback(host_fp32.mul, a * b, a, b)
 
 
 def add(a, b):
   """fl32(a + b), IEEE round-to-nearest-even including subnormals."""
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
-  return _with_exact_fallback(_add_exact, a + b, a, b,
+  return _with_exact_fallback(host_fp32.add, a + b, a, b,
                               exact_zero=(bits(a) ^ bits(b)) == _HALF_RANGE)
 
 
@@ -249,7 +198,7 @@ def div(a, b):
   """fl32(a / b), IEEE round-to-nearest-even including subnormals."""
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
-  return _with_exact_fallback(_div_exact, a / b, a, b, ieee_elsewhere=False)
+  return _with_exact_fallback(host_fp32.div, a / b, a, b, device_exact=_div_exact)
 
 
 def _normalized(x):

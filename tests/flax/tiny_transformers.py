@@ -7,6 +7,8 @@ projection an Einsum, the MLP and the head Dense. Kernels carry logical axis nam
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -191,6 +193,13 @@ def linen_train_step(model, tx):
   return step
 
 
+@functools.cache
+def jitted_linen_step(model):
+  """One jitted train step per model (Linen modules compare by value): tests that train
+  the same model share its compiled step instead of compiling it again."""
+  return jax.jit(linen_train_step(model, optimizer()))
+
+
 def linen_init(model, windows):
   variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), windows[:, :-1]))
   params = variables.pop("params")
@@ -198,9 +207,8 @@ def linen_init(model, windows):
 
 
 def train_linen(model, params, collections, steps, windows):
-  tx = optimizer()
-  opt_state = tx.init(params)
-  step = jax.jit(linen_train_step(model, tx))
+  opt_state = optimizer().init(params)
+  step = jitted_linen_step(model)
   losses = []
   for i in range(steps):
     params, opt_state, collections, loss = step(params, opt_state, collections, windows,
@@ -222,7 +230,11 @@ def nnx_train_step(model, optimizer, windows):
   return loss
 
 
+# One nnx.jit for all tests: it compiles once per model graph (layers, recipe), and a
+# test that trains an equal model again reuses that compilation.
+jitted_nnx_step = nnx.jit(nnx_train_step)
+
+
 def train_nnx(model, steps, windows):
   opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
-  step = nnx.jit(nnx_train_step)
-  return [float(step(model, opt, windows)) for _ in range(steps)]
+  return [float(jitted_nnx_step(model, opt, windows)) for _ in range(steps)]
