@@ -45,8 +45,8 @@ PRESETS = {
     # Two layers: the custom recipe's bf16 tail is the last one.
     "cpu": Preset(
         ModelConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=512),
-        TrainConfig(batch_size=16, steps=150, warmup_steps=15, peak_learning_rate=3e-3,
-                    eval_every=25, eval_batches=4)),
+        TrainConfig(batch_size=8, steps=150, warmup_steps=15, peak_learning_rate=3e-3,
+                    eval_every=25, eval_batches=8)),
     # Six layers: the custom recipe's bf16 tail (the last layer) is NVIDIA's ~15%.
     # 16k tokens a step; the step count fits the slowest emulated recipes (NVFP4's random
     # Hadamard transform and stochastic rounding) and eight compilations into the budget.

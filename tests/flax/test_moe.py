@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxquant.flax as jqf
 from jaxquant import recipes
 from jaxquant.flax.grouped import GroupedDense, NnxGroupedDense
 from jaxquant.flax.metadata import weight_roles
 from jaxquant.flax.moe import MoE, permute, route, unpermute
+from jaxquant.quantizers import Float8Quantizer
 
 SIZES = jnp.array([3, 0, 5], jnp.int32)
 
@@ -59,3 +61,36 @@ def test_moe_trains():
   assert np.isfinite(val)
   assert grads["up"]["kernel"].shape == (4, 16, 32)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_quantize_model_gives_grouped_dense_the_model_recipe():
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(16, name="proj")(x)
+      return (GroupedDense(3, 4, name="experts")(x, SIZES) +
+              GroupedDense(3, 4, name="own", recipe=recipes.bf16)(x, SIZES))
+
+  seen = []
+  recording = recipes.CustomRecipe(lambda role: seen.append(role))
+  x = jnp.ones((8, 16))
+  jax.eval_shape(jqf.quantize_model(Model(), recording).init, jax.random.key(0), x)
+  assert {(r.module_type, r.name) for r in seen} == {("linear", "proj"),
+                                                     ("grouped_linear", "experts")}
+  boxed = jax.eval_shape(jqf.quantize_model(Model(), recipes.fp8_current).init,
+                         jax.random.key(0), x)["params"]
+  quantizers = {path: q for path, (_, q) in weight_roles(boxed).items()}
+  assert quantizers == {"experts/kernel": Float8Quantizer("e4m3"), "own/kernel": None}
+
+
+def test_nnx_quantize_model_binds_grouped_dense_to_path_and_recipe():
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.experts = NnxGroupedDense(16, 4, 3, rngs=rngs)
+
+  model = jqf.quantize_model(Model(nnx.Rngs(0)), recipes.fp8_current)
+  (path, (role, quantizer)), = weight_roles(model).items()
+  assert path == "experts/kernel" and role.name == "experts"
+  assert quantizer == Float8Quantizer("e4m3")
+  y = model.experts(jax.random.normal(jax.random.key(1), (8, 16)), SIZES)
+  assert y.shape == (8, 4) and np.isfinite(np.asarray(y)).all()

@@ -29,9 +29,7 @@ def plain_losses():
   return tt.train_nnx(tt.NnxLM(nnx.Rngs(0)), STEPS, tt.batch())
 
 
-# The Linen tests train every preset; here the ones that exercise NNX-specific paths
-# (bit-identity, QuantState, stochastic-rounding keys, per-module None) keep CI short.
-@pytest.mark.parametrize("recipe", [recipes.bf16, recipes.fp8_delayed, CUSTOM],
+@pytest.mark.parametrize("recipe", list(recipes.PRESETS.values()) + [CUSTOM],
                          ids=lambda r: r.name)
 def test_trains_under_recipe(plain_losses, recipe):
   plain = tt.NnxLM(nnx.Rngs(0))

@@ -83,11 +83,13 @@ def _fsdp(model, params, collections, windows):
           jax.device_put(windows, NamedSharding(mesh, P("data"))))
 
 
-# bf16: every step (nothing quantized, the noise stays at fp32 level over 8 steps).
-# nvfp4 (global per-tensor amaxes, RHT, stochastic-rounding keys): the first 3 steps;
-# from about step 5 one element crossing an FP4 rounding boundary (after fp32 noise in
-# an earlier update) shifts the loss by ~1e-4, the amplification described above.
-@pytest.mark.parametrize("recipe, steps", [(recipes.bf16, 8), (recipes.nvfp4, 3)],
+# bf16: every step (nothing quantized: the noise stays at fp32 level, measured <1e-7
+# over 8 steps). fp8_current (per-tensor scales from global amaxes): the first 4 steps
+# (measured <3e-7); later, one element crossing an FP8 rounding boundary after fp32
+# noise in an earlier update may shift the loss by ~1e-4 (fp8_delayed did at step 6), the
+# amplification described above. The quantizers of the other presets are covered bit for
+# bit by the test above; their train steps cost minutes more to compile.
+@pytest.mark.parametrize("recipe, steps", [(recipes.bf16, 8), (recipes.fp8_current, 4)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_fsdp_losses_match_one_device(recipe, steps):
   windows = tt.batch(batch_size=8)
