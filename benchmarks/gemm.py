@@ -68,18 +68,24 @@ def _scaled_matmul_inputs(x, w, quantizer):
   return ad, bd, as_, bs
 
 
-def gemm_records(shapes):
-  records = []
+def _emit(records, record):
+  """Keeps a record and prints it at once, so a run cut short still reports."""
+  records.append(record)
+  print(f"{record['op']:<44} {record['shape']:<36} {record['metric']:<16} {record['value']:8.3f}",
+        flush=True)
+
+
+def gemm_records(shapes, records):
   for m, n, k in shapes:
     flops = 2.0 * m * n * k
     x, w = _operands(m, n, k)
     base = median_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)), x, w)
     shape = f"{m}x{n}x{k}"
-    records.append({"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops", "value": flops / base / 1e12})
+    _emit(records, {"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops", "value": flops / base / 1e12})
 
     def add(op, seconds):
-      records.append({"op": op, "shape": shape, "metric": "speedup_vs_bf16", "value": base / seconds})
-      records.append({"op": op, "shape": shape, "metric": "tflops", "value": flops / seconds / 1e12})
+      _emit(records, {"op": op, "shape": shape, "metric": "speedup_vs_bf16", "value": base / seconds})
+      _emit(records, {"op": op, "shape": shape, "metric": "tflops", "value": flops / seconds / 1e12})
 
     for name, quantizer in (("fp8_tensor", Q.Float8Quantizer()), ("mxfp8", Q.MXFP8Quantizer()),
                             ("nvfp4", Q.NVFP4Quantizer())):
@@ -100,10 +106,9 @@ def gemm_records(shapes):
     for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
       fn = jax.jit(lambda x, kern, recipe=recipe: jaxquant.dense(x, kern, recipe=recipe, name="bench"))
       add(f"dense_fwd_{recipe.name}_incl_quantize", median_seconds(fn, x, kernel))
-  return records
 
 
-def mlp_step_records(tokens=16384, hidden=4096, ffn=16384):
+def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
   """Forward + backward of y = down(gelu(up(x))) under each recipe, vs bf16."""
   kx, ku, kd = jax.random.split(jax.random.key(1), 3)
   x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
@@ -119,12 +124,10 @@ def mlp_step_records(tokens=16384, hidden=4096, ffn=16384):
 
   shape = f"tokens={tokens},hidden={hidden},ffn={ffn}"
   base = median_seconds(step_fn(jaxquant.recipes.bf16), (up, down), x, iters=10)
-  records = []
   for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
     t = median_seconds(step_fn(recipe), (up, down), x, iters=10)
-    records.append({"op": f"mlp_train_step_{recipe.name}", "shape": shape,
+    _emit(records, {"op": f"mlp_train_step_{recipe.name}", "shape": shape,
                     "metric": "speedup_vs_bf16", "value": base / t})
-  return records
 
 
 def main():
@@ -133,17 +136,17 @@ def main():
   parser.add_argument("--out", default="benchmarks/results")
   args = parser.parse_args()
   device = jax.devices()[0].device_kind.replace(" ", "_")
-  records = gemm_records(QUICK_SHAPES if args.quick else SHAPES)
-  records += mlp_step_records(*((1024, 256, 1024) if args.quick else ()))
-  for r in records:
-    print(f"{r['op']:<44} {r['shape']:<36} {r['metric']:<16} {r['value']:8.3f}")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   path = out / f"gemm_{device}.json"
-  path.write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                              "records": records}, indent=1))
-  print(f"wrote {path}")
-
+  records = []
+  try:
+    mlp_step_records(records, *((1024, 256, 1024) if args.quick else ()))
+    gemm_records(QUICK_SHAPES if args.quick else SHAPES, records)
+  finally:  # whatever was measured is written, also when interrupted
+    path.write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                "records": records}, indent=1))
+    print(f"wrote {path}")
 
 if __name__ == "__main__":
   main()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On the GPU machine: build with the CUDA library, run the GEMM / training-step benchmark,
-# then the whole CPU test suite on this machine's JAX (0.11.x) to check the code on both
-# JAX versions. Results and logs go to $OUT (default ./out).
+# On the GPU machine: build with the CUDA library; run the whole CPU test suite on this
+# machine's JAX (0.11.x) to check the code on both JAX versions; then the GEMM /
+# training-step benchmark. Results and logs go to $OUT (default ./out).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -m pip install --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 export JAXQUANT_FFI_LIBRARY=$(cd /tmp && python3 -c "import jaxquant.kernels.library as l; print(l.library_path())")
-timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gemm.py --out "$OUT" 2>&1 | tee "$OUT/gemm_bench.log" | grep -v "^jax.nn.scaled_matmul"
-JAX_PLATFORMS=cpu timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 14 \
+JAX_PLATFORMS=cpu timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 14 -rf --tb=short \
   --ignore=tests/kernels/test_kernels_gpu.py tests > "$OUT/cpu_tests_jax011.log" 2>&1
-tail -15 "$OUT/cpu_tests_jax011.log"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cpu_tests_jax011.log" | tail -40
+# SIGINT so the benchmark's finally-block writes what it measured if time runs out.
+timeout -s INT ${BENCH_TIMEOUT:-300} python3 benchmarks/gemm.py --out "$OUT" 2>&1 \
+  | grep -v "^jax.nn.scaled_matmul" | tee "$OUT/gemm_bench.log"

@@ -81,7 +81,7 @@ def test_orbax_round_trip_then_identical_next_step(tmp_path):
 
   assert jax.tree.structure(restored) == jax.tree.structure(train_state)
   jax.tree.map(np.testing.assert_array_equal, restored, train_state)
-  step = jax.jit(tt.linen_train_step(model, tt.optimizer()))
+  step = tt.jitted_linen_step(model)  # compiled already by train_linen above
   after = step(*train_state, windows, jax.random.key(7))
   after_restored = step(*restored, windows, jax.random.key(7))
   jax.tree.map(np.testing.assert_array_equal, after_restored, after)
