@@ -18,7 +18,9 @@ _QNAN = np.uint32(0x7FC00000)
 
 
 def _bits(x) -> np.ndarray:
-  return np.ascontiguousarray(x, np.float32).view(np.uint32)
+  # np.asarray keeps 0-d operands 0-d (ascontiguousarray would make them 1-d, and a
+  # callback must return exactly the declared shape).
+  return np.asarray(x, np.float32).view(np.uint32)
 
 
 def _msb32(v: np.ndarray) -> np.ndarray:

@@ -105,17 +105,8 @@ def test_amax_bit_exact(mode, dtype):
   assert_same_bits(f(x), want, f"amax {mode}")
 
 
-# The reference's NVFP4 S_dec for a subnormal per-row amax (edge row 3) is 1 under jit on
-# the CPU (XLA:CPU flushes the subnormal inside the fusion) but 1/FLT_MAX eagerly and by
-# NUMERICS.md, which is what the kernel computes: reported to the reference's owner.
-_SUBNORMAL_ROW_AMAX = pytest.mark.xfail(
-    reason="reference.nvfp4.global_scales under jit on CPU: subnormal amax gives S_enc = 1",
-    strict=False)
-
-
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_SUBNORMAL_ROW_AMAX)
-                                  if n == "nvfp4_per_token_rht" else n for n in sorted(QUANTIZERS)])
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_dequantize_bit_exact(name, out_dtype):
   x = edge_input((256, 512), jnp.bfloat16, nan="nvfp4" not in name, inf=True)
   qt = reference_on_cpu(functools.partial(quantize_jit, quantizer=QUANTIZERS[name],
