@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

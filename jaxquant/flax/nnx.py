@@ -13,9 +13,8 @@ state must exist before a jitted step uses it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import opt_einsum
 from flax import nnx
@@ -23,7 +22,7 @@ from flax import nnx
 from jaxquant import recipes
 from jaxquant.flax import contraction
 from jaxquant.flax.grouped import NnxGroupedDense
-from jaxquant.flax.metadata import QUANTIZER_KEY, ROLE_KEY, nnx_weight_metadata
+from jaxquant.flax.metadata import nnx_weight_metadata
 from jaxquant.flax.state import init_role_states
 from jaxquant.ops.operands import is_high_precision
 from jaxquant.quantizers import needs_key, needs_state

@@ -41,10 +41,15 @@ def _encode_stochastic(y: jax.Array, random_bits: jax.Array) -> jax.Array:
   return jnp.where(fp32.is_nan(y), jnp.uint32(0), (sign << 3) | mag).astype(jnp.uint8)
 
 
-def quantize(x: jax.Array, fmt: Format, *, random_bits=None) -> QuantizedData:
-  """Quantizes a stored [rows, cols] fp32 matrix (RHT, if any, already applied)."""
+def quantize(x: jax.Array, fmt: Format, *, random_bits=None, amax=None) -> QuantizedData:
+  """Quantizes a stored [rows, cols] fp32 matrix (RHT, if any, already applied).
+
+  `amax`: the global amax (scalar, or [rows] when row-scaled) when the caller already has
+  it, e.g. reduced across shards; by default this matrix's own.
+  """
   rows, _ = x.shape
-  amax = fp32.abs_max(x, axis=1) if fmt.row_scaled else fp32.abs_max(x)
+  if amax is None:
+    amax = fp32.abs_max(x, axis=1) if fmt.row_scaled else fp32.abs_max(x)
   s_enc, s_dec = global_scales(amax)
   block_amax = block_reduce(x, fmt.block, fp32.abs_max)
   if fmt.row_scaled:  # 1-D blocks: block rows are the tensor rows

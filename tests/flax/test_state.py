@@ -2,7 +2,6 @@
 accumulation, and an orbax checkpoint round trip."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 

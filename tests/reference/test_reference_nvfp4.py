@@ -8,7 +8,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import numpy_oracle as orc
 import ref_cases as rc
 from jaxquant.quantizers import NVFP4Quantizer
 
