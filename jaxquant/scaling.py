@@ -29,19 +29,25 @@ def init_state(quantizer: DelayedFloat8Quantizer) -> DelayedScalingState:
                              jnp.ones((), jnp.float32))
 
 
+def max_amax(a, b) -> jax.Array:
+  """Elementwise max of amaxes (>= 0 or NaN), NaN propagating and exact on subnormals.
+
+  Not jnp.maximum: XLA:CPU flushes subnormal operands of max to zero; amaxes are >= 0,
+  so the max of their magnitudes is their max.
+  """
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  return fp32.abs_max(jnp.stack([a, b]), axis=0)
+
+
 def record_amax(state: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
   """Folds an observed amax into the current history slot (max, NaN propagating)."""
-  # fp32.abs_max, not jnp.maximum: XLA CPU flushes subnormal operands of max to zero, and
-  # amaxes are >= 0 so max |.| is their max.
-  recorded = fp32.abs_max(jnp.stack([state.amax_history[0], jnp.asarray(amax, jnp.float32)]))
-  hist = state.amax_history.at[0].set(recorded)
+  hist = state.amax_history.at[0].set(max_amax(state.amax_history[0], amax))
   return dataclasses.replace(state, amax_history=hist)
 
 
 def combine(a: DelayedScalingState, b: DelayedScalingState) -> DelayedScalingState:
   """Merges two records of the same step (micro-batches, devices): max, never overwrite."""
-  merged = fp32.abs_max(jnp.stack([a.amax_history, b.amax_history]), axis=0)  # exact on subnormals
-  return DelayedScalingState(merged, a.scale)
+  return DelayedScalingState(max_amax(a.amax_history, b.amax_history), a.scale)
 
 
 def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> DelayedScalingState:
@@ -70,7 +76,7 @@ def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> Del
 def fold_grad_amax(cotangent: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
   """A state cotangent with `amax` folded into slot 0 by max (NaN propagating)."""
   hist = cotangent.amax_history
-  return DelayedScalingState(hist.at[0].set(jnp.maximum(hist[0], amax)), cotangent.scale)
+  return DelayedScalingState(hist.at[0].set(max_amax(hist[0], amax)), cotangent.scale)
 
 
 def record_grad_amax(state: DelayedScalingState,
@@ -91,7 +97,7 @@ def fan_out(state: DelayedScalingState, n: int) -> tuple[DelayedScalingState, ..
   def bwd(_, cts):
     hist = cts[0].amax_history
     for ct in cts[1:]:
-      hist = jnp.maximum(hist, ct.amax_history)
+      hist = max_amax(hist, ct.amax_history)
     return (DelayedScalingState(hist, sum(ct.scale for ct in cts)),)
 
   copies.defvjp(lambda s: (copies(s), None), bwd)

@@ -86,7 +86,7 @@ def update_grouped_state(state, quantizers: Mapping[str, Optional[Quantizer]], s
 
 
 def _record(state, amax):
-  hist = state.amax_history.at[:, 0].set(jnp.maximum(state.amax_history[:, 0], amax))
+  hist = state.amax_history.at[:, 0].set(scaling.max_amax(state.amax_history[:, 0], amax))
   return scaling.DelayedScalingState(hist, state.scale)
 
 
