@@ -1,8 +1,7 @@
 """jaxquant: low-precision (FP8, MXFP8, NVFP4) training for JAX and Flax."""
 
 from jaxquant import recipes, reference, scaling
-from jaxquant.ops import dense
-from jaxquant.ops import grouped_dense
+from jaxquant.ops import dense, grouped_dense
 from jaxquant.formats import Family, Format
 from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
                                  HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer)
