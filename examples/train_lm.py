@@ -64,7 +64,7 @@ def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipe
   """Every recipe's model, built before any trains: a bad recipe fails now, not in an hour."""
   models = {}
   for name in recipe_names:
-    recipe = recipes.recipe_for(name, config.n_layers)
+    recipe = recipes.recipe_for(name, config)
     if moe:
       recipe = recipes.for_moe_block(recipe)
     plain_model = TransformerLM(config, moe_mlp_factory(recipe) if moe else None)
@@ -76,6 +76,7 @@ def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.Tr
                  shared_params, corpus: data.ByteCorpus, validation_batches: jax.Array, seed: int,
                  deadline: float) -> report.RecipeResult:
   """Trains one recipe; stops early (and says so in the result) once perf_counter() > deadline."""
+  recipe_start = time.perf_counter()
   seq_len = validation_batches.shape[-1] - 1
   tokens_per_step = train_config.batch_size * seq_len
   optimizer = training.make_optimizer(train_config)
@@ -116,6 +117,7 @@ def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.Tr
   progress.close()
   if not result.window_step_seconds:  # a one-step run: its only step compiled too
     result.window_step_seconds.append(result.compile_seconds)
+  result.wall_seconds = time.perf_counter() - recipe_start
   return result
 
 

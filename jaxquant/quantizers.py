@@ -79,7 +79,8 @@ class BlockFloat8Quantizer:
 
   def format(self, usage: Usage) -> Format:
     shape = (1, 128) if self.block == "1x128" else (128, 128)
-    return Format(Family.FP8_BLOCK, self.element, shape, partial_blocks=True)
+    return Format(Family.FP8_BLOCK, self.element, shape, partial_blocks=True,
+                  pow2_scales=self.pow2_scales)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """A plain Flax Linen decoder-only transformer over byte tokens.
 
 Every GEMM is an `nn.Dense`, so `jaxquant.flax.quantize_model` can swap them for quantized
-layers without this file knowing about quantization. The module paths are the names the
+layers without this file knowing about quantization (beyond the names of the collection
+and RNG stream nn.scan must stack per layer). The module paths are the names the
 recipe's roles see, e.g. 'decoder/layer_3/mlp/wi' or 'decoder/layer_0/attention/qkv'.
 
 Parameters are fp32; activations and GEMMs run in `ModelConfig.dtype` (bf16), norms and
@@ -16,6 +17,8 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from jaxquant.flax.linen import QUANT_RNG
+from jaxquant.flax.state import QUANT_STATE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +34,15 @@ class ModelConfig:
   # jax.nn.dot_product_attention's `implementation`: None is XLA's (it materializes the
   # [batch, heads, seq, seq] scores), "cudnn" the fused flash attention (GPU only).
   attention_implementation: Optional[str] = None
+  # The first `scanned_layers` decoder layers run under nn.scan: one module,
+  # 'decoder/layers', whose params (and delayed-scaling state) stack along a leading
+  # axis, compiled once however many layers it holds. The rest are separate modules,
+  # 'decoder/layer_<i>', which a per-layer recipe can treat differently.
+  scanned_layers: int = 0
 
   def __post_init__(self):
+    if not 0 <= self.scanned_layers <= self.n_layers:
+      raise ValueError(f"scanned_layers={self.scanned_layers} must be in [0, n_layers={self.n_layers}]")
     if self.d_model % self.n_heads:
       raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
     if (self.d_model // self.n_heads) % 2:
@@ -130,15 +140,39 @@ class DecoderLayer(nn.Module):
     return x + mlp(normed)
 
 
+# nn.scan must name every collection a layer holds its own variables in (stacked along
+# the layer axis) and every RNG stream it splits per layer: besides Flax's own, those of
+# the layers jaxquant swaps in (delayed-scaling state, stochastic rounding's keys).
+_PER_LAYER_COLLECTIONS = ("params", QUANT_STATE, AUX_LOSSES)
+_PER_LAYER_RNGS = ("params", QUANT_RNG)
+SCANNED_LAYERS = "layers"
+
+
+class _ScanStep(nn.Module):
+  """One decoder layer as nn.scan's body: (carry, _) -> (carry, None)."""
+
+  config: ModelConfig
+  moe_mlp_factory: Optional[MoeMlpFactory] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+    return DecoderLayer(self.config, self.moe_mlp_factory, name="layer")(x), None
+
+
 class Decoder(nn.Module):
   config: ModelConfig
   moe_mlp_factory: Optional[MoeMlpFactory] = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    for index in range(self.config.n_layers):
-      x = DecoderLayer(self.config, self.moe_mlp_factory, name=f"layer_{index}")(x)
-    return nn.RMSNorm(dtype=self.config.dtype, name="final_norm")(x)
+    cfg = self.config
+    if cfg.scanned_layers:
+      scan = nn.scan(_ScanStep, variable_axes={c: 0 for c in _PER_LAYER_COLLECTIONS},
+                     split_rngs={r: True for r in _PER_LAYER_RNGS}, length=cfg.scanned_layers)
+      x, _ = scan(cfg, self.moe_mlp_factory, name=SCANNED_LAYERS)(x, None)
+    for index in range(cfg.scanned_layers, cfg.n_layers):
+      x = DecoderLayer(cfg, self.moe_mlp_factory, name=f"layer_{index}")(x)
+    return nn.RMSNorm(dtype=cfg.dtype, name="final_norm")(x)
 
 
 class TransformerLM(nn.Module):

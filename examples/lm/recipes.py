@@ -23,6 +23,8 @@ from jaxquant.ops.grouped_dense import MODULE_TYPE as GROUPED_LINEAR
 from jaxquant.quantizers import Quantizer, needs_state
 from jaxquant.roles import QuantizerRole
 
+from lm.model import SCANNED_LAYERS, ModelConfig
+
 PLAIN_RECIPE = "bf16"
 # Presets of jaxquant.recipes, by the same name.
 PRESET_RECIPES = ("fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "hybrid")
@@ -62,34 +64,62 @@ def parse_recipe_names(text: str) -> list[str]:
 
 
 def layer_index(module_path: str) -> Optional[int]:
-  """3 for 'decoder/layer_3/mlp/wi'; None for modules outside the decoder layers (the head)."""
+  """3 for 'decoder/layer_3/mlp/wi'; None elsewhere (the scanned layers, the head)."""
   match = re.search(r"(?:^|/)layer_(\d+)(?:/|$)", module_path)
   return int(match.group(1)) if match else None
 
 
-def nvidia_nvfp4_policy(n_layers: int) -> jq_recipes.CustomRecipe:
+def in_decoder_layers(module_path: str) -> bool:
+  """Whether a module belongs to a decoder layer, scanned ('decoder/layers/...') or not."""
+  return layer_index(module_path) is not None or f"decoder/{SCANNED_LAYERS}/" in module_path
+
+
+def bf16_tail_start(n_layers: int) -> int:
+  """The first of the last BF16_TAIL_FRACTION of n_layers layers (at least one)."""
+  return n_layers - max(1, round(BF16_TAIL_FRACTION * n_layers))
+
+
+def nvidia_nvfp4_policy(config: ModelConfig) -> jq_recipes.CustomRecipe:
   """NVIDIA's NVFP4 pretraining recipe as a per-role policy (a CustomRecipe).
 
   The GEMMs of the last BF16_TAIL_FRACTION of the decoder layers (at least one) and the
   output head, which sits outside the layers, run in bf16 (None); every other role gets
-  jaxquant's NVFP4 preset quantizer for it.
+  jaxquant's NVFP4 preset quantizer for it. Scanned layers share one recipe, so they must
+  all lie before the bf16 tail.
   """
-  first_bf16_layer = n_layers - max(1, round(BF16_TAIL_FRACTION * n_layers))
+  first_bf16_layer = bf16_tail_start(config.n_layers)
+  if config.scanned_layers > first_bf16_layer:
+    raise ValueError(f"the custom recipe keeps layers {first_bf16_layer}.. in bf16, but "
+                     f"scanned_layers={config.scanned_layers} puts some of them in the scan")
 
   def qfactory(role: QuantizerRole) -> Optional[Quantizer]:
     layer = layer_index(role.name)
-    if layer is None or layer >= first_bf16_layer:
+    if not in_decoder_layers(role.name) or (layer is not None and layer >= first_bf16_layer):
       return None
     return jq_recipes.nvfp4_factory(role)
 
   return jq_recipes.CustomRecipe(qfactory, name=CUSTOM_RECIPE)
 
 
-def recipe_for(name: str, n_layers: int) -> jq_recipes.CustomRecipe:
-  """jaxquant's preset recipe of that name, or the custom per-role policy."""
+def with_bf16_head(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:
+  """The recipe for the decoder layers; the logits head (outside them) stays in bf16.
+
+  As in Megatron-LM and TransformerEngine, where only the transformer layers' GEMMs run in
+  low precision: the head's output is the loss's input, so its quantization error goes
+  straight into every gradient, and its GEMM is a small share of the step.
+  """
+
+  def qfactory(role: QuantizerRole) -> Optional[Quantizer]:
+    return recipe.quantizer(role) if in_decoder_layers(role.name) else None
+
+  return jq_recipes.CustomRecipe(qfactory, backward=recipe.backward, name=recipe.name)
+
+
+def recipe_for(name: str, config: ModelConfig) -> jq_recipes.CustomRecipe:
+  """jaxquant's preset recipe of that name for the decoder layers, or the custom policy."""
   if name == CUSTOM_RECIPE:
-    return nvidia_nvfp4_policy(n_layers)
-  return jq_recipes.get(name)
+    return nvidia_nvfp4_policy(config)
+  return with_bf16_head(jq_recipes.get(name))
 
 
 def for_moe_block(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:

@@ -25,6 +25,7 @@ class RecipeResult:
   # Mean step time of each window between host syncs (the first, compiling step excluded).
   window_step_seconds: list[float]
   compile_seconds: float  # the first step, compilation included
+  wall_seconds: float = 0.0  # the whole recipe: compiles, steps and evaluations
 
   @property
   def final_val_loss(self) -> float:
@@ -85,8 +86,9 @@ def plot_validation_curves(path: pathlib.Path, results: list[RecipeResult],
 def results_table(results: list[RecipeResult], not_run: list[str], unigram_entropy: float) -> str:
   """Gaps are relative to bf16's final loss, and only between runs that completed."""
   baseline = _baseline_loss(results)
-  lines = ["| recipe | final val loss (nats) | gap to bf16 | median step (ms) | first step, compile incl. (s) |",
-           "| --- | --- | --- | --- | --- |"]
+  lines = ["| recipe | final val loss (nats) | gap to bf16 | median step (ms) "
+           "| first step, compile incl. (s) | recipe wall time (s) |",
+           "| --- | --- | --- | --- | --- | --- |"]
   for r in results:
     gap = relative_gap(r.final_val_loss, baseline) if r.completed else None
     gap_text = "n/a" if gap is None else f"{gap:+.2%}"
@@ -94,8 +96,9 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
     if not r.completed:
       loss_text += f" (stopped at step {r.eval_steps[-1]} of {r.planned_steps}: time budget)"
     lines.append(f"| {r.recipe} | {loss_text} | {gap_text} | "
-                 f"{1e3 * r.median_step_seconds:.1f} | {r.compile_seconds:.1f} |")
-  lines.extend(f"| {name} | not run | n/a | n/a | n/a |" for name in not_run)
+                 f"{1e3 * r.median_step_seconds:.1f} | {r.compile_seconds:.1f} | "
+                 f"{r.wall_seconds:.0f} |")
+  lines.extend(f"| {name} | not run | n/a | n/a | n/a | n/a |" for name in not_run)
   lines.append("")
   lines.append(f"Unigram byte entropy of the validation split: {unigram_entropy:.4f} nats.")
   return "\n".join(lines) + "\n"

@@ -43,13 +43,18 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_matrices))
 
 
-def init_variables(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
-                   rng_streams: tuple[str, ...] = ()) -> dict:
+def _init_fn(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
+             rng_streams: tuple[str, ...]) -> Callable[[], dict]:
   keys = jax.random.split(key, 1 + len(rng_streams))
   rngs = {PARAMS: keys[0], **dict(zip(rng_streams, keys[1:]))}
   # Unboxed: jaxquant's own layers (the MoE block's) box their weights with role metadata,
   # which differs between recipes and would make the param trees differ.
-  return nn.unbox(jax.jit(model.init)(rngs, sample_tokens))
+  return lambda: nn.unbox(model.init(rngs, sample_tokens))
+
+
+def init_variables(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
+                   rng_streams: tuple[str, ...] = ()) -> dict:
+  return jax.jit(_init_fn(model, key, sample_tokens, rng_streams))()
 
 
 def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
@@ -57,18 +62,22 @@ def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
                      ) -> TrainState:
   """A train state for model that starts from shared_params (the same for every recipe).
 
-  The model is initialised only for its other collections; its parameters must have the
-  same paths and shapes as shared_params, else the recipes would not start alike.
+  The model's parameters must have the same paths and shapes as shared_params, else the
+  recipes would not start alike. Its init is only traced, unless it has collections to
+  initialise (delayed-scaling state): a quantized model's init runs its quantized forward
+  pass, which would cost a compilation as long as the train step's.
   """
   init_key, rng = jax.random.split(key)
-  variables = init_variables(model.module, init_key, sample_tokens, model.rng_streams)
+  init = _init_fn(model.module, init_key, sample_tokens, model.rng_streams)
+  abstract = jax.eval_shape(init)
   expected = jax.tree.map(jnp.shape, shared_params)
-  got = jax.tree.map(jnp.shape, variables[PARAMS])
+  got = jax.tree.map(jnp.shape, abstract[PARAMS])
   if expected != got:
     raise ValueError("the recipe's model has other parameters than the plain model "
                      f"(paths or shapes differ):\n plain: {expected}\n recipe: {got}")
-  collections = {name: value for name, value in variables.items()
-                 if name not in (PARAMS, AUX_LOSSES)}
+  names = [name for name in abstract if name not in (PARAMS, AUX_LOSSES)]
+  variables = jax.jit(init)() if names else {}
+  collections = {name: variables[name] for name in names}
   # A copy: the train step donates its state, and the next recipe needs the originals.
   params = jax.tree.map(jnp.copy, shared_params)
   return TrainState(params=params, opt_state=optimizer.init(params), collections=collections,
@@ -90,7 +99,8 @@ def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Arra
   logits, updated = model.module.apply({PARAMS: params, **collections}, inputs, rngs=rngs,
                                        mutable=[*collections, AUX_LOSSES])
   updated = dict(updated)
-  aux_loss = sum(jax.tree.leaves(updated.pop(AUX_LOSSES, {})), jnp.float32(0))
+  # Summed over layers too: under nn.scan a sown loss has a leading layer axis.
+  aux_loss = sum((jnp.sum(l) for l in jax.tree.leaves(updated.pop(AUX_LOSSES, {}))), jnp.float32(0))
   loss = next_token_loss(logits, targets)
   return loss + aux_loss, (loss, updated)
 

@@ -23,7 +23,7 @@ from jaxquant import recipes
 from jaxquant.flax import contraction
 from jaxquant.flax.grouped import NnxGroupedDense
 from jaxquant.flax.metadata import nnx_weight_metadata
-from jaxquant.flax.state import init_role_states
+from jaxquant.flax.state import init_role_states, stacked_role_states
 from jaxquant.ops.operands import is_high_precision
 from jaxquant.quantizers import needs_key, needs_state
 from jaxquant.roles import gemm_roles
@@ -55,11 +55,19 @@ class _QuantizedGemm:
     roles = gemm_roles(MODULE_TYPE, name)
     stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
     if stateful:
-      self.quant_state = QuantState(init_role_states(roles, quantizers))
+      # A layer built under nnx.vmap (layers for nnx.scan) has stacked kernels: its state
+      # is stacked alike, one per layer.
+      self.quant_state = QuantState(
+          stacked_role_states(init_role_states(roles, quantizers), self._stacked_dims()))
     elif hasattr(self, "quant_state"):
       del self.quant_state
     if annotate:
       self.kernel.set_metadata(**nnx_weight_metadata(roles["weight"], quantizers["weight"]))
+
+  def _stacked_dims(self) -> tuple[int, ...]:
+    """Leading kernel dims beyond the layer's own (from nnx.vmap), e.g. (layers,)."""
+    own = len(self.kernel_shape) if isinstance(self, nnx.Einsum) else 2
+    return tuple(self.kernel.shape[:len(self.kernel.shape) - own])
 
   def _what(self) -> str:
     return f"{type(self).__name__} {self.role_name!r}"

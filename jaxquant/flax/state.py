@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 
 from jaxquant import scaling
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_state
@@ -65,6 +66,14 @@ def init_role_states(roles: dict[str, QuantizerRole],
   """Fresh states for exactly the roles whose quantizer needs state."""
   return {t: RoleState(scaling.init_state(_delayed(q)), roles[t], q)
           for t, q in quantizers.items() if needs_state(q)}
+
+
+def stacked_role_states(states: dict[str, RoleState], leading: tuple[int, ...]
+                        ) -> dict[str, RoleState]:
+  """States for a layer stacked along `leading` axes (scanned layers: one state each)."""
+  if not leading:
+    return states
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, leading + a.shape), states)
 
 
 def _per_layer(fn, *states: scaling.DelayedScalingState):

@@ -28,10 +28,15 @@ def _family(op: Operand) -> Optional[Family]:
 
 
 # Families whose block-scaled values are exact in bf16: E4M3/E5M2 codes times a power of
-# two (MXFP8), E2M1 times E4M3 (NVFP4: at most 6 significant bits), and bare FP8 codes
-# (per-tensor: the scale is applied in the epilogue). Block FP8 scales need not be powers
-# of two, so its values stay fp32.
+# two (MXFP8, and block FP8 with power-of-two scales), E2M1 times E4M3 (NVFP4: at most 6
+# significant bits), and bare FP8 codes (per-tensor: the scale is applied in the
+# epilogue). Block FP8 with arbitrary fp32 scales stays fp32.
 _EXACT_IN_BF16 = (Family.FP8_TENSOR, Family.MXFP8, Family.NVFP4)
+
+
+def _exact_in_bf16(op: QuantizedData) -> bool:
+  return op.format.family in _EXACT_IN_BF16 or (
+      op.format.family is Family.FP8_BLOCK and op.format.pow2_scales)
 
 
 def _values(op: Operand, narrow: bool):
@@ -40,7 +45,7 @@ def _values(op: Operand, narrow: bool):
     keep = narrow and op.dtype == jnp.bfloat16
     return op if keep else op.astype(jnp.float32), None
   values, outer = split_scales(op)
-  if narrow and op.format.family in _EXACT_IN_BF16:
+  if narrow and _exact_in_bf16(op):
     values = values.astype(jnp.bfloat16)
   return values, outer
 

@@ -61,13 +61,14 @@ def test_loss_decreases(tiny_run):
   assert "unigram byte entropy" in stdout
 
 
-ONE_LAYER = dataclasses.replace(TINY.model, n_layers=1)
+# Under nn.scan: the scanned path's state stacking and RNG splitting get checked too.
+ONE_LAYER = dataclasses.replace(TINY.model, n_layers=1, scanned_layers=1)
 
 
 def _train(recipe_name: str, steps: int):
   """(collections, rng) of a one-layer tiny model's train state before and after `steps` steps."""
   plain = TransformerLM(ONE_LAYER)
-  model = recipes.model_for_recipe(plain, recipes.recipe_for(recipe_name, ONE_LAYER.n_layers))
+  model = recipes.model_for_recipe(plain, recipes.recipe_for(recipe_name, ONE_LAYER))
   tokens = jnp.zeros((TINY.train.batch_size, ONE_LAYER.seq_len), jnp.int32)
   params = training.init_variables(plain, jax.random.key(0), tokens)[training.PARAMS]
   optimizer = training.make_optimizer(TINY.train)
@@ -84,11 +85,12 @@ def _train(recipe_name: str, steps: int):
 
 def test_delayed_scales_follow_the_amaxes_of_all_three_roles():
   (old_state, old_rng), (new_state, new_rng) = _train("fp8_delayed", steps=2)
-  old = old_state["quant_state"]["decoder"]["layer_0"]["mlp"]["wi"]
-  new = new_state["quant_state"]["decoder"]["layer_0"]["mlp"]["wi"]
+  old = old_state["quant_state"]["decoder"]["layers"]["layer"]["mlp"]["wi"]
+  new = new_state["quant_state"]["decoder"]["layers"]["layer"]["mlp"]["wi"]
   for tensor_type in ("input", "weight", "grad_output"):  # grad_output: from the backward pass
-    assert float(old[tensor_type].scaling.scale) == 1.0
-    assert float(new[tensor_type].scaling.scale) != 1.0, tensor_type
+    assert old[tensor_type].scaling.scale.shape == (1,)  # one per scanned layer
+    assert float(old[tensor_type].scaling.scale[0]) == 1.0
+    assert float(new[tensor_type].scaling.scale[0]) != 1.0, tensor_type
   assert not np.array_equal(old_rng, new_rng)  # the 'quant' stream gets a fresh key per step
 
 
@@ -129,15 +131,27 @@ Role = collections.namedtuple("Role", "module_type tensor_type name")
 
 
 def test_custom_policy_keeps_the_last_layers_and_head_in_bf16():
-  recipe = recipes.nvidia_nvfp4_policy(n_layers=8)
-  assert isinstance(recipe.quantizer(Role("linear", "weight", "decoder/layer_6/mlp/wi")),
-                    NVFP4Quantizer)
+  config = dataclasses.replace(TINY.model, n_layers=8, scanned_layers=6)
+  recipe = recipes.nvidia_nvfp4_policy(config)
+  for quantized in ("decoder/layer_6/mlp/wi", "decoder/layers/layer/mlp/wi"):
+    assert isinstance(recipe.quantizer(Role("linear", "weight", quantized)), NVFP4Quantizer)
   assert recipe.quantizer(Role("linear", "input", "decoder/layer_7/attention/qkv")) is None
   assert recipe.quantizer(Role("linear", "weight", "head")) is None
+  with pytest.raises(ValueError, match="scanned_layers=8"):
+    recipes.nvidia_nvfp4_policy(dataclasses.replace(config, scanned_layers=8))
+
+
+@pytest.mark.parametrize("name", recipes.PRESET_RECIPES)
+def test_presets_quantize_the_layers_and_keep_the_head_in_bf16(name):
+  recipe = recipes.recipe_for(name, TINY.model)
+  for tensor_type in ("input", "weight", "grad_output"):
+    for layer in ("decoder/layer_1/mlp/wo", "decoder/layers/layer/mlp/wo"):
+      assert recipe.quantizer(Role("linear", tensor_type, layer)) is not None
+    assert recipe.quantizer(Role("linear", tensor_type, "head")) is None
 
 
 def test_moe_recipe_keeps_the_router_high_precision_and_experts_stateless():
-  recipe = recipes.for_moe_block(recipes.recipe_for("fp8_delayed", 2))
+  recipe = recipes.for_moe_block(recipes.recipe_for("fp8_delayed", TINY.model))
   assert recipe.quantizer(Role("linear", "input", "decoder/layer_0/mlp/moe/router")) is None
   expert = recipe.quantizer(Role("grouped_linear", "grad_output", "decoder/layer_0/mlp/moe/up"))
   assert type(expert).__name__ == "Float8Quantizer" and expert.element == "e5m2"

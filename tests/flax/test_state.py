@@ -27,7 +27,7 @@ def test_scanned_remat_state_is_per_layer_and_advances_once_per_step():
   assert scanned["input"].role.name == "layers/block/mlp/wi"
   _, (_, _, collections) = tt.train_linen(model, params, collections, 2, windows)
   scanned = _role_states(collections["quant_state"]["layers"])
-  assert len(scanned) == 3 * 6  # six GEMMs per block, three roles each
+  assert len(scanned) == 3 * len(tt.BLOCK_GEMMS)  # three roles each
   for state in scanned:
     hist = state.scaling.amax_history
     # Two updates: the two recorded amaxes rolled to the end, slot 0 cleared, per layer.

@@ -1,8 +1,9 @@
 """Tiny decoder-only Transformers written the ordinary Flax way (Linen and NNX), with no
 jaxquant in them, and the train steps the tests run them with.
 
-Every GEMM is a Flax layer: query/key/value are DenseGeneral (Linear in NNX), the output
-projection an Einsum, the MLP and the head Dense. Kernels carry logical axis names.
+Every GEMM is a Flax layer: the fused query/key/value projection a DenseGeneral (Linear
+in NNX), the output projection an Einsum, the MLP and the head Dense. Kernels carry
+logical axis names. Four GEMMs a block keep the quantized steps quick to compile.
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ VOCAB, D_MODEL, HEADS, D_FF, SEQ, LAYERS, BATCH = 64, 32, 2, 64, 16, 2, 4
 HEAD_DIM = D_MODEL // HEADS
 DTYPE = jnp.bfloat16
 # The GEMM modules of LinenLM by path; each emits input, weight and grad_output roles.
-GEMM_PATHS = tuple(f"layer_{i}/{m}" for i in range(LAYERS)
-                   for m in ("attention/query", "attention/key", "attention/value",
-                             "attention/out", "mlp/wi", "mlp/wo")) + ("head",)
-NNX_GEMM_PATHS = tuple(f"layers/{i}/{m}" for i in range(LAYERS)
-                       for m in ("attention/query", "attention/key", "attention/value",
-                                 "attention/out", "mlp/wi", "mlp/wo")) + ("head",)
+BLOCK_GEMMS = ("attention/qkv", "attention/out", "mlp/wi", "mlp/wo")
+GEMM_PATHS = tuple(f"layer_{i}/{m}" for i in range(LAYERS) for m in BLOCK_GEMMS) + ("head",)
+NNX_GEMM_PATHS = tuple(f"layers/{i}/{m}" for i in range(LAYERS) for m in BLOCK_GEMMS) + ("head",)
 
 
 def _init(names):
@@ -38,10 +36,9 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    def heads(name):
-      return nn.DenseGeneral((HEADS, HEAD_DIM), dtype=self.dtype, name=name,
-                             kernel_init=_init(("embed", "heads", "kv")))(x)
-    q, k, v = heads("query"), heads("key"), heads("value")
+    qkv = nn.DenseGeneral((3, HEADS, HEAD_DIM), dtype=self.dtype, name="qkv",
+                          kernel_init=_init(("embed", "qkv", "heads", "kv")))(x)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
     attended = nn.dot_product_attention(q, k, v, mask=mask, dtype=self.dtype)
     return nn.Einsum((HEADS, HEAD_DIM, D_MODEL), "bshd,hdm->bsm", dtype=self.dtype, name="out",
@@ -108,14 +105,13 @@ class ScannedLinenLM(nn.Module):
 class NnxAttention(nnx.Module):
 
   def __init__(self, rngs):
-    linear = lambda: nnx.Linear(D_MODEL, D_MODEL, dtype=DTYPE, rngs=rngs)
-    self.query, self.key, self.value = linear(), linear(), linear()
+    self.qkv = nnx.Linear(D_MODEL, 3 * D_MODEL, dtype=DTYPE, rngs=rngs)
     self.out = nnx.Einsum("bshd,hdm->bsm", (HEADS, HEAD_DIM, D_MODEL), (D_MODEL,),
                           dtype=DTYPE, rngs=rngs)
 
   def __call__(self, x):
-    split = lambda t: t.reshape(*t.shape[:2], HEADS, HEAD_DIM)
-    q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+    qkv = self.qkv(x).reshape(*x.shape[:2], 3, HEADS, HEAD_DIM)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
     return self.out(nnx.dot_product_attention(q, k, v, mask=mask, dtype=DTYPE))
 
@@ -158,6 +154,29 @@ class NnxLM(nnx.Module):
     return self.head(self.norm(x)).astype(jnp.float32)
 
 
+class NnxScannedLM(nnx.Module):
+  """The NNX layers stacked by nnx.vmap and run by nnx.scan of nnx.remat."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, D_MODEL, dtype=DTYPE, rngs=rngs)
+
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked_blocks(rngs):
+      return NnxBlock(rngs)
+
+    self.layers = stacked_blocks(rngs)
+    self.head = nnx.Linear(D_MODEL, VOCAB, dtype=DTYPE, rngs=rngs)
+
+  def __call__(self, tokens):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def through_layers(x, block):
+      return block(x)
+
+    return self.head(through_layers(self.embed(tokens), self.layers)).astype(jnp.float32)
+
+
 # ---- Data and train steps ----
 
 def batch(seed=0, batch_size=BATCH):
@@ -172,6 +191,12 @@ def xent(logits, windows):
 
 def optimizer():
   return optax.adamw(1e-2)
+
+
+# Plain gradient descent: an update proportional to the gradient, so fp32 noise in a
+# gradient stays fp32 noise in the params (Adam's first steps are sign(gradient) steps,
+# which turn a near-zero gradient's noise into a whole learning-rate step).
+SGD = optax.sgd(0.5)
 
 
 def linen_train_step(model, tx):
@@ -194,10 +219,11 @@ def linen_train_step(model, tx):
 
 
 @functools.cache
-def jitted_linen_step(model):
-  """One jitted train step per model (Linen modules compare by value): tests that train
-  the same model share its compiled step instead of compiling it again."""
-  return jax.jit(linen_train_step(model, optimizer()))
+def jitted_linen_step(model, tx=None):
+  """One jitted train step per model (Linen modules compare by value) and optimizer
+  (default: `optimizer()`): tests that train the same model share its compiled step
+  instead of compiling it again."""
+  return jax.jit(linen_train_step(model, tx or optimizer()))
 
 
 def linen_init(model, windows):
@@ -206,9 +232,9 @@ def linen_init(model, windows):
   return params, variables
 
 
-def train_linen(model, params, collections, steps, windows):
-  opt_state = optimizer().init(params)
-  step = jitted_linen_step(model)
+def train_linen(model, params, collections, steps, windows, tx=None):
+  opt_state = (tx or optimizer()).init(params)
+  step = jitted_linen_step(model, tx)
   losses = []
   for i in range(steps):
     params, opt_state, collections, loss = step(params, opt_state, collections, windows,
