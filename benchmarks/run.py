@@ -1,6 +1,7 @@
 """Cast-kernel benchmark: effective bandwidth against a device copy and the XLA reference.
 
     python benchmarks/run.py [--rows 16384 --cols 8192] [--quick]
+    python benchmarks/run.py --profile [--only REGEX]   # each kernel once, for ncu
 
 Everything is measured in one process: a device copy of the input (read + write, the
 bandwidth ceiling), each cast through the CUDA kernels, and the same cast through the
@@ -80,6 +81,9 @@ def main():
   parser.add_argument("--cols", type=int, default=8192)
   parser.add_argument("--quick", action="store_true", help="fewer repetitions")
   parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<gpu>.json)")
+  parser.add_argument("--only", default=None, help="regex: run only the cases whose op name matches")
+  parser.add_argument("--profile", action="store_true",
+                      help="run each kernel once, untimed and without the XLA path (under ncu)")
   args = parser.parse_args()
   if not kernels.available():
     raise SystemExit(f"kernels unavailable: {kernels.unavailable_reason()}")
@@ -114,8 +118,14 @@ def main():
       ("block_fp8_1x128_row_col", BlockFloat8Quantizer(), BOTH, "cast"),
       ("block_fp8_128x128_row_col", BlockFloat8Quantizer(block="128x128"), BOTH, "cast"),
   ]
+  if args.only:
+    cases = [c for c in cases if re.search(args.only, c[0])]
   rows = []
   for op, q, usages, mode in cases:
+    if args.profile:
+      amaxes, kernel, _ = cast_only(q, usages)
+      jax.block_until_ready(kernel(x, *jax.jit(amaxes)(x)))
+      continue
     if mode == "cast":
       amaxes, kernel, xla = cast_only(q, usages)
       r, c = jax.jit(amaxes)(x)
@@ -135,6 +145,8 @@ def main():
     record(op, "speedup_vs_xla", x_ms / k_ms)
     rows.append((op, k_ms, x_ms, tbps, tbps / copy_tbps, x_ms / k_ms))
 
+  if args.profile:
+    return
   deq = jax.jit(lambda qt: ops.dequantize(qt, "rowwise", jnp.bfloat16, implementation="kernel"))
   deq_xla = jax.jit(lambda qt: ops.dequantize(qt, "rowwise", jnp.bfloat16, implementation="reference"))
   for op, q in (("mxfp8_dequantize_row", MXFP8Quantizer()), ("nvfp4_dequantize_row", NVFP4Quantizer())):

@@ -52,6 +52,6 @@ PRESETS = {
     # 16k tokens a step; eight recipes' compilations and steps fit the budget.
     "gpu": Preset(
         ModelConfig(seq_len=512, d_model=896, n_layers=6, n_heads=14, d_ff=3584, scanned_layers=5),
-        TrainConfig(batch_size=32, steps=400, warmup_steps=40, peak_learning_rate=1e-3,
-                    eval_every=50, eval_batches=8)),
+        TrainConfig(batch_size=32, steps=400, warmup_steps=40, peak_learning_rate=5e-4,
+                    eval_every=50, eval_batches=16)),
 }

@@ -1,68 +1,106 @@
 // Dequantize one usage in its stored layout, every family: data [rows, cols] (cols/2 bytes
 // for packed E2M1) and its scales back to the high-precision dtype of the output buffer.
-// Each thread turns 16 consecutive elements of one stored row into 16 outputs.
+// Each thread turns 8 consecutive elements of one stored row into 8 outputs (one 16-byte
+// store for 2-byte outputs); codes are widened through fp16, which holds every FP8 and
+// E2M1 value exactly, so each output is the same one or two fp32 products as the reference.
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
 namespace jaxquant {
 namespace {
 
+constexpr int kGroup = 8;  // elements per thread
+
 struct DequantArgs {
   const uint8_t* data;
   const void* scale;     // fp32 (FP8 families), E8M0 or E4M3 bytes
   const float* amax;     // NVFP4 global amax: [] or [rows]
   int64_t rows, cols;
-  int32_t family, element, block_rows, block_cols, row_scaled;
+  int32_t family, element, row_shift, col_shift, row_scaled;  // block = 2^shift
 };
 
 // Scale multiplier of the block holding (r, c) in the stored layout.
 __device__ __forceinline__ float block_multiplier(const DequantArgs& a, int64_t r, int64_t c) {
   if (a.family == kFp8Tensor) return *reinterpret_cast<const float*>(a.scale);
-  const int64_t blocks_across = (a.cols + a.block_cols - 1) / a.block_cols;
-  const int64_t index = (r / a.block_rows) * blocks_across + c / a.block_cols;
+  // Block FP8 allows a partial last block: ceil(cols / block) blocks per row.
+  const int64_t blocks_across = ((a.cols - 1) >> a.col_shift) + 1;
+  const int64_t index = (r >> a.row_shift) * blocks_across + (c >> a.col_shift);
   if (a.family == kFp8Block) return reinterpret_cast<const float*>(a.scale)[index];
   const uint8_t byte = reinterpret_cast<const uint8_t*>(a.scale)[index];
   if (a.family == kMxfp8) return e8m0_to_float(byte);
   return e4m3_to_float(byte);
 }
 
+// Two FP8 codes (bits 0-7, 8-15) as exact fp32 values; NaN codes give NaN.
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t codes, int32_t element) {
+  uint32_t h2;
+  const uint16_t c = static_cast<uint16_t>(codes);
+  if (element == kE4M3) {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(c));
+  } else {
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(c));
+  }
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
+}
+
+// Two E2M1 codes (bits 0-3, 4-7) as fp16 bit patterns scaled by 2^-14: the code's three
+// magnitude bits placed at fp16 bits 9-11 mean 2^-14 times the E2M1 value, normal and
+// subnormal codes alike.
+__device__ __forceinline__ float2 e2m1x2_to_float2_scaled(uint32_t codes) {
+  const uint32_t h2 = ((codes & 0x7u) << 9) | ((codes & 0x8u) << 12) | ((codes & 0x70u) << 21) |
+                      ((codes & 0x80u) << 24);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
+}
+
 template <typename T>
 __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* __restrict__ out) {
-  const int64_t groups_per_row = a.cols / 16;
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (g >= a.rows * groups_per_row) return;
-  const int64_t r = g / groups_per_row, c = (g % groups_per_row) * 16;
-  float vals[16];
-  if (a.family == kNvfp4) {
-    // x = q * float(s) * S_dec, in that order (NUMERICS.md NVFP4 step 6).
-    const uint2 packed = *reinterpret_cast<const uint2*>(a.data + r * (a.cols / 2) + c / 2);
-    const float s = block_multiplier(a, r, c);
-    const float s_dec = nvfp4_global(a.row_scaled ? a.amax[r] : *a.amax).s_dec;
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kGroup;
+  if (c >= a.cols) return;
+  const bool nvfp4 = a.family == kNvfp4;
+  const float tensor_s_dec = nvfp4 && !a.row_scaled ? nvfp4_global(*a.amax).s_dec : 0.0f;
+  for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
+    float vals[kGroup];
+    if (nvfp4) {
+      // x = q * float(s) * S_dec, in that order (NUMERICS.md NVFP4 step 6); q is 2^14 h
+      // exactly, so q * s = h * (2^14 s), both products exact-rounded once.
+      const uint32_t packed = *reinterpret_cast<const uint32_t*>(a.data + r * (a.cols / 2) + c / 2);
+      const float s = block_multiplier(a, r, c) * 16384.0f;
+      const float s_dec = a.row_scaled ? nvfp4_global(a.amax[r]).s_dec : tensor_s_dec;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint32_t word = i < 8 ? packed.x : packed.y;
-      vals[i] = e2m1_to_float((word >> (4 * (i % 8))) & 0xF) * s * s_dec;
+      for (int i = 0; i < kGroup; i += 2) {
+        const float2 h = e2m1x2_to_float2_scaled(packed >> (4 * i));
+        vals[i] = h.x * s * s_dec;
+        vals[i + 1] = h.y * s * s_dec;
+      }
+    } else {
+      const uint2 packed = *reinterpret_cast<const uint2*>(a.data + r * a.cols + c);
+      // Blocks are at least 16 wide and 16-aligned, so one multiplier serves all 8.
+      const float s = block_multiplier(a, r, c);
+#pragma unroll
+      for (int i = 0; i < kGroup; i += 2) {
+        const float2 q = fp8x2_to_float2((i < 4 ? packed.x : packed.y) >> (8 * (i % 4)), a.element);
+        vals[i] = q.x * s;
+        vals[i + 1] = q.y * s;
+      }
     }
-  } else {
-    const uint4 packed = *reinterpret_cast<const uint4*>(a.data + r * a.cols + c);
-    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-    // Blocks are at least 16 wide and 16-aligned, so one multiplier serves all 16.
-    const float s = block_multiplier(a, r, c);
+    constexpr int V = kVec<T>;
+    Vec16<T>* dst = reinterpret_cast<Vec16<T>*>(out + r * a.cols + c);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint8_t code = (words[i / 4] >> (8 * (i % 4))) & 0xFF;
-      vals[i] = fp8_to_float(code, a.element) * s;
+    for (int j = 0; j < kGroup / V; ++j) {
+      Vec16<T> w;
+#pragma unroll
+      for (int i = 0; i < V; ++i) w.v[i] = from_float<T>(vals[j * V + i]);
+      dst[j] = w;
     }
   }
-  constexpr int V = kVec<T>;
-  Vec16<T>* dst = reinterpret_cast<Vec16<T>*>(out + r * a.cols + c);
-#pragma unroll
-  for (int j = 0; j < 16 / V; ++j) {
-    Vec16<T> w;
-#pragma unroll
-    for (int i = 0; i < V; ++i) w.v[i] = from_float<T>(vals[j * V + i]);
-    dst[j] = w;
-  }
+}
+
+// log2 of a power-of-two block size, or -1.
+int block_shift(int32_t size) {
+  if (size <= 0 || (size & (size - 1))) return -1;
+  int shift = 0;
+  while ((1 << shift) < size) ++shift;
+  return shift;
 }
 
 ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
@@ -85,14 +123,18 @@ ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer s
   a.cols = cols;
   a.family = cfg.family;
   a.element = cfg.element;
-  a.block_rows = cfg.block_rows > 0 ? cfg.block_rows : 1;
-  a.block_cols = cfg.block_cols > 0 ? cfg.block_cols : 1;
+  a.row_shift = cfg.family == kFp8Tensor ? 0 : block_shift(cfg.block_rows);
+  a.col_shift = cfg.family == kFp8Tensor ? 0 : block_shift(cfg.block_cols);
+  if (a.row_shift < 0 || a.col_shift < 0) {
+    return invalid("dequantize: block dims must be powers of two");
+  }
   a.row_scaled = cfg.row_scaled;
   if (rows == 0 || cols == 0) return ffi::Error::Success();
   return dispatch_float(result->element_type(), [&](auto tag) {
     using T = decltype(tag);
-    const int64_t groups = rows * (cols / 16);
-    dequantize_kernel<T><<<(groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+    constexpr int64_t kMaxGridY = 65535;
+    const dim3 grid((cols / kGroup + kThreads - 1) / kThreads, rows < kMaxGridY ? rows : kMaxGridY);
+    dequantize_kernel<T><<<grid, kThreads, 0, stream>>>(
         a, reinterpret_cast<T*>(result->untyped_data()));
     return cuda_status("dequantize");
   });

@@ -1,13 +1,15 @@
 // Per-tensor FP8 cast with the transposed columnwise copy in the same pass
 // (NUMERICS.md "Per-tensor FP8"). The scale comes from a device-side scalar: the amax
 // (current scaling, the scale is derived here) or the scale itself (delayed scaling).
+// Tiles and the work split are tile.cuh's staged cast tiles.
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
 namespace jaxquant {
 namespace {
 
-template <typename T> constexpr int kTileRows = kCastTileRows<T>;
+// Three 16 KB tile stages: 48 KB, the static shared-memory limit.
+constexpr int kStages = 3;
 
 struct Fp8TensorOut {
   uint8_t* row_data;   // [M, K]
@@ -16,87 +18,86 @@ struct Fp8TensorOut {
   float* col_scale_inv;
 };
 
-template <typename T>
+// Four codes of x * scale, packed little-endian; only `may_be_nan` inputs pay for the
+// NaN rewrite.
+template <int32_t kElement>
+__device__ __forceinline__ uint32_t fp8x4_scaled(float a, float b, float c, float d, float scale,
+                                                 bool may_be_nan) {
+  return may_be_nan ? fp8x4_code(a * scale, b * scale, c * scale, d * scale, kElement)
+                    : fp8x4_code_no_nan(a * scale, b * scale, c * scale, d * scale, kElement);
+}
+
+template <typename T, int32_t kElement>
 __global__ __launch_bounds__(kThreads, kMinBlocks) void fp8_tensor_cast_kernel(
     const T* __restrict__ x, const float* __restrict__ amax_or_scale, int64_t M, int64_t K,
     KernelConfig cfg, Fp8TensorOut out) {
-  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows<T> / kWarps;
-  __shared__ Vec16<T> tile[kTileRows<T>][32];
+  constexpr int V = kVec<T>;
+  __shared__ CastTile<T> stage[kStages];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows<T>;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * TC;
-  const int64_t col = k0 + lane * V;
-
-  Vec16<T> v[kRowPasses];
-#pragma unroll
-  for (int p = 0; p < kRowPasses; ++p) {
-    const int64_t row = m0 + warp + p * kWarps;
-    v[p] = (row < M && col < K) ? load_vec(x + row * K + col) : zero_vec<T>();
-  }
-
   const float scale = cfg.given_scale ? *amax_or_scale
                                       : fp8_scale_from_amax<T>(*amax_or_scale,
-                                                               element_max(cfg.element),
+                                                               element_max(kElement),
                                                                cfg.eps, cfg.pow2_scales);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+  // A NaN product needs the NaN rewrite: from a NaN input, or (a delayed scale being any
+  // float) from 0 or inf times a scale that is not finite and positive.
+  const bool scale_may_make_nan = !(scale > 0.0f && scale <= kFltMax);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
     const float scale_inv = 1.0f / scale;
     if (out.row_scale_inv) *out.row_scale_inv = scale_inv;
     if (out.col_scale_inv) *out.col_scale_inv = scale_inv;
   }
 
-  if (out.col_data != nullptr) {
+  for_each_cast_tile<kStages>(x, M, K, stage, [&](const CastTile<T>& tile, TileOrigin o) {
+    if (out.row_data != nullptr) {
+      const int q = row_pass_chunk();
 #pragma unroll
-    for (int p = 0; p < kRowPasses; ++p) tile[warp + p * kWarps][lane] = v[p];
-  }
-
-  if (out.row_data != nullptr && col < K) {
+      for (int i = 0; i < kCastRowPasses; ++i) {
+        const int r = row_pass_row(i);
+        const int64_t m = o.m0 + r, k = o.k0 + q * V;
+        if (m >= M || k >= K) continue;
+        const Vec16<T> v = tile.at(r, q);
+        const bool nan = scale_may_make_nan || isnan(chunk_amax(v, 1));
+        uint32_t codes[V / 4];
 #pragma unroll
-    for (int p = 0; p < kRowPasses; ++p) {
-      const int64_t row = m0 + warp + p * kWarps;
-      if (row >= M) break;
-      uint32_t codes[V / 4];
-#pragma unroll
-      for (int i = 0; i < V; i += 4) {
-        codes[i / 4] =
-            fp8x2_code(to_float(v[p].v[i]) * scale, to_float(v[p].v[i + 1]) * scale, cfg.element) |
-            (fp8x2_code(to_float(v[p].v[i + 2]) * scale, to_float(v[p].v[i + 3]) * scale,
-                        cfg.element) << 16);
-      }
-      uint8_t* dst = out.row_data + row * K + col;
-      if constexpr (V == 8) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
-      } else {
-        *reinterpret_cast<uint32_t*>(dst) = codes[0];
-      }
-    }
-  }
-
-  if (out.col_data != nullptr) {
-    __syncthreads();
-    // Each thread writes 16 contiguous bytes of a transposed row per chunk.
-    constexpr int kChunk = 16, kParts = kThreads / TC, kRowsPerPart = kTileRows<T> / kParts;
-    const int c = threadIdx.x % TC, part = threadIdx.x / TC;
-    const int64_t k = k0 + c;
-    const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
-    if (k < K) {
-#pragma unroll
-      for (int b = 0; b < kRowsPerPart / kChunk; ++b) {
-        const int r0 = part * kRowsPerPart + b * kChunk;
-        if (m0 + r0 >= M) break;
-        uint32_t codes[kChunk / 4];
-#pragma unroll
-        for (int i = 0; i < kChunk; i += 4) {
-          codes[i / 4] =
-              fp8x2_code(to_float(column[(r0 + i) * TC]) * scale,
-                         to_float(column[(r0 + i + 1) * TC]) * scale, cfg.element) |
-              (fp8x2_code(to_float(column[(r0 + i + 2) * TC]) * scale,
-                          to_float(column[(r0 + i + 3) * TC]) * scale, cfg.element) << 16);
+        for (int j = 0; j < V; j += 4) {
+          codes[j / 4] = fp8x4_scaled<kElement>(element_float(v, j), element_float(v, j + 1),
+                                                element_float(v, j + 2), element_float(v, j + 3),
+                                                scale, nan);
         }
-        *reinterpret_cast<uint4*>(out.col_data + k * M + m0 + r0) =
-            make_uint4(codes[0], codes[1], codes[2], codes[3]);
+        uint8_t* dst = out.row_data + m * K + k;
+        if constexpr (V == 8) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
+        } else {
+          *reinterpret_cast<uint32_t*>(dst) = codes[0];
+        }
       }
     }
-  }
+    // Columnwise: lane l writes 4 codes (rows 4l .. 4l+3) of each transposed row k.
+    const int64_t k_first = o.k0 + warp * V, m = o.m0 + 4 * lane;
+    if (out.col_data != nullptr && k_first < K && m < M) {
+      Vec16<T> c[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) c[j] = tile.at(4 * lane + j, warp);
+      const bool nan = scale_may_make_nan ||
+                       isnan(amax_combine(amax_combine(chunk_amax(c[0], 1), chunk_amax(c[1], 1)),
+                                          amax_combine(chunk_amax(c[2], 1), chunk_amax(c[3], 1))));
+      // One branch per lane and tile, not per store.
+      auto store_columns = [&](auto may_be_nan) {
+        uint8_t* data = out.col_data + k_first * M + m;
+#pragma unroll
+        for (int e = 0; e < V; ++e, data += M) {
+          *reinterpret_cast<uint32_t*>(data) = fp8x4_scaled<kElement>(
+              element_float(c[0], e), element_float(c[1], e), element_float(c[2], e),
+              element_float(c[3], e), scale, decltype(may_be_nan)::value);
+        }
+      };
+      if (nan) {
+        store_columns(std::true_type{});
+      } else {
+        store_columns(std::false_type{});
+      }
+    }
+  });
 }
 
 ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax_or_scale,
@@ -105,6 +106,9 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   int64_t M, K;
   if (!matrix_dims(x, M, K)) return invalid("fp8_tensor_cast: x must be rank 2");
   if (M % 16 || K % 16) return invalid("fp8_tensor_cast: dims must be multiples of 16");
+  if (cfg.element != kE4M3 && cfg.element != kE5M2) {
+    return invalid("fp8_tensor_cast: element must be E4M3 or E5M2");
+  }
   if (amax_or_scale.element_type() != ffi::DataType::F32 ||
       amax_or_scale.element_count() != 1) {
     return invalid("fp8_tensor_cast: amax / scale must be one float32");
@@ -128,12 +132,19 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     // An empty tensor still gets its scale_inv: one CTA that touches no element.
-    const dim3 grid(M == 0 ? 1 : (M + kTileRows<T> - 1) / kTileRows<T>,
-                    K == 0 ? 1 : (K + kTileCols<T> - 1) / kTileCols<T>);
-    fp8_tensor_cast_kernel<T><<<grid, kThreads, 0, stream>>>(
-        reinterpret_cast<const T*>(x.untyped_data()),
-        reinterpret_cast<const float*>(amax_or_scale.untyped_data()), M, K, cfg, out);
-    return cuda_status("fp8_tensor_cast");
+    auto launch = [&](auto kernel) {
+      int grid = 0;
+      const cudaError_t err = cast_grid(kernel, cast_tiles<T>(M, K), grid);
+      if (err != cudaSuccess) {
+        return cuda_error("fp8_tensor_cast: grid size", err);
+      }
+      kernel<<<grid > 0 ? grid : 1, kThreads, 0, stream>>>(
+          reinterpret_cast<const T*>(x.untyped_data()),
+          reinterpret_cast<const float*>(amax_or_scale.untyped_data()), M, K, cfg, out);
+      return cuda_status("fp8_tensor_cast");
+    };
+    return cfg.element == kE4M3 ? launch(fp8_tensor_cast_kernel<T, kE4M3>)
+                                : launch(fp8_tensor_cast_kernel<T, kE5M2>);
   });
 }
 

@@ -1,16 +1,17 @@
 // MXFP8 cast, rowwise and columnwise in one pass (NUMERICS.md "MXFP8").
 //
-// Tile: 64 rows x (32 lanes x one 16-byte vector) columns. Rowwise blocks of 32 along a
-// row are spread over 32 / kVec lanes and reduced with shuffles; columnwise blocks of 32
-// down a column are read from shared memory by one thread, which then writes 32
-// contiguous bytes of the transposed output.
+// Tiles and the work split are tile.cuh's staged cast tiles. A rowwise block of 32 spans
+// 32 / kVec consecutive lanes of one row; a columnwise block (32 rows of one column) spans
+// 8 consecutive lanes of a warp, 4 rows each. Block amaxes are reduced with shuffles.
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
 namespace jaxquant {
 namespace {
 
-template <typename T> constexpr int kTileRows = kCastTileRows<T>;
+// Three 16 KB tile stages: 48 KB, the static shared-memory limit.
+constexpr int kStages = 3;
+
 constexpr int kBlock = 32;
 
 struct Mxfp8Out {
@@ -20,99 +21,95 @@ struct Mxfp8Out {
   uint8_t* col_scale;  // [K, M / 32]
 };
 
-template <typename T>
+// Codes of f[i] * mult for four elements of one block, packed little-endian. Only a block
+// whose amax is NaN holds NaN, so only such a block pays for the NaN rewrite.
+template <int32_t kElement>
+__device__ __forceinline__ uint32_t mxfp8x4_code(float f0, float f1, float f2, float f3,
+                                                 float mult, bool nan_block) {
+  return nan_block ? fp8x4_code(f0 * mult, f1 * mult, f2 * mult, f3 * mult, kElement)
+                   : fp8x4_code_no_nan(f0 * mult, f1 * mult, f2 * mult, f3 * mult, kElement);
+}
+
+template <typename T, int32_t kElement>
 __global__ __launch_bounds__(kThreads, kMinBlocks) void mxfp8_cast_kernel(const T* __restrict__ x,
-                                                              int64_t M, int64_t K,
-                                                              int32_t element, Mxfp8Out out) {
-  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows<T> / kWarps;
-  __shared__ Vec16<T> tile[kTileRows<T>][32];
+                                                                          int64_t M, int64_t K,
+                                                                          Mxfp8Out out) {
+  constexpr int V = kVec<T>;
+  __shared__ CastTile<T> stage[kStages];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows<T>;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * TC;
-  const int64_t col = k0 + lane * V;
-  const float fmax = element_max(element);
+  constexpr float fmax = element_max(kElement);
 
-  // Every load is issued before any is used.
-  Vec16<T> v[kRowPasses];
+  // Shuffles run on every lane; only stores depend on the range checks. Output pointers
+  // step by whole rows, so each store costs one 64-bit add.
+  constexpr int kPassRows = kThreads / kChunks;
+  const int64_t row_scales = K / kBlock, col_scales = M / kBlock;
+  for_each_cast_tile<kStages>(x, M, K, stage, [&](const CastTile<T>& tile, TileOrigin o) {
+    if (out.row_data != nullptr) {
+      constexpr int kLanesPerBlock = kBlock / V;
+      const int q = row_pass_chunk();
+      const int64_t m_first = o.m0 + row_pass_row(0), k = o.k0 + q * V;
+      uint8_t* data = out.row_data + m_first * K + k;
+      uint8_t* scale = out.row_scale + m_first * row_scales + k / kBlock;
 #pragma unroll
-  for (int p = 0; p < kRowPasses; ++p) {
-    const int64_t row = m0 + warp + p * kWarps;
-    v[p] = (row < M && col < K) ? load_vec(x + row * K + col) : zero_vec<T>();
-  }
-
-  if (out.col_data != nullptr) {
-#pragma unroll
-    for (int p = 0; p < kRowPasses; ++p) tile[warp + p * kWarps][lane] = v[p];
-  }
-
-  if (out.row_data != nullptr) {
-    constexpr int kLanesPerBlock = kBlock / V;
-#pragma unroll
-    for (int p = 0; p < kRowPasses; ++p) {
-      const int64_t row = m0 + warp + p * kWarps;
-      float f[V];
-      float a = 0.0f;
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        f[i] = to_float(v[p].v[i]);
-        a = amax_combine(a, abs_bits(f[i]));
-      }
-      a = group_amax(a, kLanesPerBlock);
-      const uint32_t e = mxfp8_scale_byte(a, fmax);
-      const float mult = mxfp8_quant_multiplier(e);
-      if (row < M && col < K) {
-        uint32_t codes[V / 4];
-#pragma unroll
-        for (int i = 0; i < V; i += 4) {
-          codes[i / 4] = fp8x2_code(f[i] * mult, f[i + 1] * mult, element) |
-                         (fp8x2_code(f[i + 2] * mult, f[i + 3] * mult, element) << 16);
-        }
-        uint8_t* dst = out.row_data + row * K + col;
-        if constexpr (V == 8) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
-        } else {
-          *reinterpret_cast<uint32_t*>(dst) = codes[0];
-        }
-        if (lane % kLanesPerBlock == 0) out.row_scale[row * (K / kBlock) + col / kBlock] = e;
-      }
-    }
-  }
-
-  if (out.col_data != nullptr) {
-    __syncthreads();
-    // TC columns; with fp32 (TC = 128) two threads share a column, one per row half.
-    constexpr int kParts = kThreads / TC, kRowsPerPart = kTileRows<T> / kParts;
-    const int c = threadIdx.x % TC, part = threadIdx.x / TC;
-    const int64_t k = k0 + c;
-    const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
-    constexpr int kStride = TC;  // elements between consecutive tile rows
-    if (k < K) {
-#pragma unroll
-      for (int b = 0; b < kRowsPerPart / kBlock; ++b) {
-        const int r0 = part * kRowsPerPart + b * kBlock;
-        if (m0 + r0 >= M) break;
-        float f[kBlock];
-        float a = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kBlock; ++i) {
-          f[i] = to_float(column[(r0 + i) * kStride]);
-          a = amax_combine(a, abs_bits(f[i]));
-        }
+      for (int i = 0; i < kCastRowPasses; ++i) {
+        const Vec16<T> v = tile.at(row_pass_row(i), q);
+        const float a = chunk_amax(v, kLanesPerBlock);
         const uint32_t e = mxfp8_scale_byte(a, fmax);
         const float mult = mxfp8_quant_multiplier(e);
-        uint32_t codes[kBlock / 4];
+        uint32_t codes[V / 4];
 #pragma unroll
-        for (int i = 0; i < kBlock; i += 4) {
-          codes[i / 4] = fp8x2_code(f[i] * mult, f[i + 1] * mult, element) |
-                         (fp8x2_code(f[i + 2] * mult, f[i + 3] * mult, element) << 16);
+        for (int j = 0; j < V; j += 4) {
+          codes[j / 4] = mxfp8x4_code<kElement>(element_float(v, j), element_float(v, j + 1),
+                                                element_float(v, j + 2), element_float(v, j + 3),
+                                                mult, isnan(a));
         }
-        uint4* dst = reinterpret_cast<uint4*>(out.col_data + k * M + m0 + r0);
-        dst[0] = make_uint4(codes[0], codes[1], codes[2], codes[3]);
-        dst[1] = make_uint4(codes[4], codes[5], codes[6], codes[7]);
-        out.col_scale[k * (M / kBlock) + (m0 + r0) / kBlock] = e;
+        if (m_first + i * kPassRows < M && k < K) {
+          if constexpr (V == 8) {
+            *reinterpret_cast<uint2*>(data) = make_uint2(codes[0], codes[1]);
+          } else {
+            *reinterpret_cast<uint32_t*>(data) = codes[0];
+          }
+          if (q % kLanesPerBlock == 0) *scale = e;
+        }
+        data += kPassRows * K;
+        scale += kPassRows * row_scales;
       }
     }
-  }
+    if (out.col_data != nullptr) {
+      // Lane l holds rows 4l .. 4l+3 of chunk column `warp`; a 32-row block is 8 lanes.
+      const int64_t k_first = o.k0 + warp * V, m = o.m0 + 4 * lane;
+      Vec16<T> c[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) c[j] = tile.at(4 * lane + j, warp);
+      float a[V];
+      column_amaxes(c, kBlock / 4, a);
+      const bool in_range = k_first < K && m < M;
+      // One branch per lane and tile on "any NaN block", not one per column.
+      auto store_columns = [&](auto nan_blocks) {
+        uint8_t* data = out.col_data + k_first * M + m;
+        uint8_t* scale = out.col_scale + k_first * col_scales + m / kBlock;
+#pragma unroll
+        for (int e = 0; e < V; ++e, data += M, scale += col_scales) {
+          const uint32_t s = mxfp8_scale_byte(a[e], fmax);
+          const uint32_t codes = mxfp8x4_code<kElement>(
+              element_float(c[0], e), element_float(c[1], e), element_float(c[2], e),
+              element_float(c[3], e), mxfp8_quant_multiplier(s), decltype(nan_blocks)::value);
+          if (in_range) {
+            *reinterpret_cast<uint32_t*>(data) = codes;
+            if (lane % (kBlock / 4) == 0) *scale = s;
+          }
+        }
+      };
+      float any = 0.0f;
+#pragma unroll
+      for (int e = 0; e < V; ++e) any = amax_combine(any, a[e]);
+      if (isnan(any)) {
+        store_columns(std::true_type{});
+      } else {
+        store_columns(std::false_type{});
+      }
+    }
+  });
 }
 
 ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*row_amax*/,
@@ -139,10 +136,18 @@ ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*ro
   if (M == 0 || K == 0) return ffi::Error::Success();
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    const dim3 grid((M + kTileRows<T> - 1) / kTileRows<T>, (K + kTileCols<T> - 1) / kTileCols<T>);
-    mxfp8_cast_kernel<T><<<grid, kThreads, 0, stream>>>(
-        reinterpret_cast<const T*>(x.untyped_data()), M, K, cfg.element, out);
-    return cuda_status("mxfp8_cast");
+    auto launch = [&](auto kernel) {
+      int grid = 0;
+      const cudaError_t err = cast_grid(kernel, cast_tiles<T>(M, K), grid);
+      if (err != cudaSuccess) {
+        return cuda_error("mxfp8_cast: grid size", err);
+      }
+      kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const T*>(x.untyped_data()), M, K,
+                                            out);
+      return cuda_status("mxfp8_cast");
+    };
+    return cfg.element == kE4M3 ? launch(mxfp8_cast_kernel<T, kE4M3>)
+                                : launch(mxfp8_cast_kernel<T, kE5M2>);
   });
 }
 

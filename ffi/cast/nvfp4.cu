@@ -3,17 +3,22 @@
 // rounding, per-token (row-scaled) rowwise global amaxes.
 //
 // The global amaxes are inputs (the amax kernel, or an upstream op, computed them), so the
-// cast reads the input once. Tile: 64 rows x (32 lanes x one 16-byte vector) columns.
-// Columnwise blocks (16 rows of one column) are handled by one thread from shared memory;
-// with 16x16 tiles the column phase also computes the tile scales that the row phase reads.
+// cast reads the input once. Tiles and the work split are tile.cuh's staged cast tiles: a
+// rowwise block of 16 spans 16 / kVec consecutive lanes of one row, a columnwise block (16
+// rows of one column) 4 consecutive lanes of a warp, 4 rows each. The RHT is applied to
+// the tile in shared memory, after the rowwise usage has read the original values.
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
 namespace jaxquant {
 namespace {
 
-template <typename T> constexpr int kTileRows = kCastTileRows<T>;
+// Two 16 KB tile stages: with the tables below a third would pass the 48 KB static
+// shared-memory limit (and this kernel is bound by arithmetic, not by loads in flight).
+constexpr int kStages = 2;
+
 constexpr int kBlock = 16;
+constexpr int kScaleCodes = 128;  // E4M3 scale bytes a block can get: 0 .. 0x7E, 0x7F (NaN)
 
 struct Nvfp4Args {
   const float* row_amax;  // [] or [M] (row_scaled)
@@ -29,156 +34,189 @@ struct Nvfp4Out {
   uint8_t* col_scale;  // [K, M/16] or [K/16, M/16]
 };
 
-// Codes of one block (or a run of a row inside one) given its encoding multiplier.
-template <int N>
-__device__ __forceinline__ void nvfp4_codes(const float (&f)[N], float enc, bool nan_global,
-                                            bool sr, const uint4& bits, uint32_t (&code)[N]) {
+// E2M1 codes of f[i] * enc, element i in bits 4i .. 4i+3; with SR, byte i of `bits` is
+// element i's random byte. A NaN global amax makes every code 0.
+template <int N, bool kSr>
+__device__ __forceinline__ uint32_t nvfp4_pack(const float (&f)[N], float enc, bool nan_global,
+                                               const uint4& bits) {
+  uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     const float v = f[i] * enc;
-    code[i] = nan_global ? 0u : sr ? e2m1_code_sr(v, random_byte(bits, i)) : e2m1_code_rne(v);
+    const uint32_t code = kSr ? e2m1_code_sr(v, random_byte(bits, i)) : e2m1_code_rne(v);
+    packed += code << (4 * i);  // disjoint bits: one shift-add
   }
-}
-
-// One rowwise row-vector: a lane's kVec elements of one row (a block spans 16 / kVec lanes).
-template <typename T, bool kTile2d, bool kSr>
-__device__ __forceinline__ void nvfp4_row_vector(const Vec16<T>& w, int64_t row, int64_t col,
-                                                 int64_t M, int64_t K, int lane,
-                                                 const Nvfp4Global& tensor_global,
-                                                 uint32_t tile_scale, const Nvfp4Args& args,
-                                                 const Philox& philox, const Nvfp4Out& out) {
-  constexpr int V = kVec<T>, kLanesPerBlock = kBlock / V;
-  const bool in_range = row < M && col < K;
-  const Nvfp4Global g = args.row_scaled ? nvfp4_global(row < M ? args.row_amax[row] : 0.0f)
-                                        : tensor_global;
-  float f[V];
-  float a = 0.0f;
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    f[i] = to_float(w.v[i]);
-    a = amax_combine(a, abs_bits(f[i]));
-  }
-  uint32_t s = tile_scale;
-  if constexpr (!kTile2d) {
-    a = group_amax(a, kLanesPerBlock);  // every lane takes part, in range or not
-    s = nvfp4_scale_byte(a, g);
-  }
-  if (!in_range) return;
-  uint4 bits{};
-  if constexpr (kSr) {
-    const uint64_t counter = static_cast<uint64_t>(row) * K + col;
-    bits = philox(static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), 0u, 0u);
-  }
-  uint32_t code[V];
-  nvfp4_codes(f, nvfp4_block_enc(s, g), g.nan, kSr, bits, code);
-  uint32_t packed = 0;
-#pragma unroll
-  for (int i = 0; i < V; ++i) packed |= code[i] << (4 * i);
-  uint8_t* dst = out.row_data + row * (K / 2) + col / 2;
-  if constexpr (V == 8) {
-    *reinterpret_cast<uint32_t*>(dst) = packed;
-  } else {
-    *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(packed);
-  }
-  if (!kTile2d && lane % kLanesPerBlock == 0) out.row_scale[row * (K / kBlock) + col / kBlock] = s;
+  return nan_global ? 0u : packed;
 }
 
 // The options that change the kernel's code are template parameters, so each variant
-// carries only its own registers (the fused RHT is 16 adds per element).
+// carries only its own registers.
 template <typename T, bool kTile2d, bool kRht, bool kSr>
 __global__ __launch_bounds__(kThreads, kMinBlocks) void nvfp4_cast_kernel(const T* __restrict__ x,
-                                                              int64_t M, int64_t K,
-                                                              Nvfp4Args args, Nvfp4Out out) {
-  constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows<T> / kWarps;
-  __shared__ Vec16<T> tile[kTileRows<T>][32];
-  __shared__ uint8_t tile_scale[kTileRows<T> / kBlock][TC / kBlock];
+                                                                          int64_t M, int64_t K,
+                                                                          Nvfp4Args args,
+                                                                          Nvfp4Out out) {
+  constexpr int V = kVec<T>, kColBlocks = kCastCols<T> / kBlock, kPassRows = kThreads / kChunks;
+  __shared__ CastTile<T> stage[kStages];
+  // Step 4's encoding multiplier for every scale byte: a table instead of a division per block.
+  __shared__ float row_enc[kScaleCodes], col_enc[kScaleCodes];
+  // 16x16 tiles: per-warp partial amaxes, then the tile scales of the current tile.
+  __shared__ float tile_amax[kWarps][kCastRows / kBlock];
+  __shared__ uint8_t tile_scale[kCastRows / kBlock][kColBlocks];
+  // Per-token: the global scales of the current tile's rows, computed once per row.
+  __shared__ Nvfp4Global row_globals[kCastRows];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows<T>;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * TC;
-  const int64_t col = k0 + lane * V;
   const Philox philox{kSr ? args.seed[0] : 0u, kSr ? args.seed[1] : 0u};
   const Nvfp4Global row_global = nvfp4_global(args.row_scaled ? 0.0f : *args.row_amax);
-
-  Vec16<T> v[kRowPasses];
-#pragma unroll
-  for (int p = 0; p < kRowPasses; ++p) {
-    const int64_t row = m0 + warp + p * kWarps;
-    v[p] = (row < M && col < K) ? load_vec(x + row * K + col) : zero_vec<T>();
-  }
-
-  const bool column_phase = out.col_data != nullptr || kTile2d;
-  if (column_phase) {
-#pragma unroll
-    for (int p = 0; p < kRowPasses; ++p) tile[warp + p * kWarps][lane] = v[p];
-  }
-  // 1-D blocks: the rowwise usage straight from registers, before the column phase, so
-  // the registers are free again for it.
-  if (!kTile2d && out.row_data != nullptr) {
-#pragma unroll
-    for (int p = 0; p < kRowPasses; ++p) {
-      nvfp4_row_vector<T, false, kSr>(v[p], m0 + warp + p * kWarps, col, M, K, lane, row_global,
-                                      0u, args, philox, out);
-    }
-  }
-  if (!column_phase) return;
-  __syncthreads();
-
-  constexpr int kParts = kThreads / TC, kRowsPerPart = kTileRows<T> / kParts;
-  const int c = threadIdx.x % TC, part = threadIdx.x / TC;
-  const int64_t k = k0 + c;
-  const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
   // 16x16 tiles share the rowwise global amax; the columnwise one may be after RHT.
-  const Nvfp4Global g = kTile2d ? row_global : nvfp4_global(*args.col_amax);
-#pragma unroll
-  for (int b = 0; b < kRowsPerPart / kBlock; ++b) {
-    const int r0 = part * kRowsPerPart + b * kBlock;
-    const int64_t m = m0 + r0;
-    float f[kBlock];
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) f[i] = to_float(column[(r0 + i) * TC]);
-    if constexpr (kRht) {
-      float y[kBlock];
-      rht16<T>(f, y);
-#pragma unroll
-      for (int i = 0; i < kBlock; ++i) f[i] = y[i];
-    }
-    float a = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) a = amax_combine(a, abs_bits(f[i]));
-    // Out-of-range columns hold zeros and still take part in the tile shuffle.
-    if constexpr (kTile2d) a = group_amax(a, kBlock);
-    const uint32_t s = nvfp4_scale_byte(a, g);
-    const bool in_range = k < K && m < M;
-    if (kTile2d && c % kBlock == 0) {
-      tile_scale[r0 / kBlock][c / kBlock] = static_cast<uint8_t>(s);
-      if (in_range && out.row_scale) out.row_scale[(m / kBlock) * (K / kBlock) + k / kBlock] = s;
-      if (in_range && out.col_scale) out.col_scale[(k / kBlock) * (M / kBlock) + m / kBlock] = s;
-    }
-    if (out.col_data == nullptr || !in_range) continue;
-    uint4 bits{};
-    if constexpr (kSr) {
-      const uint64_t counter = static_cast<uint64_t>(k) * M + m;
-      bits = philox(static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), 1u, 0u);
-    }
-    uint32_t code[kBlock];
-    nvfp4_codes(f, nvfp4_block_enc(s, g), g.nan, kSr, bits, code);
-    uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) packed[i / 8] |= code[i] << (4 * (i % 8));
-    *reinterpret_cast<uint2*>(out.col_data + k * (M / 2) + m / 2) = make_uint2(packed[0], packed[1]);
-    if (!kTile2d) out.col_scale[k * (M / kBlock) + m / kBlock] = s;
+  const Nvfp4Global col_global = kTile2d ? row_global : nvfp4_global(*args.col_amax);
+  static_assert(kThreads == 2 * kScaleCodes, "one table entry per thread");
+  if (threadIdx.x < kScaleCodes) {
+    row_enc[threadIdx.x] = nvfp4_block_enc(threadIdx.x, row_global);
+  } else {
+    col_enc[threadIdx.x - kScaleCodes] = nvfp4_block_enc(threadIdx.x - kScaleCodes, col_global);
   }
 
-  // 16x16 tiles: the rowwise usage once the tile scales exist, re-read from shared memory.
-  if (kTile2d && out.row_data != nullptr) {
-    __syncthreads();
-#pragma unroll
-    for (int p = 0; p < kRowPasses; ++p) {
-      const int r = warp + p * kWarps;
-      nvfp4_row_vector<T, true, kSr>(tile[r][lane], m0 + r, col, M, K, lane, row_global,
-                                     tile_scale[r / kBlock][lane * V / kBlock], args, philox, out);
+  for_each_cast_tile<kStages>(x, M, K, stage, [&](CastTile<T>& tile, TileOrigin o) {
+    if (!kTile2d && args.row_scaled) {
+      if (threadIdx.x < kCastRows) {
+        const int64_t m = o.m0 + threadIdx.x;
+        row_globals[threadIdx.x] = nvfp4_global(m < M ? args.row_amax[m] : 0.0f);
+      }
+      __syncthreads();
     }
-  }
+    if constexpr (kTile2d) {
+      // Tile amax: lane (warp w, l) covers rows 4l .. 4l+3 of chunk column w; 4 lanes make
+      // the 16 rows, 16 / kVec warps the 16 columns.
+      float a = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) a = amax_combine(a, chunk_amax(tile.at(4 * lane + j, warp), 1));
+      a = group_amax(a, 4);
+      if (lane % 4 == 0) tile_amax[warp][lane / 4] = a;
+      __syncthreads();
+      constexpr int kWarpsPerBlock = kBlock / V;
+      if (threadIdx.x < (kCastRows / kBlock) * kColBlocks) {
+        const int rb = threadIdx.x / kColBlocks, cb = threadIdx.x % kColBlocks;
+        float t = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarpsPerBlock; ++w) {
+          t = amax_combine(t, tile_amax[cb * kWarpsPerBlock + w][rb]);
+        }
+        const uint32_t s = nvfp4_scale_byte(t, row_global);
+        tile_scale[rb][cb] = static_cast<uint8_t>(s);
+        const int64_t mb = o.m0 / kBlock + rb, kb = o.k0 / kBlock + cb;
+        if (mb * kBlock < M && kb * kBlock < K) {
+          if (out.row_scale) out.row_scale[mb * (K / kBlock) + kb] = s;
+          if (out.col_scale) out.col_scale[kb * (M / kBlock) + mb] = s;
+        }
+      }
+      __syncthreads();
+    }
+
+    if (out.row_data != nullptr) {
+      constexpr int kLanesPerBlock = kBlock / V;
+      const int q = row_pass_chunk();
+      const int64_t m_first = o.m0 + row_pass_row(0), k = o.k0 + q * V;
+      // Output pointers step by whole rows: one 64-bit add per store.
+      uint8_t* data = out.row_data + m_first * (K / 2) + k / 2;
+      uint8_t* scale = out.row_scale + m_first * (K / kBlock) + k / kBlock;
+      uint4 bits{};
+#pragma unroll
+      for (int i = 0; i < kCastRowPasses; ++i) {
+        const int r = row_pass_row(i);
+        const int64_t m = o.m0 + r;
+        const Vec16<T> v = tile.at(r, q);
+        float f[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) f[j] = element_float(v, j);
+        Nvfp4Global g = row_global;
+        uint32_t s;
+        float enc;
+        if constexpr (kTile2d) {
+          s = tile_scale[r / kBlock][q * V / kBlock];
+          enc = row_enc[s];
+        } else {
+          const float a = chunk_amax(v, kLanesPerBlock);  // every lane takes part
+          if (args.row_scaled) {
+            g = row_globals[r];
+            s = nvfp4_scale_byte(a, g);
+            enc = nvfp4_block_enc(s, g);
+          } else {
+            s = nvfp4_scale_byte(a, g);
+            enc = row_enc[s];
+          }
+        }
+        if (m < M && k < K) {
+          // SR: one Philox call per two passes (pass i+1's row is in range only if pass i's is).
+          if (kSr && i % 2 == 0) {
+            bits = philox(static_cast<uint32_t>(m), static_cast<uint32_t>(k), 0u, 0u);
+          }
+          const uint4 mine = i % 2 == 0 ? bits
+                             : V == 8 ? make_uint4(bits.z, bits.w, 0u, 0u)
+                                      : make_uint4(bits.y, 0u, 0u, 0u);
+          const uint32_t packed = nvfp4_pack<V, kSr>(f, enc, g.nan, mine);
+          if constexpr (V == 8) {
+            *reinterpret_cast<uint32_t*>(data) = packed;
+          } else {
+            *reinterpret_cast<uint16_t*>(data) = static_cast<uint16_t>(packed);
+          }
+          if (!kTile2d && q % kLanesPerBlock == 0) *scale = s;
+        }
+        data += kPassRows * (K / 2);
+        scale += kPassRows * (K / kBlock);
+      }
+    }
+    if (out.col_data == nullptr) return;
+
+    if constexpr (kRht) {
+      // In place, once the rowwise usage has read the tile: thread c transforms 16-row
+      // blocks of tile column c, rounding to the input dtype as NUMERICS.md says.
+      __syncthreads();
+      constexpr int TC = kCastCols<T>;
+      const int c = threadIdx.x % TC;
+      for (int b = threadIdx.x / TC; b < kCastRows / kBlock; b += kThreads / TC) {
+        float f[kBlock], y[kBlock];
+#pragma unroll
+        for (int i = 0; i < kBlock; ++i) f[i] = to_float(tile.element(kBlock * b + i, c));
+        rht16<T>(f, y);
+#pragma unroll
+        for (int i = 0; i < kBlock; ++i) tile.element(kBlock * b + i, c) = from_float<T>(y[i]);
+      }
+      __syncthreads();
+    }
+
+    // Columnwise: lane l holds rows 4l .. 4l+3 and writes their 4 codes (2 bytes) of each
+    // transposed row; the 16-row block is lanes 4b .. 4b+3.
+    const int64_t k_first = o.k0 + warp * V, m = o.m0 + 4 * lane;
+    Vec16<T> c[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[j] = tile.at(4 * lane + j, warp);
+    float a[V];
+    if constexpr (!kTile2d) column_amaxes(c, 4, a);  // every lane takes part
+    if (k_first >= K || m >= M) return;
+    uint8_t* data = out.col_data + k_first * (M / 2) + m / 2;
+    uint8_t* scale = out.col_scale + k_first * (M / kBlock) + m / kBlock;
+    uint4 bits{};
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float f[4] = {element_float(c[0], e), element_float(c[1], e), element_float(c[2], e),
+                          element_float(c[3], e)};
+      const uint32_t s = kTile2d ? tile_scale[lane / 4][(warp * V + e) / kBlock]
+                                 : nvfp4_scale_byte(a[e], col_global);
+      // SR: one Philox call gives the 4 random bytes of 4 columns.
+      if (kSr && e % 4 == 0) {
+        bits = philox(static_cast<uint32_t>(m), static_cast<uint32_t>(k_first + e), 1u, 0u);
+      }
+      const uint32_t word =
+          e % 4 == 0 ? bits.x : e % 4 == 1 ? bits.y : e % 4 == 2 ? bits.z : bits.w;
+      const uint32_t packed =
+          nvfp4_pack<4, kSr>(f, col_enc[s], col_global.nan, make_uint4(word, 0u, 0u, 0u));
+      *reinterpret_cast<uint16_t*>(data) = static_cast<uint16_t>(packed);
+      if (!kTile2d && lane % 4 == 0) *scale = s;
+      data += M / 2;
+      scale += M / kBlock;
+    }
+  });
 }
 
 }  // namespace
@@ -223,9 +261,13 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
   args.row_scaled = cfg.row_scaled;
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    const dim3 grid((M + kTileRows<T> - 1) / kTileRows<T>, (K + kTileCols<T> - 1) / kTileCols<T>);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     auto launch = [&](auto kernel) {
+      int grid = 0;
+      const cudaError_t err = cast_grid(kernel, cast_tiles<T>(M, K), grid);
+      if (err != cudaSuccess) {
+        return cuda_error("nvfp4_cast: grid size", err);
+      }
       kernel<<<grid, kThreads, 0, stream>>>(xp, M, K, args, out);
       return cuda_status("nvfp4_cast");
     };

@@ -38,11 +38,12 @@ struct KernelConfig {
 
 enum Family : int32_t { kFp8Tensor = 0, kFp8Block = 1, kMxfp8 = 2, kNvfp4 = 3 };
 
-inline ffi::Error cuda_status(const char* what) {
-  const cudaError_t err = cudaGetLastError();
+inline ffi::Error cuda_error(const char* what, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
 }
+
+inline ffi::Error cuda_status(const char* what) { return cuda_error(what, cudaGetLastError()); }
 
 inline ffi::Error invalid(const std::string& message) {
   return ffi::Error::InvalidArgument(message);

@@ -54,21 +54,52 @@ __host__ __device__ constexpr uint8_t fp8_nan_code(int32_t element) {
   return element == kE4M3 ? 0x7F : 0x7E;
 }
 
-// cvt_rne_satfinite of two values; returns lo code in bits 0-7 and hi code in bits 8-15.
-// The hardware conversion saturates finite overflow and +-inf to +-fmax; NaN inputs are
-// rewritten to the canonical code so the bits do not depend on the NaN's sign or payload.
-__device__ __forceinline__ uint32_t fp8x2_code(float lo, float hi, int32_t element) {
+// cvt_rne_satfinite of two values that are not NaN; returns lo code in bits 0-7 and hi
+// code in bits 8-15. The hardware conversion saturates finite overflow and +-inf to +-fmax.
+__device__ __forceinline__ uint32_t fp8x2_code_no_nan(float lo, float hi, int32_t element) {
   uint16_t packed;
   if (element == kE4M3) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
   } else {
     asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
   }
-  uint32_t out = packed;
+  return packed;
+}
+
+// cvt_rne_satfinite of any two values: NaN inputs are rewritten to the canonical code so
+// the bits do not depend on the NaN's sign or payload.
+__device__ __forceinline__ uint32_t fp8x2_code(float lo, float hi, int32_t element) {
+  uint32_t out = fp8x2_code_no_nan(lo, hi, element);
   const uint32_t nan = fp8_nan_code(element);
   if (lo != lo) out = (out & 0xFF00u) | nan;
   if (hi != hi) out = (out & 0x00FFu) | (nan << 8);
   return out;
+}
+
+// Four codes, a in bits 0-7 .. d in bits 24-31: cvt_rne_satfinite of values that are not
+// NaN (one register, no repacking), and the NaN-rewriting version for any values.
+__device__ __forceinline__ uint32_t fp8x4_code_no_nan(float a, float b, float c, float d,
+                                                      int32_t element) {
+  uint32_t out;
+  if (element == kE4M3) {
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}"
+        : "=r"(out) : "f"(a), "f"(b), "f"(c), "f"(d));
+  } else {
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}"
+        : "=r"(out) : "f"(a), "f"(b), "f"(c), "f"(d));
+  }
+  return out;
+}
+
+__device__ __forceinline__ uint32_t fp8x4_code(float a, float b, float c, float d,
+                                               int32_t element) {
+  return fp8x2_code(a, b, element) | (fp8x2_code(c, d, element) << 16);
 }
 
 // FP8 code to float (dequantize).
@@ -105,23 +136,27 @@ __device__ __forceinline__ float fp8_scale_from_amax(float amax, float fmax, flo
 // ---- MXFP8 (NUMERICS.md "MXFP8", steps 1-3) ----------------------------------------
 
 // The E8M0 byte for a block amax: t = b * fl32(1/fmax), rounded up to a power of two.
+// The block amax is a magnitude (sign bit clear, NaN included). Adding all-ones below the
+// exponent field rounds a normal t up; a subnormal t rounds up to 2^-126 only above half
+// of it, and 0xFE stays 0xFE (NUMERICS.md's E and F rules; equal to them for every t,
+// checked exhaustively on the host).
 __device__ __forceinline__ uint32_t mxfp8_scale_byte(float block_amax, float fmax) {
-  const float t = block_amax * (1.0f / fmax);
-  const uint32_t bits = __float_as_uint(t);
-  const uint32_t E = (bits >> 23) & 0xFF, F = bits & 0x7FFFFF;
-  if (isnan(t)) return 0xFF;
-  if (isinf(t)) return 0xFE;
-  if (F > 0 && E != 0xFE && !(E == 0 && F <= 0x400000u)) return E + 1;
-  return E;
+  const uint32_t bits = __float_as_uint(block_amax * (1.0f / fmax));
+  const uint32_t finite = bits <= 0x400000u ? 0u : min((bits + 0x7FFFFFu) >> 23, 0xFEu);
+  const uint32_t special = bits == 0x7F800000u ? 0xFEu : 0xFFu;  // inf, NaN
+  return bits >= 0x7F800000u ? special : finite;
 }
 
-// 2^(127 - e) for e in [0, 255], exact (denormal for e >= 254).
+// 2^(127 - e) for e in [0, 255], built from its bits: normal for e <= 253, the
+// subnormals 2^-127 and 2^-128 for e = 254, 255.
 __device__ __forceinline__ float mxfp8_quant_multiplier(uint32_t e) {
-  return scalbnf(1.0f, 127 - static_cast<int>(e));
+  return __uint_as_float(e <= 253u ? (254u - e) << 23 : 0x00800000u >> (e - 253u));
 }
 
+// 2^(e - 127); 0xFF is NaN, e = 0 the subnormal 2^-127.
 __device__ __forceinline__ float e8m0_to_float(uint8_t e) {
-  return e == 0xFF ? __uint_as_float(0x7FC00000u) : scalbnf(1.0f, static_cast<int>(e) - 127);
+  if (e == 0xFF) return __uint_as_float(0x7FC00000u);
+  return __uint_as_float(e == 0 ? 0x00400000u : static_cast<uint32_t>(e) << 23);
 }
 
 // ---- NVFP4 (NUMERICS.md "NVFP4", steps 2-5) ----------------------------------------
@@ -148,9 +183,11 @@ __device__ __forceinline__ Nvfp4Global nvfp4_global(float g) {
 }
 
 // Block scale byte s (E4M3) for a block amax (step 3).
+// A block amax is NaN only when its domain's global amax is, so the conversion needs no
+// NaN rewrite.
 __device__ __forceinline__ uint32_t nvfp4_scale_byte(float block_amax, const Nvfp4Global& g) {
   if (g.nan) return 0x7F;
-  return fp8x2_code(block_amax * g.s_enc_6, 0.0f, kE4M3) & 0xFF;
+  return fp8x2_code_no_nan(block_amax * g.s_enc_6, 0.0f, kE4M3) & 0xFF;
 }
 
 // Encoding multiplier for a block (step 4).
@@ -160,32 +197,33 @@ __device__ __forceinline__ float nvfp4_block_enc(uint32_t scale_byte, const Nvfp
 }
 
 // E2M1 code of v = fl32(x * enc), round to nearest even, saturating (step 5).
-// Magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are codes 0..7; ties go to the even code.
+// Magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are codes 0..7; ties go to the even code. The grid
+// spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 8): with `over` = 0, 1, 2 for these
+// ranges, code = RNE(a * 2^(1 - over)) + 2 * over, where the RNE to an integer is one FFMA
+// with 1.5 * 2^23 (a single rounding, ties to even). Equal to the seven-threshold definition
+// for every non-NaN v (checked exhaustively on the host); v is never NaN here (a NaN input
+// makes the global amax NaN, and then every code is 0).
 __device__ __forceinline__ uint32_t e2m1_code_rne(float v) {
-  const float a = fabsf(v);
-  uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-                  (a >= 3.5f) + (a > 5.0f);
-  return code | ((__float_as_uint(v) >> 28) & 0x8u);
+  const float a = fminf(fabsf(v), 8.0f);
+  const uint32_t over = max(__float_as_uint(a) >> 23, 127u) - 127u;  // 3 only at 8: saturates
+  const float step_inv = __uint_as_float((128u - over) << 23);
+  const uint32_t n = __float_as_uint(fmaf(a, step_inv, 12582912.0f)) - 0x4B400000u;
+  return min(n + 2 * over, 7u) | ((__float_as_uint(v) >> 28) & 0x8u);
 }
 
-// E2M1 code with stochastic rounding: round up iff frac > (u + 0.5) / 256, where frac is
-// |v|'s position between the two neighbouring magnitudes and u is 8 random bits.
+// E2M1 code with stochastic rounding: round up iff frac > t = (u + 0.5) / 256, where frac
+// is |v|'s position between the two neighbouring magnitudes and u is 8 random bits.
+// On the scaled grid of e2m1_code_rne (y = a * 2^(1 - over), neighbours at integers) the
+// code index is ceil(y - t): y - 1 - t and the integer conversion are both rounded toward
+// +inf, which keeps the ceiling exact; 1 + t is built from its bits.
 __device__ __forceinline__ uint32_t e2m1_code_sr(float v, uint32_t u) {
-  const float a = fabsf(v);
-  uint32_t code;
-  if (!(a < 6.0f)) {
-    code = 7;
-  } else {
-    // Lower neighbour: the largest magnitude <= a.
-    code = (a >= 0.5f) + (a >= 1.0f) + (a >= 1.5f) + (a >= 2.0f) + (a >= 3.0f) + (a >= 4.0f);
-    const float lo = code < 4 ? 0.5f * code : (code == 4 ? 2.0f : code == 5 ? 3.0f : 4.0f);
-    // hi - lo is 0.5, 1 or 2: multiplying by its reciprocal is the exact division.
-    const float inv_step = code < 3 ? 2.0f : code < 6 ? 1.0f : 0.5f;
-    const float frac = (a - lo) * inv_step;
-    const float threshold = (static_cast<float>(u) + 0.5f) * (1.0f / 256.0f);
-    code += frac > threshold;
-  }
-  return code | ((__float_as_uint(v) >> 28) & 0x8u);
+  const float a = fminf(fabsf(v), 8.0f);
+  const uint32_t over = max(__float_as_uint(a) >> 23, 127u) - 127u;
+  const float step_inv = __uint_as_float((128u - over) << 23);
+  const float one_plus_t = __uint_as_float(0x3F800000u | ((2u * u + 1u) << 14));
+  const float below = __fmaf_ru(a, step_inv, -one_plus_t);  // ceil of it is index - 1
+  const uint32_t n = __float_as_uint(__fadd_ru(below, 12582912.0f)) - 0x4B400000u + 1u;
+  return min(n + 2 * over, 7u) | ((__float_as_uint(v) >> 28) & 0x8u);
 }
 
 __device__ __forceinline__ float e2m1_to_float(uint32_t code) {

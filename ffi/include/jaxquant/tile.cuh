@@ -1,13 +1,11 @@
-// Shared pieces of the tile-shaped cast kernels: 16-byte vectors, NaN-propagating amax,
-// counter-based random bits.
-//
-// Every cast kernel has the same shape: a CTA of kThreads threads loads a TR x TC tile of
-// the input with one 16-byte load per thread per row group (TC = 32 lanes x one vector),
-// keeps it in registers for the rowwise usage and in shared memory for the columnwise
-// (transposed) usage, and writes each output exactly once.
+// Shared pieces of the tile-shaped cast kernels: 16-byte vectors, the staged cast tile,
+// NaN-propagating amax, counter-based random bits.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+
+#include <cuda_runtime.h>
 
 #include "jaxquant/numerics.cuh"
 
@@ -21,13 +19,8 @@ constexpr int kMinBlocks = 4;
 
 // Elements of T in one 16-byte vector.
 template <typename T> constexpr int kVec = 16 / sizeof(T);
-// Tile width: one warp covers one tile row with one vector per lane.
+// Tile width of the block-FP8 kernel: one warp covers one tile row with one vector per lane.
 template <typename T> constexpr int kTileCols = 32 * kVec<T>;
-// Tile height of the one-pass casts: 32 rows per column-phase thread (one MXFP8 block, two
-// NVFP4 blocks); with fp32 (128-column tiles) two threads share a column, hence 64 rows.
-// Short tiles keep registers low, so several CTAs per SM overlap loads with compute.
-template <typename T> constexpr int kCastTileRows = 32 * (kThreads / kTileCols<T>);
-
 template <typename T>
 struct alignas(16) Vec16 {
   T v[kVec<T>];
@@ -44,6 +37,151 @@ __device__ __forceinline__ Vec16<T> zero_vec() {
 #pragma unroll
   for (int i = 0; i < kVec<T>; ++i) out.v[i] = from_float<T>(0.0f);
   return out;
+}
+
+// ---- Staged cast tiles (FP8 per-tensor, MXFP8, NVFP4) -----------------------------------
+//
+// A cast tile is kCastRows rows x 128 bytes of the input (64 bf16/fp16 or 32 fp32 columns),
+// eight 16-byte chunks per row. Each CTA walks over the tiles (grid-stride) and copies the
+// next tile into shared memory with cp.async while it casts the current one (two stages),
+// so loads stay in flight without holding registers.
+//
+// Work split inside a tile (8 warps):
+// - rowwise: thread t reads chunk t % 8 of rows t / 8 + 32 i (i < kCastRowPasses); a row is
+//   8 consecutive lanes, so a block along the row is a group of consecutive lanes;
+// - columnwise: warp w reads chunk column w, lane l rows 4l .. 4l+3; for each of its kVec
+//   columns a lane holds 4 consecutive elements of one transposed output row, so a warp's
+//   store covers 128 consecutive positions of that row (whole 32-byte sectors; the old
+//   one-thread-per-column layout wrote 16-byte pieces of 32 rows 16 KB apart per store).
+// Chunk q of row r is stored in slot q ^ ((r / 4) % 8) of the row: the 8 lanes that share
+// a 128-byte wavefront then hit 8 distinct slots both along a row and down a chunk column.
+constexpr int kCastRows = 128;
+constexpr int kChunks = 8;                                   // 16-byte chunks per tile row
+constexpr int kCastRowPasses = kCastRows * kChunks / kThreads;
+static_assert(kWarps == kChunks && kCastRows == 32 * 4,
+              "the column split is one warp per chunk column, 4 rows per lane");
+
+template <typename T> constexpr int kCastCols = kChunks * kVec<T>;
+
+template <typename T>
+struct CastTile {
+  Vec16<T> chunk[kCastRows][kChunks];
+
+  __device__ __forceinline__ static int slot(int r, int q) { return q ^ ((r >> 2) & 7); }
+  __device__ __forceinline__ const Vec16<T>& at(int r, int q) const { return chunk[r][slot(r, q)]; }
+  __device__ __forceinline__ T& element(int r, int c) {
+    return chunk[r][slot(r, c / kVec<T>)].v[c % kVec<T>];
+  }
+};
+
+// Position of a tile in the input and of this thread's rowwise chunk in it.
+struct TileOrigin {
+  int64_t m0, k0;
+};
+
+__device__ __forceinline__ int row_pass_row(int pass) {
+  return threadIdx.x / kChunks + pass * (kThreads / kChunks);
+}
+__device__ __forceinline__ int row_pass_chunk() { return threadIdx.x % kChunks; }
+
+// 16-byte global -> shared copy; an invalid source zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Runs body(tile, origin) (tile writable) for every cast tile of x [M, K] that this CTA
+// owns, with kStages shared-memory stages: the CTA's next kStages - 1 tiles load while one
+// is cast. body may use __syncthreads (every thread of the CTA runs the same tiles).
+//
+// Tile order: bands of up to kBandTiles tiles down M, a band walked across K. The tiles in
+// flight at once (about one per CTA) then form a patch some kBandTiles tall and tens of
+// tiles wide, so the input rows, rowwise rows and transposed rows touched at the same
+// time are each a few KB long rather than single 128-byte lines in different DRAM pages.
+constexpr uint32_t kBandTiles = 16;
+
+template <int kStages, typename T, typename Body>
+__device__ __forceinline__ void for_each_cast_tile(const T* __restrict__ x, int64_t M, int64_t K,
+                                                   CastTile<T> (&stage)[kStages], Body&& body) {
+  static_assert(kStages >= 2, "one stage casts while the others load");
+  constexpr int V = kVec<T>;
+  // Tile counts fit 32 bits (the handlers check), so the per-tile index math is 32-bit.
+  const uint32_t tiles_m = static_cast<uint32_t>((M + kCastRows - 1) / kCastRows);
+  const uint32_t tiles_k = static_cast<uint32_t>((K + kCastCols<T> - 1) / kCastCols<T>);
+  const uint32_t tiles = tiles_m * tiles_k;
+  // Band height: the largest power of two <= kBandTiles dividing tiles_m (bands are whole).
+  uint32_t band = kBandTiles;
+  while (tiles_m % band) band >>= 1;
+  const uint32_t band_shift = __ffs(band) - 1;
+  auto origin = [&](uint32_t t) {
+    const uint32_t rest = t >> band_shift, band_index = rest / tiles_k;
+    const uint32_t tm = band_index * band + (t & (band - 1)), tk = rest - band_index * tiles_k;
+    return TileOrigin{static_cast<int64_t>(tm) * kCastRows,
+                      static_cast<int64_t>(tk) * kCastCols<T>};
+  };
+  auto load = [&](uint32_t t, TileOrigin o, CastTile<T>& tile) {
+    if (t < tiles) {
+      const int q = row_pass_chunk();
+#pragma unroll
+      for (int i = 0; i < kCastRowPasses; ++i) {
+        const int r = row_pass_row(i);
+        const int64_t m = o.m0 + r, k = o.k0 + q * V;
+        const bool valid = m < M && k < K;
+        cp_async16(&tile.chunk[r][CastTile<T>::slot(r, q)], valid ? x + m * K + k : x, valid);
+      }
+    }
+    // Always a group (empty past the last tile), so the wait below counts the same.
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  // ahead[j]: origin of the CTA's j-th tile from the current one (registers: constant
+  // indices only). Stage s holds the current tile, stage (s + j) % kStages the j-th next.
+  TileOrigin ahead[kStages];
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {
+    const uint32_t t = blockIdx.x + j * gridDim.x;
+    ahead[j] = origin(t);
+    load(t, ahead[j], stage[j]);
+  }
+  int s = 0;
+  for (uint32_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const uint32_t t_last = t + (kStages - 1) * gridDim.x;
+    ahead[kStages - 1] = origin(t_last);
+    load(t_last, ahead[kStages - 1], stage[s == 0 ? kStages - 1 : s - 1]);
+    // All but the kStages - 1 most recent groups are complete: the current tile has landed.
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 1) : "memory");
+    __syncthreads();
+    body(stage[s], ahead[0]);
+    __syncthreads();  // stage s is refilled by the next iteration's load
+    s = s == kStages - 1 ? 0 : s + 1;
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) ahead[j] = ahead[j + 1];
+  }
+}
+
+// Grid of a for_each_cast_tile kernel: every tile, at most as many CTAs as fit on the device
+// at once.
+template <typename Kernel>
+inline cudaError_t cast_grid(Kernel kernel, int64_t tiles, int& grid) {
+  if (tiles > (int64_t{1} << 30)) return cudaErrorInvalidValue;  // tile indices are 32-bit
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  }
+  if (err != cudaSuccess) return err;
+  const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  grid = static_cast<int>(tiles < resident ? tiles : resident);
+  return cudaSuccess;
+}
+
+template <typename T>
+inline int64_t cast_tiles(int64_t M, int64_t K) {
+  return ((M + kCastRows - 1) / kCastRows) * ((K + kCastCols<T> - 1) / kCastCols<T>);
 }
 
 // max of two magnitudes (non-negative or NaN), NaN-propagating: on the bit patterns of
@@ -63,6 +201,85 @@ __device__ __forceinline__ float group_amax(float a, int lanes) {
     a = amax_combine(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
   }
   return a;
+}
+
+// ---- Amaxes on the raw bits of 2-byte inputs ------------------------------------------
+// For bf16 and fp16, x with its sign bit cleared orders like an unsigned integer (NaN above
+// inf), and an amax of such values is one of them: two magnitudes per 32-bit word reduce
+// with one 16x2 unsigned max and widen to fp32 once per block. fp32 inputs use
+// amax_combine. Either way the result is the fp32 amax, NaN-propagating.
+
+__device__ __forceinline__ uint32_t mag2(uint32_t w) { return w & 0x7FFF7FFFu; }
+
+template <typename T>
+__device__ __forceinline__ uint32_t vec_word(const Vec16<T>& v, int i) {
+  return reinterpret_cast<const uint32_t*>(&v)[i];
+}
+
+// Element i of a vector as fp32; a bf16 is the top half of its fp32, so one mask or shift.
+template <typename T>
+__device__ __forceinline__ float element_float(const Vec16<T>& v, int i) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w = vec_word(v, i / 2);
+    return __uint_as_float(i % 2 ? w & 0xFFFF0000u : w << 16);
+  } else {
+    return to_float(v.v[i]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float mag16_to_float(uint32_t h) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+  } else {
+    return __uint_as_float(h << 16);
+  }
+}
+
+__device__ __forceinline__ uint32_t group_max2(uint32_t m, int lanes) {
+  for (int off = 1; off < lanes; off <<= 1) m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  return m;
+}
+
+// Amax of one chunk, reduced over `lanes` consecutive lanes (every lane must take part).
+template <typename T>
+__device__ __forceinline__ float chunk_amax(const Vec16<T>& v, int lanes) {
+  if constexpr (sizeof(T) == 2) {
+    uint32_t m = __vmaxu2(__vmaxu2(mag2(vec_word(v, 0)), mag2(vec_word(v, 1))),
+                          __vmaxu2(mag2(vec_word(v, 2)), mag2(vec_word(v, 3))));
+    m = group_max2(m, lanes);
+    return mag16_to_float<T>(max(m & 0xFFFFu, m >> 16));
+  } else {
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVec<T>; ++i) a = amax_combine(a, abs_bits(element_float(v, i)));
+    return group_amax(a, lanes);
+  }
+}
+
+// Amax of each of the kVec columns of 4 stacked chunks, reduced over `lanes` consecutive
+// lanes (every lane must take part).
+template <typename T>
+__device__ __forceinline__ void column_amaxes(const Vec16<T> (&c)[4], int lanes,
+                                              float (&a)[kVec<T>]) {
+  if constexpr (sizeof(T) == 2) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t m = __vmaxu2(__vmaxu2(mag2(vec_word(c[0], i)), mag2(vec_word(c[1], i))),
+                            __vmaxu2(mag2(vec_word(c[2], i)), mag2(vec_word(c[3], i))));
+      m = group_max2(m, lanes);
+      a[2 * i] = mag16_to_float<T>(m & 0xFFFFu);
+      a[2 * i + 1] = mag16_to_float<T>(m >> 16);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec<T>; ++e) {
+      float t = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) t = amax_combine(t, abs_bits(element_float(c[j], e)));
+      a[e] = group_amax(t, lanes);
+    }
+  }
 }
 
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"): 128
