@@ -44,9 +44,9 @@ class Format:
     partial_blocks: whether a dim that is not a multiple of the block is allowed
       (only block FP8, whose edge blocks cover the real elements only).
     row_scaled: NVFP4 per-token: one global amax per stored row instead of per tensor.
-    pow2_scales: every block scale is a power of two (block FP8's default; MXFP8's E8M0
-      scales always are, so MXFP8 leaves it False), which makes each dequantized value
-      exact in bf16 (at most 4 significant bits times a power of two).
+    pow2_scales: block FP8 only: its fp32 block scales are powers of two (the default),
+      which makes each dequantized value exact in bf16 (an FP8 code times a power of two).
+      Other families leave it False (MXFP8's E8M0 scales are powers of two by type).
   """
 
   family: Family
