@@ -13,6 +13,8 @@ from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer
 import tiny_transformers as tt
 
 STEPS = 30
+# One worker for the Linen swap-in and state tests: they train the same fp8_delayed model.
+pytestmark = pytest.mark.xdist_group("linen_fp8_delayed")
 
 
 def first_and_last_in_bf16(role):
