@@ -18,7 +18,7 @@ STEPS = 30
 def first_and_last_in_bf16(role):
   if role.name.startswith("layers/0/") or role.name == "head":
     return None
-  return recipes.nvfp4_factory(role)
+  return recipes.fp8_current_factory(role)
 
 
 CUSTOM = recipes.CustomRecipe(first_and_last_in_bf16, name="first_last_bf16")
@@ -91,7 +91,7 @@ def test_params_interchange_and_annotations():
   np.testing.assert_array_equal(bf16_model(tokens), plain(tokens))
   assert sorted(roles) == sorted(f"{p}/kernel" for p in tt.NNX_GEMM_PATHS)
   assert roles["head/kernel"][1] is None and roles["layers/0/mlp/wi/kernel"][1] is None
-  assert roles["layers/1/mlp/wi/kernel"][1] == recipes.nvfp4_factory(roles["layers/1/mlp/wi/kernel"][0])
+  assert roles["layers/1/mlp/wi/kernel"][1] == recipes.fp8_current_factory(roles["layers/1/mlp/wi/kernel"][0])
 
 
 def test_native_layers_bf16_bit_identical_to_flax():

@@ -4,7 +4,6 @@ accumulation, and an orbax checkpoint round trip."""
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
 
 import jaxquant.flax as jqf
 from jaxquant import recipes
@@ -12,8 +11,6 @@ from jaxquant import recipes
 import tiny_transformers as tt
 
 ROLES = ("input", "weight", "grad_output")
-# With the swap-in tests, whose compiled fp8_delayed step the checkpoint test reuses.
-pytestmark = pytest.mark.xdist_group("linen_fp8_delayed")
 
 
 def _role_states(collections):
