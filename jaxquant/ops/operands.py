@@ -91,7 +91,7 @@ def check_role_args(tensor_type: str, quantizer, usages, *, key, state, what: st
 
 # A model's layers quantize operands of the same few shapes: as a nested jit, each
 # (quantizer, usages, shape) is traced once, not once per GEMM site (XLA then inlines the
-# calls; a quarter less time to trace and compile a train step). The implementation is
+# calls; a sixth less time to trace and compile a train step). The implementation is
 # resolved outside, so the environment is read at every call, not only at the first trace.
 _quantize_once_per_shape = jax.jit(quantize, static_argnames=("quantizer", "usages",
                                                               "implementation"))
