@@ -71,8 +71,6 @@ def init_role_states(roles: dict[str, QuantizerRole],
 def stacked_role_states(states: dict[str, RoleState], leading: tuple[int, ...]
                         ) -> dict[str, RoleState]:
   """States for a layer stacked along `leading` axes (scanned layers: one state each)."""
-  if not leading:
-    return states
   return jax.tree.map(lambda a: jnp.broadcast_to(a, leading + a.shape), states)
 
 

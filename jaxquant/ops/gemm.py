@@ -27,16 +27,15 @@ def _family(op: Operand) -> Optional[Family]:
   return op.format.family if isinstance(op, QuantizedData) else None
 
 
-# Families whose block-scaled values are exact in bf16: E4M3/E5M2 codes times a power of
-# two (MXFP8, and block FP8 with power-of-two scales), E2M1 times E4M3 (NVFP4: at most 6
-# significant bits), and bare FP8 codes (per-tensor: the scale is applied in the
-# epilogue). Block FP8 with arbitrary fp32 scales stays fp32.
-_EXACT_IN_BF16 = (Family.FP8_TENSOR, Family.MXFP8, Family.NVFP4)
-
-
 def _exact_in_bf16(op: QuantizedData) -> bool:
-  return op.format.family in _EXACT_IN_BF16 or (
-      op.format.family is Family.FP8_BLOCK and op.format.pow2_scales)
+  """Whether the operand's block-scaled values are exact in bf16: E4M3/E5M2 codes times a
+  power of two (MXFP8, block FP8 with power-of-two scales), E2M1 times E4M3 (NVFP4: at
+  most 6 significant bits), bare FP8 codes (per-tensor: the scale is applied in the
+  epilogue). Block FP8 with arbitrary fp32 scales is not."""
+  family = op.format.family
+  if family is Family.FP8_BLOCK:
+    return op.format.pow2_scales
+  return family in (Family.FP8_TENSOR, Family.MXFP8, Family.NVFP4)
 
 
 def _values(op: Operand, narrow: bool):
