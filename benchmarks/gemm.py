@@ -7,7 +7,9 @@ Measures, at each shape (M, N, K) with random operands:
 - jaxquant's GEMM dispatch on pre-quantized FP8 per-tensor, MXFP8 and NVFP4 operands;
 - `jax.nn.scaled_matmul` on pre-quantized MXFP8 / NVFP4 operands, where this JAX has it;
 - `jaxquant.dense` forward under fp8_current and mxfp8, quantization included;
-- a transformer MLP block's training step (forward + backward) under bf16, fp8_current, mxfp8.
+- a transformer MLP block's training step (forward + backward) under bf16, fp8_current, mxfp8;
+- grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel and `jax.lax.ragged_dot`,
+  each against the dense GEMM of the same FLOPs and format.
 """
 
 from __future__ import annotations
@@ -68,11 +70,20 @@ def _scaled_matmul_inputs(x, w, quantizer):
   return ad, bd, as_, bs
 
 
-def _emit(records, record):
-  """Keeps a record and prints it at once, so a run cut short still reports."""
-  records.append(record)
-  print(f"{record['op']:<44} {record['shape']:<36} {record['metric']:<16} {record['value']:8.3f}",
-        flush=True)
+class Records(list):
+  """The run's records; each one is printed and the JSON file rewritten as it arrives, so
+  a run cut short (even killed) keeps what it measured."""
+
+  def __init__(self, path: pathlib.Path):
+    super().__init__()
+    self.path = path
+
+  def add(self, record):
+    self.append(record)
+    print(f"{record['op']:<44} {record['shape']:<36} {record['metric']:<20} {record['value']:8.3f}",
+          flush=True)
+    self.path.write_text(json.dumps({"device": jax.devices()[0].device_kind,
+                                     "jax": jax.__version__, "records": list(self)}, indent=1))
 
 
 def gemm_records(shapes, records):
@@ -81,11 +92,11 @@ def gemm_records(shapes, records):
     x, w = _operands(m, n, k)
     base = median_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)), x, w)
     shape = f"{m}x{n}x{k}"
-    _emit(records, {"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops", "value": flops / base / 1e12})
+    records.add({"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops", "value": flops / base / 1e12})
 
     def add(op, seconds):
-      _emit(records, {"op": op, "shape": shape, "metric": "speedup_vs_bf16", "value": base / seconds})
-      _emit(records, {"op": op, "shape": shape, "metric": "tflops", "value": flops / seconds / 1e12})
+      records.add({"op": op, "shape": shape, "metric": "speedup_vs_bf16", "value": base / seconds})
+      records.add({"op": op, "shape": shape, "metric": "tflops", "value": flops / seconds / 1e12})
 
     for name, quantizer in (("fp8_tensor", Q.Float8Quantizer()), ("mxfp8", Q.MXFP8Quantizer()),
                             ("nvfp4", Q.NVFP4Quantizer())):
@@ -108,6 +119,54 @@ def gemm_records(shapes, records):
       add(f"dense_fwd_{recipe.name}_incl_quantize", median_seconds(fn, x, kernel))
 
 
+GROUPED_SHAPES = ((8, 16384, 4096, 4096), (64, 32768, 2048, 1408))  # (G, M, K, N)
+QUICK_GROUPED_SHAPES = ((4, 1024, 256, 256),)
+
+
+def _group_sizes(num_groups, rows, balanced, seed=0):
+  """Equal sizes, or sizes drawn like a router's (Dirichlet shares), summing to rows."""
+  if balanced:
+    return jnp.full((num_groups,), rows // num_groups, jnp.int32)
+  shares = jax.random.dirichlet(jax.random.key(seed), jnp.ones((num_groups,)))
+  sizes = jnp.floor(shares * rows).astype(jnp.int32)
+  return sizes.at[0].add(rows - sizes.sum())
+
+
+def grouped_records(shapes, records, with_ragged_dot=False):
+  """Grouped GEMM at (G, M, K, N) as a ratio to the dense [M, K] x [K, N] GEMM (same FLOPs)."""
+  from jaxquant import kernels
+  for g, m, k, n in shapes:
+    shape = f"G={g},M={m},K={k},N={n}"
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (g, n, k), jnp.bfloat16)
+    alpha = jnp.full((g,), 0.5, jnp.float32)
+    dense_bf16 = median_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)),
+                                x, w[0])
+    xf, wf = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
+    dense_fp8 = median_seconds(jax.jit(lambda a, b: (jax.lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.5).astype(jnp.bfloat16)),
+        xf, wf[0])
+    for balanced in (True, False):
+      sizes = _group_sizes(g, m, balanced)
+      tag = "balanced" if balanced else "dirichlet"
+
+      def ratio(op, seconds, base):
+        records.add({"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format",
+                        "value": base / seconds})
+
+      if kernels.available():
+        run = jax.jit(lambda a, b, s, al: kernels.grouped_gemm(a, b, s, al, jnp.bfloat16))
+        ratio("grouped_bf16_jaxquant_kernel", median_seconds(run, x, w, sizes, alpha), dense_bf16)
+        ratio("grouped_fp8_jaxquant_kernel", median_seconds(run, xf, wf, sizes, alpha), dense_fp8)
+      else:
+        print(f"grouped kernel unavailable: {kernels.unavailable_reason()}")
+      if with_ragged_dot:  # XLA's own grouped GEMM, the baseline to beat (slow to compile)
+        ragged = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), s,
+                                                            preferred_element_type=jnp.bfloat16))
+        ratio("grouped_bf16_lax_ragged_dot", median_seconds(ragged, x, w, sizes, iters=5), dense_bf16)
+
+
 def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
   """Forward + backward of y = down(gelu(up(x))) under each recipe, vs bf16."""
   kx, ku, kd = jax.random.split(jax.random.key(1), 3)
@@ -126,7 +185,7 @@ def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
   base = median_seconds(step_fn(jaxquant.recipes.bf16), (up, down), x, iters=10)
   for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
     t = median_seconds(step_fn(recipe), (up, down), x, iters=10)
-    _emit(records, {"op": f"mlp_train_step_{recipe.name}", "shape": shape,
+    records.add({"op": f"mlp_train_step_{recipe.name}", "shape": shape,
                     "metric": "speedup_vs_bf16", "value": base / t})
 
 
@@ -134,19 +193,25 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
   parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--ragged-dot", action="store_true",
+                      help="also time jax.lax.ragged_dot in the grouped section (minutes to compile)")
+  parser.add_argument("--only", choices=("gemm", "grouped", "mlp"), action="append",
+                      help="run only these sections (repeatable; default: all)")
   args = parser.parse_args()
   device = jax.devices()[0].device_kind.replace(" ", "_")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  path = out / f"gemm_{device}.json"
-  records = []
-  try:
-    mlp_step_records(records, *((1024, 256, 1024) if args.quick else ()))
+  records = Records(out / f"gemm_{device}.json")
+  sections = set(args.only or ("gemm", "grouped", "mlp"))
+  if "grouped" in sections:
+    grouped_records(QUICK_GROUPED_SHAPES if args.quick else GROUPED_SHAPES, records,
+                    with_ragged_dot=args.ragged_dot)
+  if "gemm" in sections:
     gemm_records(QUICK_SHAPES if args.quick else SHAPES, records)
-  finally:  # whatever was measured is written, also when interrupted
-    path.write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                                "records": records}, indent=1))
-    print(f"wrote {path}")
+  if "mlp" in sections:
+    mlp_step_records(records, *((1024, 256, 1024) if args.quick else ()))
+  print(f"wrote {records.path}")
+
 
 if __name__ == "__main__":
   main()

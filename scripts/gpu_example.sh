@@ -15,11 +15,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
-python3 -m pip install --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; exit 1; }
-# The example imports the source tree; point it at the library pip just built.
-export JAXQUANT_FFI_LIBRARY=$(cd /tmp && python3 -c "import jaxquant.kernels.library as l; print(l.library_path())")
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/gpu_build.sh
+gpu_build "$OUT/build.log" || exit 1
 python3 -c "import jax, flax, optax, jaxquant.kernels as k; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices()); print('kernels available:', k.available(), k.unavailable_reason())"
 # XLA's Triton GEMM autotuning dominates the quantized recipes' compile time (tens of
 # seconds per recipe for the FP8 and NVFP4 dots); cuBLAS(Lt) takes their dots instead.

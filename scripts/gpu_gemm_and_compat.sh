@@ -7,8 +7,8 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-export JAXQUANT_FFI_LIBRARY=$(cd /tmp && python3 -c "import jaxquant.kernels.library as l; print(l.library_path())")
+source scripts/gpu_build.sh
+gpu_build "$OUT/build.log" || exit 1
 JAX_PLATFORMS=cpu JAXQUANT_TEST_XLA_OPT=1 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 14 -rf --tb=short \
   --ignore=tests/kernels/test_kernels_gpu.py tests > "$OUT/cpu_tests_jax011.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cpu_tests_jax011.log" | tail -40

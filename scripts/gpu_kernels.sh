@@ -8,10 +8,6 @@
 # instruction-mix summary of the library's SASS (sass.txt).
 # FALLBACK_FFI=DIR: if the tests fail, put DIR (a copy of a known-good ffi/) in place of
 # ffi/, rebuild, and test and benchmark that instead (the failed log is tests_new.log).
-#
-# The build is the documented one-liner (no network needed: the machine's scikit-build-core,
-# CMake, ninja and jaxlib headers are used):
-#   python3 -m pip install --no-build-isolation --no-deps .
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -19,15 +15,9 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 { nvidia-smi -L; nvcc --version | tail -1; python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$OUT/env.log"
 
-build() {  # $1: log file
-  local start=$(date +%s)
-  python3 -m pip install --no-build-isolation --no-deps --force-reinstall -v . >"$OUT/$1" 2>&1
-  local status=$?
-  echo "pip install: exit $status in $(( $(date +%s) - start )) s" | tee -a "$OUT/env.log"
-  if [ $status -ne 0 ]; then tail -40 "$OUT/$1"; exit 1; fi
-  # The tests import the source tree (cwd); point it at the library pip just installed.
-  export JAXQUANT_FFI_LIBRARY=$(cd /tmp && python3 -c "import jaxquant.kernels.library as l; print(l.library_path())")
-  python3 -c "import jaxquant.kernels as k; print('kernels available:', k.available(), k.unavailable_reason())" | tee -a "$OUT/env.log"
+source scripts/gpu_build.sh
+build() {  # $1: log file (in this shell, not a pipeline's subshell: it exports)
+  gpu_build "$OUT/$1" > >(tee -a "$OUT/env.log") 2>&1 || exit 1
 }
 
 run_tests() {  # $1: log file; remaining: pytest args

@@ -11,10 +11,11 @@ from jaxquant.kernels import library
 from jaxquant.kernels.amax import amax
 from jaxquant.kernels.config import KernelConfig, unsupported_reason
 from jaxquant.kernels.dequantize import dequantize_data
+from jaxquant.kernels.grouped import grouped_gemm
 from jaxquant.kernels.library import available, unavailable_reason
 from jaxquant.kernels.quantize import quantize_usages
 
 library.load_error()  # register the FFI targets now, when the library exists
 
 __all__ = ["available", "unavailable_reason", "amax", "quantize_usages", "dequantize_data",
-           "KernelConfig", "unsupported_reason"]
+           "grouped_gemm", "KernelConfig", "unsupported_reason"]

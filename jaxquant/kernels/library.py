@@ -24,6 +24,7 @@ TARGETS = {
     "jaxquant_mxfp8_cast": "JaxquantMxfp8Cast",
     "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
     "jaxquant_dequantize": "JaxquantDequantize",
+    "jaxquant_grouped_gemm": "JaxquantGroupedGemm",
 }
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)

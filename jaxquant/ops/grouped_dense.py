@@ -10,8 +10,10 @@ on the host, so it may be traced). The three GEMMs and their usages are those of
 
 with the per-group scales and the block rule of `reference.grouped` (per-tensor scales
 become per group, columnwise blocks never straddle a group boundary: each group is
-zero-padded to its block). The GEMMs are emulated by `ops.ragged` (fp32 products of
-block-scaled values, outer scales after), whose memory does not grow with G.
+zero-padded to its block). fprop and dgrad run on `ops.grouped_gemm` (the CUTLASS grouped
+kernel on Hopper for operands it holds exactly, `ops.ragged` otherwise); wgrad on
+`ops.ragged.ragged_contract`. Both are fp32 products of block-scaled values, outer scales
+after, in memory that does not grow with G.
 
 Delayed scaling keeps one state per group: `{tensor_type: DelayedScalingState}` with
 `amax_history [G, L]` and `scale [G]` (`init_grouped_state`); `flax.state` and
@@ -30,10 +32,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import recipes, scaling
-from jaxquant.formats import INPUT_DTYPES
+from jaxquant.formats import INPUT_DTYPES, Family
+from jaxquant.ops.grouped_gemm import grouped_matmul
 from jaxquant.ops.operands import (check_placement, check_role_args, check_state, resolve_quantizers,
                                    role_key, usages_to_quantize)
-from jaxquant.ops.ragged import ragged_contract, ragged_matmul
+from jaxquant.ops.ragged import ragged_contract
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key
 from jaxquant.reference import grouped as ref
 from jaxquant.roles import TENSOR_TYPES
@@ -98,6 +101,22 @@ def _scale_of(state):
   return None if state is None else state.scale
 
 
+_ELEMENT_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+def _exact_dtype(quantizer: Optional[Quantizer], usage: str, input_dtype):
+  """The narrow dtype holding one usage's GEMM values exactly (see ops.grouped_gemm)."""
+  q = for_usage(quantizer, usage)
+  if q is None:
+    return jnp.bfloat16 if jnp.dtype(input_dtype) == jnp.bfloat16 else None
+  fmt = q.format(usage)
+  if fmt.family is Family.FP8_TENSOR:
+    return _ELEMENT_DTYPES[fmt.element]
+  if fmt.family is Family.FP8_BLOCK and not fmt.pow2_scales:
+    return None
+  return jnp.bfloat16
+
+
 # ---- The custom_vjp ----
 
 def _epilogue(acc, a_outer_rows, b_outer_groups, layout):
@@ -124,8 +143,10 @@ def _forward(cfg, x, kernel, group_sizes, bias, keys, state):
   for t, amax in (("input", x_amax), ("weight", w_amax)):
     if amax is not None:
       new_state[t] = _record(state[t], amax)
-  y = _epilogue(ragged_matmul(x_row.values, w_vals, layout, tile=cfg.tile), x_row.outer,
-                w_outer, layout)
+  acc = grouped_matmul(x_row.values, w_vals, layout, tile=cfg.tile,
+                       a_exact=_exact_dtype(qx, "rowwise", x.dtype),
+                       b_exact=_exact_dtype(qw, "rowwise", kernel.dtype))
+  y = _epilogue(acc, x_row.outer, w_outer, layout)
   if bias is not None:
     y = y + bias.astype(jnp.float32)[layout.row_gather_ids()]
   y = jnp.where(in_groups, y, 0.0).astype(x.dtype)
@@ -155,21 +176,23 @@ def _fwd(cfg, x, kernel, group_sizes, bias, keys, state):
 
 
 def _weight_columnwise(cfg, kernel, w_state, key):
-  """Each expert's w columnwise, stored [K, N] (the kernel's own layout), and its scale."""
+  """Each expert's w columnwise, stored [K, N] (the kernel's own layout), its scale, and
+  the narrow dtype holding the values exactly."""
   qw = cfg.quantizer("weight")
   if cfg.backward == "quantized":
     vals, outer, _ = ref.quantize_experts(jnp.swapaxes(kernel, 1, 2), qw, "columnwise",
                                           delayed_scale=_scale_of(w_state),
                                           key=_usage_key(key, "columnwise"))
-    return vals, outer
+    return vals, outer, _exact_dtype(qw, "columnwise", kernel.dtype)
   if cfg.backward == "high_precision":
-    return kernel.astype(jnp.float32), None
+    return kernel.astype(jnp.float32), None, _exact_dtype(None, "columnwise", kernel.dtype)
   vals, outer, _ = ref.quantize_experts(jnp.swapaxes(kernel, 1, 2), qw, "rowwise",
                                         delayed_scale=_scale_of(w_state),
                                         key=_usage_key(key, "rowwise"))
-  if outer is not None:
-    vals = vals * outer[:, None, None]
-  return jnp.swapaxes(vals, 1, 2), None
+  exact = _exact_dtype(qw, "rowwise", kernel.dtype)
+  if outer is not None:  # the scale is applied, so the values are no longer codes
+    vals, exact = vals * outer[:, None, None], None
+  return jnp.swapaxes(vals, 1, 2), None, exact
 
 
 def _common_rows(a: ref.GroupedValues, b: ref.GroupedValues):
@@ -195,9 +218,10 @@ def _bwd(cfg, saved, cotangents):
   dy_col, _ = ref.quantize_rows(dy32, layout, qdy, "columnwise",
                                 key=_usage_key(dy_key, "columnwise"), **common)
 
-  w_col, w_outer = _weight_columnwise(cfg, kernel, w_state, keys["weight"])
-  dx = _epilogue(ragged_matmul(dy_row.values, w_col, layout, tile=cfg.tile), dy_row.outer,
-                 w_outer, layout)
+  w_col, w_outer, w_exact = _weight_columnwise(cfg, kernel, w_state, keys["weight"])
+  acc = grouped_matmul(dy_row.values, w_col, layout, tile=cfg.tile,
+                       a_exact=_exact_dtype(qdy, "rowwise", dy.dtype), b_exact=w_exact)
+  dx = _epilogue(acc, dy_row.outer, w_outer, layout)
   dx = jnp.where(in_groups, dx, 0.0).astype(dy.dtype)  # y's dtype, which is x's
 
   a, b, rows = _common_rows(x_res, dy_col)

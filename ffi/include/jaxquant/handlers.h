@@ -15,5 +15,6 @@ JAXQUANT_HANDLER(JaxquantFp8BlockCast);
 JAXQUANT_HANDLER(JaxquantMxfp8Cast);
 JAXQUANT_HANDLER(JaxquantNvfp4Cast);
 JAXQUANT_HANDLER(JaxquantDequantize);
+JAXQUANT_HANDLER(JaxquantGroupedGemm);
 
 #undef JAXQUANT_HANDLER
