@@ -86,6 +86,21 @@ class Records(list):
                                      "jax": jax.__version__, "records": list(self)}, indent=1))
 
 
+def _fp8_spellings(a, b, add):
+  """Other routes to the same per-tensor FP8 GEMM: the dot's own bf16 output (scales after,
+  a second rounding), and jaxquant's grouped kernel with one group (scales fused)."""
+  from jaxquant import kernels
+  scale = a.scale_inv * b.scale_inv
+  dims = (((1,), (1,)), ((), ()))
+  bf16_out = jax.jit(lambda a, b, s: (jax.lax.dot_general(
+      a, b, dims, preferred_element_type=jnp.bfloat16) * s).astype(jnp.bfloat16))
+  add("gemm_fp8_tensor_xla_bf16_out", median_seconds(bf16_out, a.data, b.data, scale))
+  if kernels.available():
+    one = jax.jit(lambda a, b, s: kernels.grouped_gemm(
+        a, b[None], jnp.full((1,), a.shape[0], jnp.int32), s.reshape(1), jnp.bfloat16))
+    add("gemm_fp8_tensor_jaxquant_kernel", median_seconds(one, a.data, b.data, scale))
+
+
 def gemm_records(shapes, records):
   for m, n, k in shapes:
     flops = 2.0 * m * n * k
@@ -103,6 +118,8 @@ def gemm_records(shapes, records):
       a, b = _quantized_pair(x, w, quantizer)
       add(f"gemm_{name}_prequantized",
           median_seconds(jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16)), a, b))
+      if name == "fp8_tensor":
+        _fp8_spellings(a, b, add)
     for name, quantizer in (("mxfp8", Q.MXFP8Quantizer()), ("nvfp4", Q.NVFP4Quantizer())):
       try:
         args = _scaled_matmul_inputs(x, w, quantizer)
