@@ -50,9 +50,9 @@ def _operands(m, n, k, seed=0):
   return x, w
 
 
-def _quantized_pair(x, w, quantizer):
-  quant = jax.jit(lambda t: jaxquant.reference.quantize(t, quantizer, "rowwise").rowwise)
-  return quant(x), quant(w)
+def _quantized_pair(x, w, quantizer, w_quantizer=None):
+  quant = lambda q: jax.jit(lambda t: jaxquant.reference.quantize(t, q, "rowwise").rowwise)
+  return quant(quantizer)(x), quant(w_quantizer or quantizer)(w)
 
 
 def _scaled_matmul_inputs(x, w, quantizer):
@@ -113,9 +113,10 @@ def gemm_records(shapes, records):
       records.add({"op": op, "shape": shape, "metric": "speedup_vs_bf16", "value": base / seconds})
       records.add({"op": op, "shape": shape, "metric": "tflops", "value": flops / seconds / 1e12})
 
-    for name, quantizer in (("fp8_tensor", Q.Float8Quantizer()), ("mxfp8", Q.MXFP8Quantizer()),
-                            ("nvfp4", Q.NVFP4Quantizer())):
-      a, b = _quantized_pair(x, w, quantizer)
+    block = (Q.BlockFloat8Quantizer(block="1x128"), Q.BlockFloat8Quantizer(block="128x128"))
+    for name, quantizers in (("fp8_tensor", (Q.Float8Quantizer(),)), ("fp8_block", block),
+                             ("mxfp8", (Q.MXFP8Quantizer(),)), ("nvfp4", (Q.NVFP4Quantizer(),))):
+      a, b = _quantized_pair(x, w, *quantizers)
       add(f"gemm_{name}_prequantized",
           median_seconds(jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16)), a, b))
       if name == "fp8_tensor":
@@ -200,7 +201,7 @@ def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
 
   shape = f"tokens={tokens},hidden={hidden},ffn={ffn}"
   base = median_seconds(step_fn(jaxquant.recipes.bf16), (up, down), x, iters=10)
-  for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
+  for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.fp8_block, jaxquant.recipes.mxfp8):
     t = median_seconds(step_fn(recipe), (up, down), x, iters=10)
     records.add({"op": f"mlp_train_step_{recipe.name}", "shape": shape,
                     "metric": "speedup_vs_bf16", "value": base / t})
@@ -212,6 +213,7 @@ def main():
   parser.add_argument("--out", default="benchmarks/results")
   parser.add_argument("--ragged-dot", action="store_true",
                       help="also time jax.lax.ragged_dot in the grouped section (minutes to compile)")
+  parser.add_argument("--gemm-shapes", help="MxNxK,... for the gemm section (default: the four)")
   parser.add_argument("--only", choices=("gemm", "grouped", "mlp"), action="append",
                       help="run only these sections (repeatable; default: all)")
   args = parser.parse_args()
@@ -224,7 +226,10 @@ def main():
     grouped_records(QUICK_GROUPED_SHAPES if args.quick else GROUPED_SHAPES, records,
                     with_ragged_dot=args.ragged_dot)
   if "gemm" in sections:
-    gemm_records(QUICK_SHAPES if args.quick else SHAPES, records)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.gemm_shapes:
+      shapes = [tuple(int(d) for d in s.split("x")) for s in args.gemm_shapes.split(",")]
+    gemm_records(shapes, records)
   if "mlp" in sections:
     mlp_step_records(records, *((1024, 256, 1024) if args.quick else ()))
   print(f"wrote {records.path}")

@@ -25,6 +25,7 @@ TARGETS = {
     "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
     "jaxquant_dequantize": "JaxquantDequantize",
     "jaxquant_grouped_gemm": "JaxquantGroupedGemm",
+    "jaxquant_block_fp8_gemm": "JaxquantBlockFp8Gemm",
 }
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)

@@ -15,7 +15,9 @@ from typing import Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from jaxquant import kernels
 from jaxquant.formats import Family
+from jaxquant.kernels import block_gemm
 from jaxquant.reference import split_scales
 from jaxquant.tensor import QuantizedData
 
@@ -96,10 +98,25 @@ def _xla_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) 
   return _epilogue(out, a.scale_inv, b.scale_inv, out_dtype)
 
 
+def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+  """Block FP8 x block FP8: the CUTLASS blockwise kernel for E4M3 with A in 1x128 blocks and
+  B in 1x128 blocks or 128x128 tiles (every GEMM of the fp8_block recipe); any other pair,
+  or no kernels, takes the emulation."""
+  n, k = b.stored_shape
+  supported = (kernels.available() and a.format.element == b.format.element == "e4m3"
+               and a.format.block == (1, 128) and b.format.block in ((1, 128), (128, 128))
+               and block_gemm.unsupported_reason(n, k, b.format.block[0], out_dtype) is None)
+  if not supported:
+    return _gpu_emulated_gemm(a, b, out_dtype=out_dtype)
+  return block_gemm.block_fp8_gemm(a.data, b.data, a.scale_inv, b.scale_inv,
+                                   b_block_rows=b.format.block[0], out_dtype=out_dtype)
+
+
 # (platform, A family, B family) -> implementation; None matches any family. Kernels
 # are new entries here. The first matching key in this order wins.
 _IMPLEMENTATIONS: tuple[tuple[tuple[str, Optional[Family], Optional[Family]], GemmFn], ...] = (
     (("gpu", Family.FP8_TENSOR, Family.FP8_TENSOR), _xla_fp8_gemm),
+    (("gpu", Family.FP8_BLOCK, Family.FP8_BLOCK), _block_fp8_gemm),
     (("gpu", None, None), _gpu_emulated_gemm),
 )
 

@@ -16,5 +16,6 @@ JAXQUANT_HANDLER(JaxquantMxfp8Cast);
 JAXQUANT_HANDLER(JaxquantNvfp4Cast);
 JAXQUANT_HANDLER(JaxquantDequantize);
 JAXQUANT_HANDLER(JaxquantGroupedGemm);
+JAXQUANT_HANDLER(JaxquantBlockFp8Gemm);
 
 #undef JAXQUANT_HANDLER

@@ -1,0 +1,109 @@
+"""Block-scaled FP8 GEMM kernel: D = A . B^T for DeepSeek-style block FP8 operands.
+
+A [M, K] E4M3 with 1x128 blocks, B [N, K] E4M3 with 128x128 tiles (fprop, dgrad) or 1x128
+blocks (wgrad); both in their stored layout, as `ops.gemm` passes them. The scales travel
+MN-major, `[ceil(K / 128), M]` and `[ceil(K / 128), N / b_block_rows]`: the layout of
+CUTLASS's Hopper blockwise mainloop (ffi/gemm/block_fp8_gemm.cu), which sums each 128-deep
+k-tile on FP8 tensor cores and adds it, scaled, into an fp32 accumulator. Elsewhere the
+lowering is the reference: dequantize both operands, one fp32 dot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.core import ShapedArray
+
+from jaxquant.kernels import primitive, sharding
+
+BLOCK = 128
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGemmConfig:
+  b_block_rows: int  # 1 (1x128 blocks) or 128 (128x128 tiles)
+  out_dtype: str
+
+  def ffi_attributes(self) -> dict:
+    return {"b_block_rows": np.int32(self.b_block_rows)}
+
+
+def _abstract_eval(a, b, sfa, sfb, *, config):
+  return [ShapedArray((a.shape[0], b.shape[0]), jnp.dtype(config.out_dtype))]
+
+
+def _expand(scales_mn_major, rows: int, block_rows: int, k: int):
+  """[KB, rows / block_rows] scales -> [rows, K] multipliers."""
+  per_row = jnp.repeat(scales_mn_major.T, block_rows, axis=0)[:rows]
+  return jnp.repeat(per_row, BLOCK, axis=1)[:, :k]
+
+
+def _reference(a, b, sfa, sfb, *, config):
+  (m, k), n = a.shape, b.shape[0]
+  va = a.astype(jnp.float32) * _expand(sfa, m, 1, k)
+  vb = b.astype(jnp.float32) * _expand(sfb, n, config.b_block_rows, k)
+  out = jax.lax.dot_general(va, vb, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+  return [out.astype(config.out_dtype)]
+
+
+def _partition(config, mesh, arg_shapes, result_shape):
+  # Kept whole under a sharded jit for now (the operands are gathered first).
+  replicated = sharding.pspec()
+  return [replicated] * 4, [replicated], lambda kernel, *a: kernel(*a)
+
+
+def _sharding_rule(config, shapes):
+  operands = [tuple(f"a{i}_{d}" for d in range(len(s))) for i, s in enumerate(shapes)]
+  results = [("r0", "r1")]
+  names = tuple(sorted({f for t in operands + results for f in t}))
+  return sharding.rule(operands, results, {}, need_replication_factors=names)
+
+
+block_gemm_p = primitive.define(primitive.KernelSpec(
+    name="jaxquant_block_fp8_gemm", ffi_target=lambda config: "jaxquant_block_fp8_gemm",
+    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
+    sharding_rule=_sharding_rule))
+
+
+def unsupported_reason(n: int, k: int, b_block_rows: int, out_dtype) -> str | None:
+  """Why the kernel cannot run this problem, or None (TMA wants 16-byte aligned rows)."""
+  out_dtype = jnp.dtype(out_dtype)
+  if b_block_rows not in (1, BLOCK):
+    return f"B's blocks must be 1x128 or 128x128, got {b_block_rows}x128"
+  if out_dtype not in OUT_DTYPES:
+    return f"the output dtype must be bfloat16 or float32, got {out_dtype.name}"
+  if k % 16:
+    return f"K = {k} must be a multiple of 16"
+  if (n * out_dtype.itemsize) % 16:
+    return f"N = {n} must be a multiple of {16 // out_dtype.itemsize} for a {out_dtype.name} output"
+  return None
+
+
+def block_fp8_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Array, *,
+                   b_block_rows: int, out_dtype=jnp.float32) -> jax.Array:
+  """D = A . B^T from E4M3 codes and their decode scales in the stored (K-major) layout:
+  a_scales [M, ceil(K/128)], b_scales [ceil(N/b_block_rows), ceil(K/128)]."""
+  if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
+    raise ValueError(f"block_fp8_gemm: expects A [M, K] and B [N, K], got shapes "
+                     f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}")
+  (m, k), (n, kb_) = a.shape, b.shape
+  if kb_ != k:
+    raise ValueError(f"block_fp8_gemm: contraction dims differ: A has K={k}, B has K={kb_}")
+  for what, x in (("A", a), ("B", b)):
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+      raise ValueError(f"block_fp8_gemm: {what} must be float8_e4m3fn, got {jnp.dtype(x.dtype).name}")
+  reason = unsupported_reason(n, k, b_block_rows, out_dtype)
+  if reason:
+    raise ValueError(f"block_fp8_gemm: {reason}")
+  kb = -(-k // BLOCK)
+  for what, s, rows in (("A", a_scales, m), ("B", b_scales, -(-n // b_block_rows))):
+    if tuple(jnp.shape(s)) != (rows, kb) or jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
+      raise ValueError(f"block_fp8_gemm: {what}'s scales must be float32[{rows}, {kb}], got "
+                       f"{jnp.dtype(s.dtype).name}{list(jnp.shape(s))}")
+  config = BlockGemmConfig(b_block_rows=b_block_rows, out_dtype=jnp.dtype(out_dtype).name)
+  return block_gemm_p.bind(a, b, a_scales.T, b_scales.T, config=config)[0]

@@ -1,0 +1,104 @@
+"""The block FP8 GEMM primitive: its reference lowering against a NumPy oracle, its input
+checks, and (on a Hopper GPU) the CUTLASS kernel against the reference, directly and
+through `ops.gemm`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxquant import kernels, reference
+from jaxquant.kernels import block_gemm as bg
+from jaxquant.ops import gemm as gemm_ops
+from jaxquant.quantizers import BlockFloat8Quantizer
+
+on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
+E4M3 = jnp.float8_e4m3fn
+
+
+def codes_and_scales(seed, m, n, k, b_block_rows):
+  rng = np.random.default_rng(seed)
+  kb = -(-k // 128)
+  a = jnp.asarray(rng.standard_normal((m, k)) * 8, E4M3)
+  b = jnp.asarray(rng.standard_normal((n, k)) * 8, E4M3)
+  sa = jnp.asarray(np.exp2(rng.integers(-6, 6, (m, kb))), jnp.float32)
+  sb = jnp.asarray(np.exp2(rng.integers(-6, 6, (-(-n // b_block_rows), kb))) * 1.5, jnp.float32)
+  return a, b, sa, sb
+
+
+def oracle(a, b, sa, sb, b_block_rows):
+  """Element by element: each code times its block's scale, then a float64 product."""
+  a64, b64 = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+  (m, k), n = a64.shape, b64.shape[0]
+  ka = np.arange(k) // 128
+  va = a64 * np.asarray(sa, np.float64)[:, ka]
+  vb = b64 * np.asarray(sb, np.float64)[np.arange(n) // b_block_rows][:, ka]
+  return va @ vb.T
+
+
+# (M, N, K): partial row tiles, a partial last k block (K = 1056), N not a tile multiple.
+SHAPES = [(128, 128, 128), (300, 256, 640), (64, 384, 1056), (8, 136, 256)]
+
+
+@pytest.mark.parametrize("b_block_rows", [128, 1])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_reference_lowering_matches_oracle(m, n, k, b_block_rows):
+  args = jax.device_put(codes_and_scales(m + n + k, m, n, k, b_block_rows), jax.devices("cpu")[0])
+  got = jax.jit(lambda *a: bg.block_fp8_gemm(*a, b_block_rows=b_block_rows))(*args)
+  want = oracle(*args, b_block_rows)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_rejects_bad_input():
+  a, b, sa, sb = codes_and_scales(0, 16, 128, 256, 128)
+  with pytest.raises(ValueError, match="A must be float8_e4m3fn, got bfloat16"):
+    bg.block_fp8_gemm(a.astype(jnp.bfloat16), b, sa, sb, b_block_rows=128)
+  with pytest.raises(ValueError, match=r"B's scales must be float32\[1, 2\], got float32\[2, 2\]"):
+    bg.block_fp8_gemm(a, b, sa, jnp.ones((2, 2)), b_block_rows=128)
+  with pytest.raises(ValueError, match="B's blocks must be 1x128 or 128x128, got 64x128"):
+    bg.block_fp8_gemm(a, b, sa, sb, b_block_rows=64)
+  with pytest.raises(ValueError, match="K = 24 must be a multiple of 16"):
+    bg.block_fp8_gemm(a[:, :24], b[:, :24], sa[:, :1], sb[:, :1], b_block_rows=128)
+  with pytest.raises(ValueError, match="N = 10 must be a multiple of 4 for a float32 output"):
+    bg.block_fp8_gemm(a, b[:10], sa, sb, b_block_rows=128)
+
+
+# ---- The CUDA kernel (Hopper only) ----
+
+# FP8 tensor cores sum each 128-deep k-tile with Hopper's FP8 accumulation (about 14 bits
+# of alignment, see test_grouped_gemm.py), so not to fp32 exactness.
+FP8_TOLERANCE = 2.0 ** -12
+
+
+def relative_error(got, want):
+  return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("b_block_rows", [128, 1])
+@pytest.mark.parametrize("m,n,k", SHAPES + [(2048, 1024, 4096)])
+def test_kernel_matches_oracle(m, n, k, b_block_rows, out_dtype):
+  args = codes_and_scales(7 * m + k, m, n, k, b_block_rows)
+  got = jax.jit(lambda *a: bg.block_fp8_gemm(*a, b_block_rows=b_block_rows, out_dtype=out_dtype))(*args)
+  bf16_rounding = 2.0 ** -9 if out_dtype == jnp.bfloat16 else 0.0
+  assert relative_error(got, oracle(*args, b_block_rows)) <= FP8_TOLERANCE + bf16_rounding
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("b_block", ["128x128", "1x128"])
+def test_gemm_dispatch_uses_kernel(b_block):
+  """fp8_block operands through ops.gemm: the kernel, within FP8 accumulation of the reference."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((768, 1024)), jnp.bfloat16)
+  a = reference.quantize(x, BlockFloat8Quantizer(block="1x128"), ("rowwise",)).rowwise
+  b = reference.quantize(w, BlockFloat8Quantizer(block=b_block), ("rowwise",)).rowwise
+  run = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
+  assert "jaxquant_block_fp8_gemm" in run.lower(a, b).as_text()
+  want = np.asarray(jax.jit(lambda a, b: gemm_ops.reference_gemm(a, b))(a, b), np.float64)
+  assert relative_error(run(a, b), want) <= FP8_TOLERANCE
