@@ -201,6 +201,7 @@ def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
 
   shape = f"tokens={tokens},hidden={hidden},ffn={ffn}"
   base = median_seconds(step_fn(jaxquant.recipes.bf16), (up, down), x, iters=10)
+  records.add({"op": "mlp_train_step_bf16", "shape": shape, "metric": "ms", "value": base * 1e3})
   for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.fp8_block, jaxquant.recipes.mxfp8):
     t = median_seconds(step_fn(recipe), (up, down), x, iters=10)
     records.add({"op": f"mlp_train_step_{recipe.name}", "shape": shape,
