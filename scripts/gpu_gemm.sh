@@ -22,6 +22,9 @@ python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_grouped_gemm.py -
   | grep -E "relative error|passed|failed"
 timeout -k 10 ${TEST_TIMEOUT:-240} python3 -m pytest -q -rf -s -p no:cacheprovider -m gpu tests/ops \
   "$@" 2>&1 | tee "$OUT/tests_ops.log" | grep -E "relative error|passed|failed|FAILED|Error" | tail -20
-# Each record is written as it is measured, so a run cut short keeps what it has.
+# Each record is written as it is measured, so a run cut short keeps what it has. XLA's
+# Triton GEMM autotuning took over 280 s to compile the MLP training steps on the H100
+# (nothing measured); cuBLAS(Lt) takes those dots instead.
+export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false ${XLA_FLAGS:-}"
 timeout -k 10 ${BENCH_TIMEOUT:-240} python3 benchmarks/gemm.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
   | tee "$OUT/gemm_bench.log" | grep --line-buffered -v "^jax.nn.scaled_matmul"
