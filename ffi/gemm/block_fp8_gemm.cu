@@ -1,108 +1,14 @@
-// Block-scaled FP8 GEMM (DeepSeek-style block FP8), D = A . B^T with per-block decode scales:
-//
-//   D[m, n] = sum_kb  sa[kb, m] * sb[kb, n / b_block_rows] * sum_{k in kb} A[m, k] * B[n, k]
-//
-// A [M, K] E4M3 in 1x128 blocks (one scale per row and 128 k), B [N, K] E4M3 in 128x128
-// tiles (fprop, dgrad) or 1x128 blocks (wgrad); D [M, N] bfloat16 or float32. The scales
-// arrive MN-major ([K / 128, M] and [K / 128, N / b_block_rows]), the layout CUTLASS's
-// Hopper blockwise mainloop reads: each 128-deep k-tile is summed on FP8 tensor cores,
-// then scaled and added into the fp32 accumulator.
-#include <cutlass/cutlass.h>
+// The block FP8 GEMM's FFI handler: checks the buffers and dispatches on B's block shape
+// and the output dtype to the instantiations in block_fp8_gemm_tiles.cu and
+// block_fp8_gemm_rows.cu (see block_fp8_gemm.cuh for the kernel).
+#include "block_fp8_gemm.cuh"
 
-#include <cute/tensor.hpp>
-#include <cutlass/bfloat16.h>
-#include <cutlass/detail/blockwise_scale_layout.hpp>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/float8.h>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/gemm/dispatch_policy.hpp>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
-#include <cutlass/util/packed_stride.hpp>
-
-#include "jaxquant/ffi_glue.h"
+JAXQUANT_BLOCK_FP8_GEMM_INSTANCES(extern, 1)
+JAXQUANT_BLOCK_FP8_GEMM_INSTANCES(extern, 128)
 
 namespace jaxquant {
+namespace block_fp8_gemm_detail {
 namespace {
-
-using namespace cute;
-
-constexpr int kBlock = 128;
-
-template <int BlockRowsB, typename TD>
-struct BlockFp8Gemm {
-  using E4M3 = cutlass::float_e4m3_t;
-  using TileShape = Shape<_128, _128, _128>;
-  using ClusterShape = Shape<_1, _2, _1>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, BlockRowsB, kBlock>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<TD>::value;
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor, kAlignD,  // no C operand
-      TD, cutlass::layout::RowMajor, kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<TD, float, void, float>>::CollectiveOp;
-
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      E4M3, cute::tuple<cutlass::layout::RowMajor, LayoutSFA>, 16,     // A [M, K]
-      E4M3, cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>, 16,  // B [N, K]
-      float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
-
-template <int BlockRowsB, typename TD>
-ffi::Error run_block_fp8(cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* a,
-                         const void* b, const float* sfa, const float* sfb, void* d, int m, int n,
-                         int k) {
-  using Config = BlockFp8Gemm<BlockRowsB, TD>;
-  using Gemm = typename Config::Gemm;
-  using Kernel = typename Config::Kernel;
-  const auto problem = make_shape(m, n, k, 1);
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, k, 1},
-      {static_cast<const typename Config::E4M3*>(a),
-       cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, k, 1}),
-       static_cast<const typename Config::E4M3*>(b),
-       cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1}),
-       sfa, Config::ScaleConfig::tile_atom_to_shape_SFA(problem),
-       sfb, Config::ScaleConfig::tile_atom_to_shape_SFB(problem)},
-      {{}, nullptr, {},
-       static_cast<TD*>(d), cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1})}};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  int device = 0;
-  if (auto err = cuda_error("cudaGetDevice", cudaGetDevice(&device)); err.failure()) return err;
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return invalid("block_fp8_gemm: CUTLASS cannot run this problem (K must be a multiple of "
-                   "16 and N of 16 bytes' worth of output elements)");
-  }
-  const size_t workspace_bytes = Gemm::get_workspace_size(args);
-  auto workspace = scratch.Allocate(workspace_bytes > 0 ? workspace_bytes : 16, 16);
-  if (!workspace.has_value()) {
-    return ffi::Error::Internal("block_fp8_gemm: could not allocate scratch memory");
-  }
-  if (gemm.initialize(args, *workspace, stream) != cutlass::Status::kSuccess) {
-    return ffi::Error::Internal("block_fp8_gemm: CUTLASS initialization failed");
-  }
-  if (gemm.run(stream) != cutlass::Status::kSuccess) {
-    return cuda_status("block_fp8_gemm: CUTLASS kernel launch");
-  }
-  return cuda_status("block_fp8_gemm");
-}
 
 ffi::Error block_fp8_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
                           ffi::AnyBuffer b, ffi::Buffer<ffi::F32> sfa, ffi::Buffer<ffi::F32> sfb,
@@ -137,9 +43,10 @@ ffi::Error block_fp8_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
 }
 
 }  // namespace
+}  // namespace block_fp8_gemm_detail
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantBlockFp8Gemm, jaxquant::block_fp8_gemm,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantBlockFp8Gemm, jaxquant::block_fp8_gemm_detail::block_fp8_gemm,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::ScratchAllocator>()

@@ -1,205 +1,21 @@
-// Grouped GEMM for grouped_dense (MoE experts), group sizes read on the device:
-//
-//   D[rows of g] = alpha[g] * A[rows of g] . B[g]^T     A [M, K], B [G, N, K], D [M, N]
-//
-// Rows are contiguous per group (group g owns the sizes[g] rows after those of groups < g;
-// sizes are clipped at M like reference.grouped.group_layout); rows past the last group
-// are written as zeros. One CUTLASS Hopper pointer-array kernel (TMA, warp-specialized,
-// persistent) runs every group: a one-thread setup kernel turns the sizes into the
-// per-group problem shapes and pointers in scratch memory, so nothing waits on the host
-// and the call is the same work under a CUDA graph.
-//
-// Operands: bf16 x bf16 (the exact-in-bf16 emulation of MXFP8 / NVFP4 / block FP8 and
-// unquantized bf16), and per-tensor FP8 with any E4M3/E5M2 pair on FP8 tensor cores.
-// Accumulation is fp32; FP8 products are promoted to fp32 every few k-blocks (no fast
-// accumulation), which keeps the result within fp32 ordering error of the reference.
-#include <cutlass/cutlass.h>
+// The grouped GEMM's FFI handler: checks the buffers and dispatches on the operand and
+// output dtypes to the instantiations compiled in grouped_gemm_<pair>.cu (see
+// grouped_gemm.cuh for the kernel).
+#include "grouped_gemm.cuh"
 
-#include <cute/tensor.hpp>
-#include <cutlass/bfloat16.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/float8.h>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/gemm/dispatch_policy.hpp>
-#include <cutlass/gemm/group_array_problem_shape.hpp>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
-#include <cutlass/util/packed_stride.hpp>
-
-#include "jaxquant/ffi_glue.h"
+JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::bf16, jaxquant::grouped_gemm_detail::bf16)
+JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e4m3, jaxquant::grouped_gemm_detail::e4m3)
+JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e4m3, jaxquant::grouped_gemm_detail::e5m2)
+JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e5m2, jaxquant::grouped_gemm_detail::e4m3)
 
 namespace jaxquant {
+namespace grouped_gemm_detail {
 namespace {
-
-using namespace cute;
-
-using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-using GroupShape = ProblemShape::UnderlyingProblemShape;
-
-// One kernel type per (A, B, D) element triple. FP8 keeps a second fp32 accumulator for
-// the promotion, so its tile is half as wide (a 128x256 one spills registers).
-template <typename TA, typename TB, typename TD>
-struct GroupedGemm {
-  static constexpr bool kFp8 = sizeof(TA) == 1;
-  using TileShape = std::conditional_t<kFp8, Shape<_128, _128, _128>, Shape<_128, _256, _64>>;
-  using ClusterShape = Shape<_2, _1, _1>;
-  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<TD>::value;
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor*, kAlignD,  // no C operand: D = alpha * acc
-      TD, cutlass::layout::RowMajor*, kAlignD, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<TD, float, void, float>>::CollectiveOp;
-
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      TA, cutlass::layout::RowMajor*, 16 / sizeof(TA),     // A [M, K], K contiguous
-      TB, cutlass::layout::ColumnMajor*, 16 / sizeof(TB),  // B[g] [N, K], K contiguous
-      float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      MainloopSchedule>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-
-  // The per-group arrays the kernel reads, carved from one scratch allocation.
-  struct Groups {
-    GroupShape* shapes;
-    const TA** a;
-    const TB** b;
-    TD** d;
-    StrideA* stride_a;
-    StrideB* stride_b;
-    StrideD* stride_d;
-    int32_t* rows_used;  // sum of the clipped sizes
-  };
-
-  static size_t groups_bytes(int64_t g) {
-    return g * (sizeof(GroupShape) + sizeof(void*) * 3 + sizeof(StrideA) + sizeof(StrideB) +
-                sizeof(StrideD)) + 16 * 8;  // slack for aligning each array
-  }
-
-  static Groups carve(void* base, int64_t g) {
-    auto bump = [p = reinterpret_cast<uintptr_t>(base)](size_t bytes) mutable {
-      p = (p + 15) & ~uintptr_t{15};
-      void* out = reinterpret_cast<void*>(p);
-      p += bytes;
-      return out;
-    };
-    Groups out;
-    out.shapes = static_cast<GroupShape*>(bump(g * sizeof(GroupShape)));
-    out.a = static_cast<const TA**>(bump(g * sizeof(void*)));
-    out.b = static_cast<const TB**>(bump(g * sizeof(void*)));
-    out.d = static_cast<TD**>(bump(g * sizeof(void*)));
-    out.stride_a = static_cast<StrideA*>(bump(g * sizeof(StrideA)));
-    out.stride_b = static_cast<StrideB*>(bump(g * sizeof(StrideB)));
-    out.stride_d = static_cast<StrideD*>(bump(g * sizeof(StrideD)));
-    out.rows_used = static_cast<int32_t*>(bump(sizeof(int32_t)));
-    return out;
-  }
-};
-
-// One thread walks the groups in order: a prefix sum of the clipped sizes.
-template <typename Config, typename TA, typename TB, typename TD>
-__global__ void setup_groups(const int32_t* __restrict__ sizes, int32_t num_groups, int32_t m,
-                             int32_t n, int32_t k, const TA* a, const TB* b, TD* d,
-                             typename Config::Groups groups) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  int32_t start = 0;
-  for (int32_t g = 0; g < num_groups; ++g) {
-    const int32_t rows = min(max(sizes[g], 0), m - start);
-    groups.shapes[g] = GroupShape(rows, n, k);
-    groups.a[g] = a + static_cast<int64_t>(start) * k;
-    groups.b[g] = b + static_cast<int64_t>(g) * n * k;
-    groups.d[g] = d + static_cast<int64_t>(start) * n;
-    groups.stride_a[g] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {rows, k, 1});
-    groups.stride_b[g] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
-    groups.stride_d[g] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {rows, n, 1});
-    start += rows;
-  }
-  *groups.rows_used = start;
-}
-
-// Rows at or past rows_used belong to no group: zeros, as in the reference.
-template <typename TD>
-__global__ void zero_unused_rows(TD* d, const int32_t* rows_used, int64_t m, int64_t n) {
-  const int64_t first = static_cast<int64_t>(*rows_used) * n;
-  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    d[i] = TD(0.0f);
-  }
-}
-
-template <typename TA, typename TB, typename TD>
-ffi::Error run_grouped(cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* a,
-                       const void* b, const int32_t* sizes, const float* alpha, void* d,
-                       int32_t num_groups, int32_t m, int32_t n, int32_t k) {
-  using Config = GroupedGemm<TA, TB, TD>;
-  using Gemm = typename Config::Gemm;
-  int device = 0;
-  if (auto err = cuda_error("cudaGetDevice", cudaGetDevice(&device)); err.failure()) return err;
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = device;
-  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-
-  typename Gemm::Arguments args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.hw_info = hw;
-  // The group count is known; the shapes are not, so none are given on the host.
-  args.problem_shape = {num_groups, nullptr, nullptr};
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha_ptr = alpha;  // alpha[g]: the group index is the batch coordinate
-  fusion.dAlpha = {_0{}, _0{}, 1};
-  fusion.beta = 0.0f;
-  const size_t cutlass_bytes = Gemm::get_workspace_size(args);
-
-  auto groups_mem = scratch.Allocate(Config::groups_bytes(num_groups), 16);
-  auto cutlass_mem = scratch.Allocate(cutlass_bytes > 0 ? cutlass_bytes : 16, 16);
-  if (!groups_mem.has_value() || !cutlass_mem.has_value()) {
-    return ffi::Error::Internal("grouped_gemm: could not allocate scratch memory");
-  }
-  const auto groups = Config::carve(*groups_mem, num_groups);
-  setup_groups<Config><<<1, 32, 0, stream>>>(sizes, num_groups, m, n, k,
-                                              static_cast<const TA*>(a), static_cast<const TB*>(b),
-                                              static_cast<TD*>(d), groups);
-  if (auto err = cuda_status("grouped_gemm setup"); err.failure()) return err;
-
-  args.problem_shape = {num_groups, groups.shapes, nullptr};
-  args.mainloop = {groups.a, groups.stride_a, groups.b, groups.stride_b};
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = groups.d;
-  args.epilogue.dD = groups.stride_d;
-
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return invalid("grouped_gemm: CUTLASS cannot run this problem (N and K must be multiples "
-                   "of 16 bytes' worth of elements)");
-  }
-  if (gemm.initialize(args, *cutlass_mem, stream) != cutlass::Status::kSuccess) {
-    return ffi::Error::Internal("grouped_gemm: CUTLASS initialization failed");
-  }
-  if (gemm.run(stream) != cutlass::Status::kSuccess) {
-    return cuda_status("grouped_gemm: CUTLASS kernel launch");
-  }
-  zero_unused_rows<<<264, 256, 0, stream>>>(static_cast<TD*>(d), groups.rows_used, m, n);
-  return cuda_status("grouped_gemm zero rows");
-}
 
 // Calls f(A{}, B{}, D{}) for the supported dtype triples.
 template <typename F>
 ffi::Error dispatch_grouped(ffi::DataType ta, ffi::DataType tb, ffi::DataType td, F&& f) {
   using ffi::DataType;
-  using bf16 = cutlass::bfloat16_t;
-  using e4m3 = cutlass::float_e4m3_t;
-  using e5m2 = cutlass::float_e5m2_t;
   auto with_out = [&](auto a, auto b) -> ffi::Error {
     if (td == DataType::BF16) return f(a, b, bf16{});
     if (td == DataType::F32) return f(a, b, float{});
@@ -236,9 +52,10 @@ ffi::Error grouped_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 }
 
 }  // namespace
+}  // namespace grouped_gemm_detail
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantGroupedGemm, jaxquant::grouped_gemm,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantGroupedGemm, jaxquant::grouped_gemm_detail::grouped_gemm,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::ScratchAllocator>()
