@@ -102,3 +102,15 @@ def test_gemm_dispatch_uses_kernel(b_block):
   assert "jaxquant_block_fp8_gemm" in run.lower(a, b).as_text()
   want = np.asarray(jax.jit(lambda a, b: gemm_ops.reference_gemm(a, b))(a, b), np.float64)
   assert relative_error(run(a, b), want) <= FP8_TOLERANCE
+
+
+def test_sharded_operands_give_the_unsharded_result():
+  """Under a sharded jit the operands are gathered: the same numbers as one device."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  a, b, sa, sb = codes_and_scales(9, 256, 512, 256, 128)
+  run = jax.jit(lambda *args: bg.block_fp8_gemm(*args, b_block_rows=128))
+  want = run(a, b, sa, sb)
+  shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  got = run(shard(a, P("data", None)), shard(b, P("model", None)), shard(sa, P("data", None)), sb)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -159,3 +159,18 @@ def test_kernel_is_repeatable_and_sizes_change_without_recompiling():
     np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     assert relative_error(np.asarray(first), oracle(a, b, sizes, alpha)) <= TOLERANCE["fp8"]
   assert len(traces) == 1, "new group sizes must not retrace (they are read on the device)"
+
+
+def test_sharded_operands_give_the_unsharded_result():
+  """Under a sharded jit the primitive keeps its operands whole (they are gathered), so
+  rows sharded over devices give the same numbers as one device."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  a, b, alpha = operands(5, 256, 32, 64, 4, BF16, BF16)
+  sizes = jnp.asarray([100, 0, 60, 96], jnp.int32)
+  run = jax.jit(gg.grouped_gemm, static_argnums=4)
+  want = run(a, b, sizes, alpha, jnp.float32)
+  got = run(jax.device_put(a, NamedSharding(mesh, P("data", None))),
+            jax.device_put(b, NamedSharding(mesh, P("model", None, None))), sizes, alpha,
+            jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
