@@ -3,7 +3,7 @@
 A [M, K] E4M3 with 1x128 blocks, B [N, K] E4M3 with 128x128 tiles (fprop, dgrad) or 1x128
 blocks (wgrad); both in their stored layout, as `ops.gemm` passes them. The scales travel
 MN-major, `[ceil(K / 128), M]` and `[ceil(K / 128), N / b_block_rows]`: the layout of
-CUTLASS's Hopper blockwise mainloop (ffi/gemm/block_fp8_gemm.cu), which sums each 128-deep
+CUTLASS's Hopper blockwise mainloop (ffi/gemm/block_fp8_gemm.cuh), which sums each 128-deep
 k-tile on FP8 tensor cores and adds it, scaled, into an fp32 accumulator. Elsewhere the
 lowering is the reference: dequantize both operands, one fp32 dot.
 """

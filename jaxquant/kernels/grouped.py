@@ -4,8 +4,9 @@ A [M, K], B [G, N, K] ("TN", like `ops.gemm`), group_sizes int32 [G], alpha fp32
 D [M, N] in bfloat16 or float32. Group g owns the group_sizes[g] rows after those of the
 groups before it (sizes clipped at M, as `reference.grouped.group_layout`); rows of no
 group are zero. On CUDA this is the CUTLASS Hopper pointer-array kernel
-(ffi/gemm/grouped_gemm.cu); elsewhere `ops.ragged.ragged_matmul`, which defines the
-numbers up to fp32 summation order.
+(ffi/gemm/grouped_gemm.cuh); elsewhere `ops.ragged.ragged_matmul`, which defines the
+numbers. The kernel matches it up to fp32 summation order for bf16 operands, and within
+Hopper's FP8 accumulation (about 1e-4 relative, normwise) for FP8 pairs: notes/gemm.md.
 
 Operand pairs: bfloat16 x bfloat16, and FP8 E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3.
 """
@@ -48,8 +49,8 @@ def _reference(a, b, group_sizes, alpha, *, config):
 
 
 def _partition(config, mesh, arg_shapes, result_shape):
-  # Kept whole: a row shard would need each group's rows re-counted per shard (see
-  # notes/dense.md); under a sharded jit the operands are gathered first.
+  # Kept whole: a row shard would need each group's rows re-counted per shard; under a
+  # sharded jit the operands are gathered first (notes/gemm.md).
   replicated = sharding.pspec()
   return [replicated] * 4, [replicated], lambda kernel, *a: kernel(*a)
 

@@ -6,8 +6,9 @@ codes, bfloat16 for values exact in bf16 (MXFP8, NVFP4, block FP8 with power-of-
 scales, bf16 inputs), None otherwise. With the kernels available (`ops.quantize`'s
 implementation choice), a pair that the CUTLASS grouped kernel runs exactly goes there:
 FP8 x FP8 on FP8 tensor cores, anything exact in bf16 on bf16 ones; every other pair,
-and every other platform, runs `ops.ragged.ragged_matmul`. Both give the same products
-summed in fp32, in different orders.
+and every other platform, runs `ops.ragged.ragged_matmul`. Both form the same products;
+the bf16 kernel sums them in fp32 in another order, the FP8 one with Hopper's FP8
+accumulation (about 1e-4 relative, notes/gemm.md).
 """
 
 from __future__ import annotations
