@@ -12,6 +12,7 @@ gpu_build "$OUT/build.log" || exit 1
 JAX_PLATFORMS=cpu JAXQUANT_TEST_XLA_OPT=1 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -n 14 -rf --tb=short \
   --ignore=tests/kernels/test_kernels_gpu.py tests > "$OUT/cpu_tests_jax011.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cpu_tests_jax011.log" | tail -40
-# SIGINT so the benchmark's finally-block writes what it measured if time runs out.
-timeout -s INT ${BENCH_TIMEOUT:-300} python3 benchmarks/gemm.py --out "$OUT" 2>&1 \
-  | grep -v "^jax.nn.scaled_matmul" | tee "$OUT/gemm_bench.log"
+# As in gpu_gemm.sh: records are written as they come; Triton GEMM autotuning off.
+XLA_FLAGS="--xla_gpu_enable_triton_gemm=false ${XLA_FLAGS:-}" timeout -k 10 ${BENCH_TIMEOUT:-300} \
+  python3 benchmarks/gemm.py --out "$OUT" 2>&1 | tee "$OUT/gemm_bench.log" \
+  | grep --line-buffered -v "^jax.nn.scaled_matmul"
