@@ -4,12 +4,14 @@
 
 Measures, at each shape (M, N, K) with random operands:
 - `jnp.dot` bf16 (the baseline), XLA's FP8 `dot_general` on f8 operands;
-- jaxquant's GEMM dispatch on pre-quantized FP8 per-tensor, MXFP8 and NVFP4 operands;
+- jaxquant's GEMM dispatch on pre-quantized FP8 per-tensor, block FP8, MXFP8 and NVFP4
+  operands, and two other spellings of the per-tensor FP8 GEMM;
 - `jax.nn.scaled_matmul` on pre-quantized MXFP8 / NVFP4 operands, where this JAX has it;
-- `jaxquant.dense` forward under fp8_current and mxfp8, quantization included;
-- a transformer MLP block's training step (forward + backward) under bf16, fp8_current, mxfp8;
-- grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel and `jax.lax.ragged_dot`,
-  each against the dense GEMM of the same FLOPs and format.
+- `jaxquant.dense` forward under fp8_current and mxfp8, quantization included.
+Also a transformer MLP block's training step (forward + backward) under bf16, fp8_current,
+fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel (and
+`jax.lax.ragged_dot` with --ragged-dot), each against the dense GEMM of the same FLOPs
+and format.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxquant
+from jaxquant import kernels
 from jaxquant import quantizers as Q
 from jaxquant.ops import gemm as gemm_ops
 
@@ -89,7 +92,6 @@ class Records(list):
 def _fp8_spellings(a, b, add):
   """Other routes to the same per-tensor FP8 GEMM: the dot's own bf16 output (scales after,
   a second rounding), and jaxquant's grouped kernel with one group (scales fused)."""
-  from jaxquant import kernels
   scale = a.scale_inv * b.scale_inv
   dims = (((1,), (1,)), ((), ()))
   bf16_out = jax.jit(lambda a, b, s: (jax.lax.dot_general(
@@ -152,7 +154,6 @@ def _group_sizes(num_groups, rows, balanced, seed=0):
 
 def grouped_records(shapes, records, with_ragged_dot=False):
   """Grouped GEMM at (G, M, K, N) as a ratio to the dense [M, K] x [K, N] GEMM (same FLOPs)."""
-  from jaxquant import kernels
   for g, m, k, n in shapes:
     shape = f"G={g},M={m},K={k},N={n}"
     kx, kw = jax.random.split(jax.random.key(2))
@@ -171,7 +172,7 @@ def grouped_records(shapes, records, with_ragged_dot=False):
 
       def ratio(op, seconds, base):
         records.add({"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format",
-                        "value": base / seconds})
+                     "value": base / seconds})
 
       if kernels.available():
         run = jax.jit(lambda a, b, s, al: kernels.grouped_gemm(a, b, s, al, jnp.bfloat16))
@@ -205,7 +206,7 @@ def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
   for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.fp8_block, jaxquant.recipes.mxfp8):
     t = median_seconds(step_fn(recipe), (up, down), x, iters=10)
     records.add({"op": f"mlp_train_step_{recipe.name}", "shape": shape,
-                    "metric": "speedup_vs_bf16", "value": base / t})
+                 "metric": "speedup_vs_bf16", "value": base / t})
 
 
 def main():
@@ -226,13 +227,13 @@ def main():
   if "grouped" in sections:
     grouped_records(QUICK_GROUPED_SHAPES if args.quick else GROUPED_SHAPES, records,
                     with_ragged_dot=args.ragged_dot)
+  if "mlp" in sections:  # before the long gemm section, so a cut-short run still has it
+    mlp_step_records(records, *((1024, 256, 1024) if args.quick else ()))
   if "gemm" in sections:
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.gemm_shapes:
       shapes = [tuple(int(d) for d in s.split("x")) for s in args.gemm_shapes.split(",")]
     gemm_records(shapes, records)
-  if "mlp" in sections:
-    mlp_step_records(records, *((1024, 256, 1024) if args.quick else ()))
   print(f"wrote {records.path}")
 
 
