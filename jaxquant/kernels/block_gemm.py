@@ -51,17 +51,8 @@ def _reference(a, b, sfa, sfb, *, config):
   return [out.astype(config.out_dtype)]
 
 
-def _partition(config, mesh, arg_shapes, result_shape):
-  # Kept whole under a sharded jit for now (the operands are gathered first).
-  replicated = sharding.pspec()
-  return [replicated] * 4, [replicated], lambda kernel, *a: kernel(*a)
-
-
-def _sharding_rule(config, shapes):
-  operands = [tuple(f"a{i}_{d}" for d in range(len(s))) for i, s in enumerate(shapes)]
-  results = [("r0", "r1")]
-  names = tuple(sorted({f for t in operands + results for f in t}))
-  return sharding.rule(operands, results, {}, need_replication_factors=names)
+# Kept whole under a sharded jit for now: the operands are gathered first (notes/gemm.md).
+_partition, _sharding_rule = sharding.kept_whole(4)
 
 
 block_gemm_p = primitive.define(primitive.KernelSpec(

@@ -33,17 +33,8 @@ def _reference(data, scale, amax, *, config):
   return [reference.dequantize_data(qd).astype(config.out_dtype)]
 
 
-def _partition(config, mesh, arg_shapes, result_shape):
-  # Kept whole: dequantize is not on a sharded hot path yet (see notes/kernels.md).
-  replicated = sharding.pspec()
-  return [replicated] * 3, [replicated], lambda kernel, *a: kernel(*a)
-
-
-def _sharding_rule(config, shapes):
-  operands = [tuple(f"a{i}_{d}" for d in range(len(s))) for i, s in enumerate(shapes)]
-  results = [("r0", "r1")]
-  names = tuple(sorted({f for t in operands + results for f in t}))
-  return sharding.rule(operands, results, {}, need_replication_factors=names)
+# Kept whole: dequantize is not on a sharded hot path yet (see notes/kernels.md).
+_partition, _sharding_rule = sharding.kept_whole(3)
 
 
 dequantize_p = primitive.define(primitive.KernelSpec(

@@ -48,18 +48,9 @@ def _reference(a, b, group_sizes, alpha, *, config):
   return [(acc * alpha_rows[:, None]).astype(config.out_dtype)]
 
 
-def _partition(config, mesh, arg_shapes, result_shape):
-  # Kept whole: a row shard would need each group's rows re-counted per shard; under a
-  # sharded jit the operands are gathered first (notes/gemm.md).
-  replicated = sharding.pspec()
-  return [replicated] * 4, [replicated], lambda kernel, *a: kernel(*a)
-
-
-def _sharding_rule(config, shapes):
-  operands = [tuple(f"a{i}_{d}" for d in range(len(s))) for i, s in enumerate(shapes)]
-  results = [("r0", "r1")]
-  names = tuple(sorted({f for t in operands + results for f in t}))
-  return sharding.rule(operands, results, {}, need_replication_factors=names)
+# Kept whole: a row shard would need each group's rows re-counted per shard; under a
+# sharded jit the operands are gathered first (notes/gemm.md).
+_partition, _sharding_rule = sharding.kept_whole(4)
 
 
 grouped_gemm_p = primitive.define(primitive.KernelSpec(

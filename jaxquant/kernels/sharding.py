@@ -54,6 +54,23 @@ def pspec(*dims: tuple[str, ...]) -> P:
   return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
 
 
+def kept_whole(num_operands: int):
+  """(partition, sharding_rule) of a kernel that runs on whole operands under a sharded
+  jit: every operand gathered, its one [rows, cols] result replicated."""
+
+  def partition(config, mesh, arg_shapes, result_shape):
+    replicated = pspec()
+    return [replicated] * num_operands, [replicated], lambda kernel, *a: kernel(*a)
+
+  def sharding_rule(config, shapes):
+    operands = [tuple(f"a{i}_{d}" for d in range(len(s))) for i, s in enumerate(shapes)]
+    results = [("r0", "r1")]
+    names = tuple(sorted({f for t in operands + results for f in t}))
+    return rule(operands, results, {}, need_replication_factors=names)
+
+  return partition, sharding_rule
+
+
 def pmax_amax(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """Max of non-negative (or NaN) amaxes across shards, exact: on the fp32 bit patterns,
   whose integer order is the float order and which keeps NaN (above +inf) and subnormals."""
