@@ -1,4 +1,4 @@
-"""Shared helpers for the kernel tests: quantizers, inputs, bit comparison."""
+"""Shared helpers for the kernel tests: quantizers, inputs, bit comparison, GEMM error."""
 
 from __future__ import annotations
 
@@ -77,3 +77,17 @@ def edge_input(shape, dtype, *, nan: bool, inf: bool) -> jax.Array:
   if nan:
     x[9, 7] = np.nan
   return jnp.asarray(x, dtype)
+
+
+# GEMM kernels against the reference (notes/gemm.md). Hopper's FP8 MMA adds the 32 products
+# of one instruction with about 14 bits of alignment before the fp32 promotion, so FP8 x FP8
+# on FP8 tensor cores is not fp32-exact (cuBLASLt's FP8 GEMM is not either); bf16 products
+# accumulate in fp32 and meet the reference emulation's 1e-5.
+FP8_MMA_TOLERANCE = 2.0 ** -12
+BF16_MMA_TOLERANCE = 1e-5
+
+
+def relative_error(got, want) -> float:
+  """Normwise relative error of a GEMM result against a float64 oracle."""
+  got = np.asarray(got, np.float64)
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
