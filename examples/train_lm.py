@@ -7,6 +7,7 @@ validation-loss gaps between recipes come from the number formats alone.
   python examples/train_lm.py                         # all recipes, the cpu preset
   python examples/train_lm.py --preset gpu            # ~58M parameters, for one H100
   python examples/train_lm.py --recipes bf16,mxfp8 --steps 100
+  python examples/train_lm.py --noise-floor           # + bf16 again from a perturbed start
 
 Outputs (in --out): val_loss.png (the validation curves of all recipes), results.md (final
 validation loss, gap to bf16, step time) and curves.json (everything, for replotting).
@@ -33,6 +34,8 @@ from lm.progress import ProgressBar
 # step: in between it queues the next steps while the device computes.
 SYNC_EVERY = 10
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
+# Relative size of the noise-floor run's perturbation: far below any format's rounding error.
+NOISE_FLOOR_SCALE = 1e-3
 RECIPE_HELP = ("'all' or a comma-separated list of: " + ", ".join(recipes.RECIPE_NAMES) +
                f". '{recipes.CUSTOM_RECIPE}' is a per-role policy: NVFP4 with the last layers "
                "and the head in bf16 (NVIDIA's NVFP4 recipe)")
@@ -46,6 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--moe", action="store_true", help="replace each MLP with jaxquant's MoE block")
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output folder")
   parser.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data order")
+  parser.add_argument("--noise-floor", action="store_true",
+                      help=f"after the recipes, train bf16 once more ('{report.NOISE_FLOOR}') from "
+                      f"the initial parameters times 1 + {NOISE_FLOOR_SCALE:g} N(0, 1): its gap to "
+                      "bf16 is how far one run moves with no quantization at all")
   parser.add_argument("--time-budget-s", type=float,
                       help="stop training once the run has taken this many seconds; the outputs "
                       "mark the recipe that was cut short and those not run")
@@ -73,7 +80,7 @@ def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipe
 
 
 def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig,
-                 shared_params, corpus: data.ByteCorpus, validation_batches: jax.Array, seed: int,
+                 initial_params, corpus: data.ByteCorpus, validation_batches: jax.Array, seed: int,
                  deadline: float) -> report.RecipeResult:
   """Trains one recipe; stops early (and says so in the result) once perf_counter() > deadline."""
   recipe_start = time.perf_counter()
@@ -81,7 +88,7 @@ def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.Tr
   tokens_per_step = train_config.batch_size * seq_len
   optimizer = training.make_optimizer(train_config)
   sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
-  state = training.init_train_state(model, shared_params, jax.random.key(seed), sample_tokens,
+  state = training.init_train_state(model, initial_params, jax.random.key(seed), sample_tokens,
                                     optimizer)
   train_step = training.make_train_step(model, optimizer)
   eval_step = training.make_eval_step(model)
@@ -133,6 +140,7 @@ def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entr
   model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(model).items()}
   return {"preset": args.preset, "seed": args.seed, "moe": args.moe, "model": model_config,
           "train": dataclasses.asdict(train_config), "parameters": n_params,
+          "noise_floor_scale": NOISE_FLOOR_SCALE if args.noise_floor else None,
           "corpus": {"root": str(corpus.root), "train_bytes": int(corpus.train.size),
                      "validation_bytes": int(corpus.validation.size),
                      "train_files": corpus.n_train_files,
@@ -178,16 +186,22 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   title = f"byte LM on the Python stdlib, preset {args.preset} ({n_params / 1e6:.1f}M parameters)"
   info = run_info(args, model_config, train_config, n_params, corpus, entropy)
   deadline = start + (args.time_budget_s or math.inf)
+  # (name, model, starting parameters) of every training run, in order.
+  runs = [(name, models[name], shared_params) for name in recipe_names]
+  if args.noise_floor:
+    runs.append((report.NOISE_FLOOR, plain_model,
+                 training.perturbed(shared_params, jax.random.key(args.seed + 1), NOISE_FLOOR_SCALE)))
+  run_names = [name for name, _, _ in runs]
   results: list[report.RecipeResult] = []
-  for index, name in enumerate(recipe_names):
+  for index, (name, model, params) in enumerate(runs):
     if results and time.perf_counter() > deadline:
       break
-    results.append(train_recipe(name, models[name], train_config, shared_params, corpus,
-                                validation_batches, args.seed, deadline))
-    # After every recipe, so a run cut short (--time-budget-s, or killed) still leaves what
-    # it finished, and names the rest as not run.
-    write_outputs(args.out, results, recipe_names[index + 1:], entropy, title, info)
-  not_run = recipe_names[len(results):]
+    results.append(train_recipe(name, model, train_config, params, corpus, validation_batches,
+                                args.seed, deadline))
+    # After every run, so a run cut short (--time-budget-s, or killed) still leaves what it
+    # finished, and names the rest as not run.
+    write_outputs(args.out, results, run_names[index + 1:], entropy, title, info)
+  not_run = run_names[len(results):]
   print()
   print(report.results_table(results, not_run, entropy), end="")
   for result in results:

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU machine: build jaxquant's CUDA library (the documented one-liner), then the
-# language-model example, every recipe, --preset gpu, all inside one call of at most 600 s.
+# On the GPU machine: build jaxquant's CUDA library (the documented one-liner) unless a
+# prebuilt one is given, then the language-model example, every recipe, --preset gpu, all
+# inside one call of at most 600 s. The bf16 noise floor does not fit in the same call
+# (the eight recipes take about 560 s); it is a second one:
+#
+#   OUT=out bash scripts/gpu_example.sh --recipes bf16 --noise-floor
 #
 #   OUT=out bash scripts/gpu_example.sh [more train_lm.py flags, e.g. --steps 200]
+#   OUT=out JAXQUANT_FFI_LIBRARY=/path/libjaxquant_ffi.so bash scripts/gpu_example.sh
 #
 # Casts run through the FFI kernels (the build's), GEMMs through the dispatch table's GPU
 # entries. The script writes its outputs after every recipe, so even a run cut short by the
@@ -15,8 +20,20 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
+# Clocks, power and temperature every 5 s: a step time that drifts is then explained (or not).
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+  --format=csv -l 5 >"$OUT/gpu_clocks.csv" 2>/dev/null &
+clock_log=$!
 source scripts/gpu_build.sh
-gpu_build "$OUT/build.log" || exit 1
+# A library built beforehand (JAXQUANT_FFI_LIBRARY, e.g. carried in by the run tool) saves
+# the build's minute and a half of the call; anything that does not load is rebuilt.
+if [ -n "${JAXQUANT_FFI_LIBRARY:-}" ] && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+    "import sys, jaxquant.kernels as k; print('prebuilt library:', k.available(), k.unavailable_reason()); sys.exit(not k.available())"; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  unset JAXQUANT_FFI_LIBRARY
+  gpu_build "$OUT/build.log" || exit 1
+fi
 python3 -c "import jax, flax, optax, jaxquant.kernels as k; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices()); print('kernels available:', k.available(), k.unavailable_reason())"
 # XLA's Triton GEMM autotuning dominates the quantized recipes' compile time (tens of
 # seconds per recipe for the FP8 and NVFP4 dots); cuBLAS(Lt) takes their dots instead.
@@ -37,5 +54,6 @@ for f in results.md curves.json val_loss.png; do
   if [ -f "$OUT/lm/$f" ]; then cp "$OUT/lm/$f" "$OUT/$f"; else echo "missing: $f"; fi
 done
 rm -rf "$OUT/lm"
+kill "$clock_log" 2>/dev/null
 cat "$OUT/results.md" 2>/dev/null
 exit "$status"

@@ -184,8 +184,12 @@ class TransformerLM(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     cfg = self.config
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=jnp.float32,
-                 embedding_init=nn.initializers.normal(stddev=cfg.init_std), name="embed")(tokens)
+    # The lookup runs in fp32 and only its result is cast: with dtype=bf16, nn.Embed casts
+    # the table first, so the backward scatter-adds every token's gradient into a bf16
+    # table (about 14% error on the embedding gradient at batch 8x256, measured against fp32).
+    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.float32, param_dtype=jnp.float32,
+                 embedding_init=nn.initializers.normal(stddev=cfg.init_std),
+                 name="embed")(tokens).astype(cfg.dtype)
     x = Decoder(cfg, self.moe_mlp_factory, name="decoder")(x)
     logits = _dense(cfg.vocab_size, "head", cfg, cfg.init_std)(x)
     return logits.astype(jnp.float32)

@@ -13,6 +13,11 @@ from lm.recipes import PLAIN_RECIPE
 CURVES_JSON = "curves.json"
 CURVES_PNG = "val_loss.png"
 RESULTS_TABLE = "results.md"
+# train_lm.py --noise-floor: bf16 trained again from slightly perturbed parameters. Its gap
+# to bf16 is the spread of one run's final loss that has nothing to do with number formats
+# (chaotic training dynamics, and on GPUs non-deterministic reductions), so it says how far
+# apart two single runs may end by chance.
+NOISE_FLOOR = "bf16_perturbed"
 
 
 @dataclasses.dataclass
@@ -60,24 +65,43 @@ def write_curves_json(path: pathlib.Path, results: list[RecipeResult], run_info:
 
 def plot_validation_curves(path: pathlib.Path, results: list[RecipeResult],
                            unigram_entropy: float, title: str) -> None:
+  """Two panels: every run's validation loss, and below it each run's gap to bf16 in %.
+
+  The gaps (a percent or two) are invisible at the loss panel's scale, which spans the
+  whole descent from the unigram entropy.
+  """
   import matplotlib
   matplotlib.use("Agg")  # files only; no display needed
   import matplotlib.pyplot as plt
 
-  figure, axes = plt.subplots(figsize=(8, 5), dpi=120)
+  figure, (losses, gaps) = plt.subplots(2, 1, figsize=(8, 8), dpi=120, sharex=True,
+                                        gridspec_kw={"height_ratios": [3, 2]})
+  baseline = next((r for r in results if r.recipe == PLAIN_RECIPE), None)
+  baseline_at = dict(zip(baseline.eval_steps, baseline.val_losses)) if baseline else {}
   for result in results:
-    axes.plot(result.eval_steps, result.val_losses, marker="o", markersize=3, label=result.recipe)
-  axes.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1,
-               label=f"unigram byte entropy ({unigram_entropy:.2f})")
+    style = {"marker": "o", "markersize": 3, "label": result.recipe,
+             "linestyle": "--" if result.recipe == NOISE_FLOOR else "-"}
+    line, = losses.plot(result.eval_steps, result.val_losses, **style)
+    # Gaps at the steps both runs evaluated, from the first eval after step 0 (at step 0 the
+    # runs differ only by the untrained model's forward pass).
+    shared = [(s, l) for s, l in zip(result.eval_steps, result.val_losses) if s in baseline_at and s]
+    if shared:
+      gaps.plot([s for s, _ in shared], [100 * (l / baseline_at[s] - 1) for s, l in shared],
+                **{**style, "color": line.get_color(), "label": None})
+  losses.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1,
+                 label=f"unigram byte entropy ({unigram_entropy:.2f})")
   # The first eval (an untrained model, ~ln 256) would squash the curves: show from just
   # above the unigram entropy down.
   lowest = min(min(r.val_losses) for r in results)
-  axes.set_ylim(lowest - 0.05 * (unigram_entropy - lowest), unigram_entropy * 1.1)
-  axes.set_xlabel("step")
-  axes.set_ylabel("validation loss (nats per byte)")
-  axes.set_title(title)
-  axes.grid(alpha=0.3)
-  axes.legend()
+  losses.set_ylim(lowest - 0.05 * (unigram_entropy - lowest), unigram_entropy * 1.1)
+  losses.set_ylabel("validation loss (nats per byte)")
+  losses.set_title(title)
+  losses.grid(alpha=0.3)
+  losses.legend()
+  gaps.axhline(0, color="black", linewidth=0.8)
+  gaps.set_xlabel("step")
+  gaps.set_ylabel(f"gap to {PLAIN_RECIPE} (%)")
+  gaps.grid(alpha=0.3)
   figure.tight_layout()
   figure.savefig(path)
   plt.close(figure)
@@ -100,6 +124,11 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
                  f"{r.wall_seconds:.0f} |")
   lines.extend(f"| {name} | not run | n/a | n/a | n/a | n/a |" for name in not_run)
   lines.append("")
+  if any(r.recipe == NOISE_FLOOR for r in results):
+    lines.append(f"{NOISE_FLOOR}: bf16 again, from slightly perturbed initial parameters "
+                 "(train_lm.py --noise-floor). Its gap is the noise floor of single-run gaps: "
+                 "how far a run ends from bf16 with no quantization at all.")
+    lines.append("")
   lines.append(f"Unigram byte entropy of the validation split: {unigram_entropy:.4f} nats.")
   return "\n".join(lines) + "\n"
 

@@ -84,6 +84,14 @@ def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
                     rng=rng)
 
 
+def perturbed(params: Any, key: jax.Array, relative_scale: float) -> Any:
+  """Each parameter times 1 + relative_scale * N(0, 1), independently per element."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(tree, [
+      p * (1 + relative_scale * jax.random.normal(k, p.shape, p.dtype)) for p, k in zip(leaves, keys)])
+
+
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Mean cross-entropy in nats."""
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

@@ -21,7 +21,7 @@ import flax.linen as nn  # noqa: E402
 import train_lm  # noqa: E402  (needs examples/ on the path)
 from jaxquant.flax import weight_roles  # noqa: E402
 from jaxquant.quantizers import NVFP4Quantizer  # noqa: E402
-from lm import data, presets, recipes, training  # noqa: E402
+from lm import data, presets, recipes, report, training  # noqa: E402
 from lm.model import AUX_LOSSES, TransformerLM  # noqa: E402
 
 TINY = presets.PRESETS["tiny"]
@@ -39,7 +39,7 @@ def tiny_run(tmp_path_factory) -> tuple[pathlib.Path, str]:
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
   completed = subprocess.run(
       [sys.executable, str(EXAMPLES / "train_lm.py"), "--preset", "tiny", "--recipes", "bf16",
-       "--out", str(out)],
+       "--noise-floor", "--out", str(out)],
       capture_output=True, text=True, timeout=300, check=False, env=env)
   assert completed.returncode == 0, completed.stdout + completed.stderr
   return out, completed.stdout
@@ -50,6 +50,23 @@ def test_writes_all_outputs(tiny_run):
   for name in ("val_loss.png", "results.md", "curves.json"):
     assert (out / name).stat().st_size > 0, name
   assert "| bf16 |" in (out / "results.md").read_text()
+
+
+def test_noise_floor_starts_elsewhere_and_reports_a_gap(tiny_run):
+  out, _ = tiny_run
+  curves = json.loads((out / "curves.json").read_text())["recipes"]
+  bf16, perturbed = curves["bf16"], curves[report.NOISE_FLOOR]
+  assert perturbed["completed"] and perturbed["val_losses"][0] != bf16["val_losses"][0]
+  table = (out / "results.md").read_text()
+  assert f"| {report.NOISE_FLOOR} |" in table and "noise floor" in table
+
+
+def test_perturbed_scales_each_element_independently():
+  params = {"w": jnp.ones((64, 64)), "b": jnp.full((64,), 2.0)}
+  moved = training.perturbed(params, jax.random.key(0), 1e-3)
+  ratio = np.asarray(moved["w"]) - 1.0
+  assert 0.5e-3 < ratio.std() < 2e-3 and np.unique(ratio).size > 1000
+  assert np.all(np.abs(np.asarray(moved["b"]) / 2.0 - 1.0) < 1e-2)
 
 
 def test_loss_decreases(tiny_run):
