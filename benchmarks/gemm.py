@@ -11,7 +11,7 @@ Measures, at each shape (M, N, K) with random operands:
 Also a transformer MLP block's training step (forward + backward) under bf16, fp8_current,
 fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel (and
 `jax.lax.ragged_dot` with --ragged-dot), each against the dense GEMM of the same FLOPs
-and format.
+and format. Times are device times of back-to-back calls (timing.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,21 +27,10 @@ import jaxquant
 from jaxquant import kernels
 from jaxquant import quantizers as Q
 from jaxquant.ops import gemm as gemm_ops
+from timing import device_seconds
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (2048, 8192, 8192), (16, 8192, 8192))
 QUICK_SHAPES = ((1024, 1024, 1024), (16, 1024, 1024))
-
-
-def median_seconds(fn, *args, warmup: int = 3, iters: int = 20) -> float:
-  """Median wall time of fn(*args) with the device synchronised after each call."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def _operands(m, n, k, seed=0):
@@ -96,18 +83,18 @@ def _fp8_spellings(a, b, add):
   dims = (((1,), (1,)), ((), ()))
   bf16_out = jax.jit(lambda a, b, s: (jax.lax.dot_general(
       a, b, dims, preferred_element_type=jnp.bfloat16) * s).astype(jnp.bfloat16))
-  add("gemm_fp8_tensor_xla_bf16_out", median_seconds(bf16_out, a.data, b.data, scale))
+  add("gemm_fp8_tensor_xla_bf16_out", device_seconds(bf16_out, a.data, b.data, scale))
   if kernels.available():
     one = jax.jit(lambda a, b, s: kernels.grouped_gemm(
         a, b[None], jnp.full((1,), a.shape[0], jnp.int32), s.reshape(1), jnp.bfloat16))
-    add("gemm_fp8_tensor_jaxquant_kernel", median_seconds(one, a.data, b.data, scale))
+    add("gemm_fp8_tensor_jaxquant_kernel", device_seconds(one, a.data, b.data, scale))
 
 
 def gemm_records(shapes, records):
   for m, n, k in shapes:
     flops = 2.0 * m * n * k
     x, w = _operands(m, n, k)
-    base = median_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)), x, w)
+    base = device_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)), x, w)
     shape = f"{m}x{n}x{k}"
     records.add({"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops", "value": flops / base / 1e12})
 
@@ -120,7 +107,7 @@ def gemm_records(shapes, records):
                              ("mxfp8", (Q.MXFP8Quantizer(),)), ("nvfp4", (Q.NVFP4Quantizer(),))):
       a, b = _quantized_pair(x, w, *quantizers)
       add(f"gemm_{name}_prequantized",
-          median_seconds(jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16)), a, b))
+          device_seconds(jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16)), a, b))
       if name == "fp8_tensor":
         _fp8_spellings(a, b, add)
     for name, quantizer in (("mxfp8", Q.MXFP8Quantizer()), ("nvfp4", Q.NVFP4Quantizer())):
@@ -128,7 +115,7 @@ def gemm_records(shapes, records):
         args = _scaled_matmul_inputs(x, w, quantizer)
         fn = jax.jit(lambda ad, bd, as_, bs: jax.nn.scaled_matmul(
             ad, bd, as_, bs, preferred_element_type=jnp.bfloat16))
-        add(f"jax_scaled_matmul_{name}_prequantized", median_seconds(fn, *args))
+        add(f"jax_scaled_matmul_{name}_prequantized", device_seconds(fn, *args))
       except Exception as e:  # an older JAX or an unsupported pair: say so in the table
         print(f"jax.nn.scaled_matmul {name} unavailable at {shape}: {type(e).__name__}: {e}"[:300])
     if m % 128:  # dense also quantizes x columnwise (blocks along M) for its backward
@@ -136,7 +123,7 @@ def gemm_records(shapes, records):
     kernel = w.T  # Flax layout [K, N]
     for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
       fn = jax.jit(lambda x, kern, recipe=recipe: jaxquant.dense(x, kern, recipe=recipe, name="bench"))
-      add(f"dense_fwd_{recipe.name}_incl_quantize", median_seconds(fn, x, kernel))
+      add(f"dense_fwd_{recipe.name}_incl_quantize", device_seconds(fn, x, kernel))
 
 
 GROUPED_SHAPES = ((8, 16384, 4096, 4096), (64, 32768, 2048, 1408))  # (G, M, K, N)
@@ -160,10 +147,10 @@ def grouped_records(shapes, records, with_ragged_dot=False):
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = jax.random.normal(kw, (g, n, k), jnp.bfloat16)
     alpha = jnp.full((g,), 0.5, jnp.float32)
-    dense_bf16 = median_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)),
+    dense_bf16 = device_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)),
                                 x, w[0])
     xf, wf = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
-    dense_fp8 = median_seconds(jax.jit(lambda a, b: (jax.lax.dot_general(
+    dense_fp8 = device_seconds(jax.jit(lambda a, b: (jax.lax.dot_general(
         a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.5).astype(jnp.bfloat16)),
         xf, wf[0])
     for balanced in (True, False):
@@ -176,14 +163,14 @@ def grouped_records(shapes, records, with_ragged_dot=False):
 
       if kernels.available():
         run = jax.jit(lambda a, b, s, al: kernels.grouped_gemm(a, b, s, al, jnp.bfloat16))
-        ratio("grouped_bf16_jaxquant_kernel", median_seconds(run, x, w, sizes, alpha), dense_bf16)
-        ratio("grouped_fp8_jaxquant_kernel", median_seconds(run, xf, wf, sizes, alpha), dense_fp8)
+        ratio("grouped_bf16_jaxquant_kernel", device_seconds(run, x, w, sizes, alpha), dense_bf16)
+        ratio("grouped_fp8_jaxquant_kernel", device_seconds(run, xf, wf, sizes, alpha), dense_fp8)
       else:
         print(f"grouped kernel unavailable: {kernels.unavailable_reason()}")
       if with_ragged_dot:  # XLA's own grouped GEMM, the baseline to beat (slow to compile)
         ragged = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), s,
                                                             preferred_element_type=jnp.bfloat16))
-        ratio("grouped_bf16_lax_ragged_dot", median_seconds(ragged, x, w, sizes, iters=5), dense_bf16)
+        ratio("grouped_bf16_lax_ragged_dot", device_seconds(ragged, x, w, sizes, reps=3, rounds=3), dense_bf16)
 
 
 def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
@@ -201,10 +188,10 @@ def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
     return jax.jit(jax.grad(loss))
 
   shape = f"tokens={tokens},hidden={hidden},ffn={ffn}"
-  base = median_seconds(step_fn(jaxquant.recipes.bf16), (up, down), x, iters=10)
+  base = device_seconds(step_fn(jaxquant.recipes.bf16), (up, down), x, reps=5, rounds=3)
   records.add({"op": "mlp_train_step_bf16", "shape": shape, "metric": "ms", "value": base * 1e3})
   for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.fp8_block, jaxquant.recipes.mxfp8):
-    t = median_seconds(step_fn(recipe), (up, down), x, iters=10)
+    t = device_seconds(step_fn(recipe), (up, down), x, reps=5, rounds=3)
     records.add({"op": f"mlp_train_step_{recipe.name}", "shape": shape,
                  "metric": "speedup_vs_bf16", "value": base / t})
 

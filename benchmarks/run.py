@@ -19,8 +19,6 @@ import argparse
 import json
 import pathlib
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,23 +33,13 @@ from jaxquant.kernels.reference_cast import reference_cast
 from jaxquant.ops import quantize as ops
 from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
                                  MXFP8Quantizer, NVFP4Quantizer)
+from timing import device_seconds
 
 BOTH = ("rowwise", "columnwise")
 
 
 def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
-  """Median over rounds of the mean time of `reps` back-to-back calls (device time: the
-  calls queue asynchronously, so host dispatch overlaps the previous call's work)."""
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / reps * 1e3)
-  return statistics.median(samples)
+  return device_seconds(fn, *args, reps=reps, rounds=rounds) * 1e3
 
 
 def nbytes(tree) -> int:
