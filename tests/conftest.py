@@ -11,7 +11,20 @@ backends, hence here, at collection time.
 
 import os
 
+import pytest
+
 _FLAGS = ["--xla_force_host_platform_device_count=8"]
 if os.environ.get("JAXQUANT_TEST_XLA_OPT") != "1":
   _FLAGS += ["--xla_llvm_disable_expensive_passes=true"]
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", "")] + _FLAGS))
+
+
+@pytest.fixture
+def eight_devices():
+  """The first eight devices, or a skip: the sharding tests' meshes need eight (the fake
+  CPU devices above give them; a machine with one GPU has one)."""
+  import jax  # here, not at the top: XLA_FLAGS must be set before JAX starts
+  devices = jax.devices()
+  if len(devices) < 8:
+    pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(devices)}")
+  return devices[:8]

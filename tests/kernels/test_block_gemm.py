@@ -96,10 +96,10 @@ def test_gemm_dispatch_uses_kernel(b_block):
   assert relative_error(run(a, b), want) <= FP8_MMA_TOLERANCE
 
 
-def test_sharded_operands_give_the_unsharded_result():
+def test_sharded_operands_give_the_unsharded_result(eight_devices):
   """Under a sharded jit the operands are gathered: the same numbers as one device."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  mesh = Mesh(np.array(eight_devices).reshape(2, 4), ("data", "model"))
   a, b, sa, sb = codes_and_scales(9, 256, 512, 256, 128)
   run = jax.jit(lambda *args: bg.block_fp8_gemm(*args, b_block_rows=128))
   want = run(a, b, sa, sb)

@@ -90,7 +90,10 @@ def test_rejects_bad_sizes_and_output():
 
 # ---- The CUDA kernel (Hopper only) ----
 
-GPU_SHAPES = SHAPES + [(4096, 512, 1024, [1000, 0, 17, 2048, 1000]), (8192, 256, 256, [8192])]
+# N = 1408 (not a multiple of 256): the bf16 kernel's 128-wide tiles; 512 and 256: its
+# 256-wide ones.
+GPU_SHAPES = SHAPES + [(4096, 512, 1024, [1000, 0, 17, 2048, 1000]), (8192, 256, 256, [8192]),
+                       (2048, 1408, 256, [700, 0, 900, 300])]
 
 
 TOLERANCE = {"bf16": BF16_MMA_TOLERANCE, "fp8": FP8_MMA_TOLERANCE}
@@ -154,11 +157,11 @@ def test_kernel_is_repeatable_and_sizes_change_without_recompiling():
   assert len(traces) == 1, "new group sizes must not retrace (they are read on the device)"
 
 
-def test_sharded_operands_give_the_unsharded_result():
+def test_sharded_operands_give_the_unsharded_result(eight_devices):
   """Under a sharded jit the primitive keeps its operands whole (they are gathered), so
   rows sharded over devices give the same numbers as one device."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  mesh = Mesh(np.array(eight_devices).reshape(2, 4), ("data", "model"))
   a, b, alpha = operands(5, 256, 32, 64, 4, BF16, BF16)
   sizes = jnp.asarray([100, 0, 60, 96], jnp.int32)
   run = jax.jit(gg.grouped_gemm, static_argnums=4)

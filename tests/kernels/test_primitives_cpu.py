@@ -56,8 +56,8 @@ def test_vmap_quantizes_each_element_separately(name):
     assert_same_bits(jax.tree.map(lambda a: a[i], batched), one, f"{name} vmap element {i}")
 
 
-def _mesh():
-  return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+def _mesh(devices):
+  return Mesh(np.array(devices).reshape(2, 4), ("a", "b"))
 
 
 # Not RHT here: on the CPU the reference's exact-arithmetic host callback (which RHT sums
@@ -69,13 +69,11 @@ SHARDED_CASES = dict(QUANTIZERS, nvfp4_per_token=NVFP4Quantizer(per_token=True))
 @pytest.mark.parametrize("name,spec", [
     ("fp8_e4m3", P("a", "b")), ("mxfp8_e4m3", P(None, "b")), ("mxfp8_e4m3", P(("a", "b"), None)),
     ("nvfp4_per_token", P("a", "b")), ("nvfp4_16x16", P("a", "b"))], ids=str)
-def test_sharded_matches_unsharded(name, spec):
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 (fake) devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+def test_sharded_matches_unsharded(name, spec, eight_devices):
   q = SHARDED_CASES[name]
   x = random_input(2, (512, 1024), jnp.bfloat16)
   want = kernels.quantize_usages(x, q, ("rowwise", "columnwise"))
-  mesh = _mesh()
+  mesh = _mesh(eight_devices)
   xs = jax.device_put(x, NamedSharding(mesh, spec))
   f = jax.jit(lambda x: kernels.quantize_usages(x, q, ("rowwise", "columnwise")))
   got = f(xs)
@@ -87,11 +85,9 @@ def test_sharded_matches_unsharded(name, spec):
   assert padded(got["rowwise"].data.sharding.spec) == padded(spec)
 
 
-def test_sharded_amax_is_global():
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 (fake) devices")
+def test_sharded_amax_is_global(eight_devices):
   x = random_input(3, (256, 512), jnp.float32).at[17, 300].set(1e6)
-  xs = jax.device_put(x, NamedSharding(_mesh(), P("a", "b")))
+  xs = jax.device_put(x, NamedSharding(_mesh(eight_devices), P("a", "b")))
   got = jax.jit(kernels.amax)(xs)
   assert float(got) == 1e6
   rows = jax.jit(functools.partial(kernels.amax, per_row=True))(xs)

@@ -76,11 +76,9 @@ def test_stochastic_rounding_keys():
 
 
 @pytest.mark.parametrize("kernel_spec", [P(), P(None, "d")], ids=["replicated", "sharded_N"])
-def test_sharded_matches_unsharded(kernel_spec):
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 devices (tests/conftest.py sets XLA_FLAGS before JAX starts)")
+def test_sharded_matches_unsharded(kernel_spec, eight_devices):
   x, kernel, bias = _data()
-  mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+  mesh = Mesh(np.array(eight_devices), ("d",))
   shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   bias_spec = P("d") if kernel_spec != P() else P()
   got = _grad(shard(x, P("d")), shard(kernel, kernel_spec), shard(bias, bias_spec))
