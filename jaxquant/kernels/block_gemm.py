@@ -51,8 +51,42 @@ def _reference(a, b, sfa, sfb, *, config):
   return [out.astype(config.out_dtype)]
 
 
-# Kept whole under a sharded jit for now: the operands are gathered first (notes/gemm.md).
-_partition, _sharding_rule = sharding.kept_whole(4)
+# Rows per shard, for A's rows (M) and B's rows (N) to stay sharded: the kernel reads the
+# scales MN-major through TMA, whose rows must be 16-byte aligned, and the output rows too.
+_ROWS_PER_SHARD = 16
+
+
+def _sharding_rule(config, shapes):
+  """A's rows (M) and B's rows (N) may be sharded, the contraction (K, and the k-blocks of
+  the scales) may not: each k-block's scales multiply one whole 128-deep partial sum."""
+  (_, _), (n, _) = shapes[0], shapes[1]
+  replicated = ("k", "kb")
+  sizes = {}
+  if config.b_block_rows == 1:
+    n_dim, b_scale_rows = "n", "n"
+  elif n % BLOCK == 0:  # 128x128 tiles: N = (tiles, rows in a tile)
+    n_dim, b_scale_rows = ("nb", "ni"), "nb"
+    sizes = {"nb": n // BLOCK, "ni": BLOCK}
+  else:  # a partial last tile: B and its scales stay whole
+    n_dim, b_scale_rows = "n", "nb"
+    replicated += ("n", "nb")
+  operands = [("m", "k"), (n_dim, "k"), ("kb", "m"), ("kb", b_scale_rows)]
+  return sharding.rule(operands, [("m", n_dim)], sizes, need_replication_factors=replicated)
+
+
+def _partition(config, mesh, arg_shapes, result_shape):
+  """Each device multiplies its rows of A by its rows of B; a sharded K is gathered."""
+  (m, _), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
+  m_axes = sharding.keep_if_whole(mesh, sharding.spec_axes(arg_shapes[0].sharding, 2)[0], m,
+                                  _ROWS_PER_SHARD)
+  n_axes = sharding.keep_if_whole(mesh, sharding.spec_axes(arg_shapes[1].sharding, 2)[0], n,
+                                  max(config.b_block_rows, _ROWS_PER_SHARD))
+  if set(m_axes) & set(n_axes):  # one mesh axis cannot split both output dims
+    n_axes = ()
+  whole = ()
+  arg_specs = [sharding.pspec(m_axes, whole), sharding.pspec(n_axes, whole),
+               sharding.pspec(whole, m_axes), sharding.pspec(whole, n_axes)]
+  return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
 
 
 block_gemm_p = primitive.define(primitive.KernelSpec(

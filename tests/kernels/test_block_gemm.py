@@ -96,13 +96,58 @@ def test_gemm_dispatch_uses_kernel(b_block):
   assert relative_error(run(a, b), want) <= FP8_MMA_TOLERANCE
 
 
-def test_sharded_operands_give_the_unsharded_result(eight_devices):
-  """Under a sharded jit the operands are gathered: the same numbers as one device."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  mesh = Mesh(np.array(eight_devices).reshape(2, 4), ("data", "model"))
-  a, b, sa, sb = codes_and_scales(9, 256, 512, 256, 128)
-  run = jax.jit(lambda *args: bg.block_fp8_gemm(*args, b_block_rows=128))
-  want = run(a, b, sa, sb)
-  shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-  got = run(shard(a, P("data", None)), shard(b, P("model", None)), shard(sa, P("data", None)), sb)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+# (A spec, B spec, N, B's block rows, A stays row-sharded, B stays row-sharded): rows stay
+# sharded when each shard holds whole 128-row tiles (or 16 rows); a sharded K, a split
+# inside a tile, and one mesh axis on both operands' rows are resharded (None: either).
+SHARDED_CASES = [
+    (("data", None), ("model", None), 512, 128, True, True),
+    (("data", None), (None, None), 512, 128, True, None),
+    (("data", None), ("model", None), 64, 1, True, True),
+    ((None, "model"), (None, None), 512, 128, None, None),
+    (("data", None), ("model", None), 384, 128, True, False),
+    (("data", None), ("data", None), 512, 128, None, None),
+]
+
+
+def _mesh(devices):
+  from jax.sharding import Mesh
+  return Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
+
+
+@pytest.mark.parametrize("a_spec,b_spec,n,b_block_rows,a_kept,b_kept", SHARDED_CASES, ids=str)
+def test_sharded_operands_give_the_unsharded_result(eight_devices, a_spec, b_spec, n,
+                                                     b_block_rows, a_kept, b_kept):
+  """The same numbers as one device, up to the fp32 summation order (the reference dot's
+  blocking follows the shard's shape)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = _mesh(eight_devices)
+  a, b, sa, sb = codes_and_scales(9, 256, n, 384, b_block_rows)
+  run = jax.jit(lambda *args: bg.block_fp8_gemm(*args, b_block_rows=b_block_rows))
+  want = np.asarray(run(a, b, sa, sb), np.float64)
+  shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  args = (shard(a, a_spec), shard(b, b_spec), shard(sa, (a_spec[0], None)), sb)
+  assert relative_error(run(*args), want) <= 1e-6
+
+
+@pytest.mark.parametrize("a_spec,b_spec,n,b_block_rows,a_kept,b_kept", SHARDED_CASES, ids=str)
+def test_partition_keeps_whole_block_rows_sharded(eight_devices, a_spec, b_spec, n,
+                                                  b_block_rows, a_kept, b_kept):
+  """What each device gets: its rows of A and of B when they split into whole blocks, and
+  the whole of K. (Checked on the partitioner itself: on the CPU, XLA may optimise a
+  gather of the reference lowering away, which it cannot do around the CUDA kernel.)"""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = _mesh(eight_devices)
+  m, k = 256, 384
+  kb, nb = -(-k // 128), -(-n // b_block_rows)
+  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(mesh, P(*spec)))
+  arg_shapes = [shape((m, k), E4M3, a_spec), shape((n, k), E4M3, b_spec),
+                shape((kb, m), jnp.float32, (None, a_spec[0])), shape((kb, nb), jnp.float32, (None, None))]
+  config = bg.BlockGemmConfig(b_block_rows=b_block_rows, out_dtype="float32")
+  (a_got, b_got, sa_got, sb_got), (out,), _ = bg._partition(config, mesh, arg_shapes, None)
+  rows = lambda spec: (tuple(spec) + (None,))[0]
+  for what, got, want_spec, kept in (("A", a_got, a_spec, a_kept), ("B", b_got, b_spec, b_kept)):
+    assert (tuple(got) + (None, None))[1] is None, f"{what}'s K must be whole"
+    if kept is not None:
+      assert rows(got) == (want_spec[0] if kept else None), f"{what}: {got}"
+  assert rows(tuple(sa_got)[1:]) == rows(a_got) and rows(tuple(sb_got)[1:]) == rows(b_got)
+  assert tuple(out) == (rows(a_got), rows(b_got))[:len(tuple(out))]
