@@ -5,7 +5,9 @@ blocks (wgrad); both in their stored layout, as `ops.gemm` passes them. The scal
 MN-major, `[ceil(K / 128), M]` and `[ceil(K / 128), N / b_block_rows]`: the layout of
 CUTLASS's Hopper blockwise mainloop (ffi/gemm/block_fp8_gemm.cuh), which sums each 128-deep
 k-tile on FP8 tensor cores and adds it, scaled, into an fp32 accumulator. Elsewhere the
-lowering is the reference: dequantize both operands, one fp32 dot.
+lowering is the reference: dequantize both operands, one fp32 dot. Under a sharded jit,
+A's rows (tokens) and B's rows (output features) stay on their devices when every shard
+holds whole blocks; a sharded K is gathered.
 """
 
 from __future__ import annotations
