@@ -4,12 +4,22 @@
 #
 #   source scripts/gpu_build.sh; gpu_build "$OUT/build.log" || exit 1
 #
+# With JAXQUANT_FFI_LIBRARY naming a library that loads, nothing is built.
+#
 # Wheels the machine lacks (nvidia-cutlass, for the GEMM kernels' headers) travel in .whl/
 # (git-ignored; README's "Building on the GPU machine" says how to fetch them) and are
 # installed into /tmp/site first.
 
 gpu_build() {  # $1: log file
   local log=$1 start=$(date +%s)
+  # A library built beforehand (JAXQUANT_FFI_LIBRARY, e.g. carried in by the run tool)
+  # saves the build's minute and a half; one that does not load is rebuilt.
+  if [ -n "${JAXQUANT_FFI_LIBRARY:-}" ] && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+      "import sys, jaxquant.kernels as k; print('prebuilt library:', k.available(), k.unavailable_reason()); sys.exit(not k.available())"; then
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    return 0
+  fi
+  unset JAXQUANT_FFI_LIBRARY
   if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl >"$log" 2>&1 || { tail -20 "$log"; return 1; }

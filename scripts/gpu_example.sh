@@ -25,15 +25,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,utilizatio
   --format=csv -l 5 >"$OUT/gpu_clocks.csv" 2>/dev/null &
 clock_log=$!
 source scripts/gpu_build.sh
-# A library built beforehand (JAXQUANT_FFI_LIBRARY, e.g. carried in by the run tool) saves
-# the build's minute and a half of the call; anything that does not load is rebuilt.
-if [ -n "${JAXQUANT_FFI_LIBRARY:-}" ] && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
-    "import sys, jaxquant.kernels as k; print('prebuilt library:', k.available(), k.unavailable_reason()); sys.exit(not k.available())"; then
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  unset JAXQUANT_FFI_LIBRARY
-  gpu_build "$OUT/build.log" || exit 1
-fi
+gpu_build "$OUT/build.log" || exit 1  # or the library JAXQUANT_FFI_LIBRARY names
 python3 -c "import jax, flax, optax, jaxquant.kernels as k; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices()); print('kernels available:', k.available(), k.unavailable_reason())"
 # XLA's Triton GEMM autotuning dominates the quantized recipes' compile time (tens of
 # seconds per recipe for the FP8 and NVFP4 dots); cuBLAS(Lt) takes their dots instead.

@@ -90,8 +90,8 @@ def test_rejects_bad_sizes_and_output():
 
 # ---- The CUDA kernel (Hopper only) ----
 
-# N = 1408 (not a multiple of 256): the bf16 kernel's 128-wide tiles; 512 and 256: its
-# 256-wide ones.
+# N = 1408 (the G=64 MoE width): 5.5 of the bf16 kernel's 256-wide tiles, a partial last
+# tile in N.
 GPU_SHAPES = SHAPES + [(4096, 512, 1024, [1000, 0, 17, 2048, 1000]), (8192, 256, 256, [8192]),
                        (2048, 1408, 256, [700, 0, 900, 300])]
 
