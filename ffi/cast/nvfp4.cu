@@ -236,8 +236,8 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
       col_amax.element_type() != ffi::DataType::F32 || col_amax.element_count() != 1) {
     return invalid("nvfp4_cast: global amaxes must be float32 of the expected size");
   }
-  if (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 2) {
-    return invalid("nvfp4_cast: seed must be uint32[2]");
+  if (cfg.stochastic_rounding && (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 2)) {
+    return invalid("nvfp4_cast: the stochastic-rounding seed must be uint32[2]");
   }
   Nvfp4Out out{};
   size_t next = 0;

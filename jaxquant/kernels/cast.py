@@ -2,7 +2,7 @@
 
 Inputs: x [M, K]; the rowwise and columnwise global amaxes (the per-tensor FP8 amax or
 delayed scale, NVFP4's global amaxes; ignored by MXFP8 and block FP8); the SR seed
-(uint32[2]). Results, for each requested usage in order rowwise, columnwise: (data,
+(uint32[2] with stochastic rounding, else an unread uint32 scalar). Results, for each requested usage in order rowwise, columnwise: (data,
 scale) in the stored layout of tensor.py. The amaxes come in as arrays, not computed
 inside, so that under sharding they are global (kernels/amax.py pmax-es them) while each
 device casts only its own shard.
@@ -70,7 +70,8 @@ def _factors(config: KernelConfig, m: int, k: int):
       "columnwise": () if fmt.family is Family.FP8_TENSOR else ("kb", "mb") if two_d else (K, "mb"),
   }
   row_amax = (M,) if fmt.row_scaled else ()
-  operands = [(M, K), row_amax, (), ("seed",)]
+  seed = ("seed",) if config.stochastic_rounding else ()
+  operands = [(M, K), row_amax, (), seed]
   results = []
   for usage in config.usages:
     results += [dims[usage], scale_dims[usage]]
@@ -86,13 +87,15 @@ def _sharding_rule(config: KernelConfig, shapes):
   m, k = shapes[0]
   if not _whole_blocks(config, m, k):
     # Partial edge blocks (block FP8): keep the tensor whole.
-    operands = [("m", "k"), ("r",) if config.format.row_scaled else (), (), ("seed",)]
+    seed = ("seed",) if config.stochastic_rounding else ()
+    operands = [("m", "k"), ("r",) if config.format.row_scaled else (), (), seed]
     results = [tuple(f"o{i}_{d}" for d in range(len(s))) for i, s in enumerate(
         _abstract_eval(ShapedArray((m, k), jnp.float32), None, None, None, config=config))]
     names = {f for t in operands + results for f in t}
     return sharding.rule(operands, results, {}, need_replication_factors=tuple(sorted(names)))
   operands, results, sizes = _factors(config, m, k)
-  return sharding.rule(operands, results, sizes, need_replication_factors=("seed",))
+  replicated = ("seed",) if config.stochastic_rounding else ()
+  return sharding.rule(operands, results, sizes, need_replication_factors=replicated)
 
 
 def _partition(config: KernelConfig, mesh, arg_shapes, result_shape):

@@ -64,7 +64,9 @@ def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usag
       row_amax = col_amax = compute_amax(x2d)
   elif family is Family.NVFP4:
     row_amax, col_amax = nvfp4_amaxes(x2d, quantizer, usages)
-  seed = jnp.zeros((2,), jnp.uint32)
+  # Without SR the seed is an unread scalar: XLA embeds a scalar constant, while a
+  # uint32[2] of zeros costs a broadcast kernel before every cast.
+  seed = jnp.zeros((), jnp.uint32)
   if config.stochastic_rounding:
     if key is None:
       raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
