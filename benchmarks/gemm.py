@@ -8,6 +8,8 @@ Measures, at each shape (M, N, K) with random operands:
   operands, and two other spellings of the per-tensor FP8 GEMM;
 - `jax.nn.scaled_matmul` on pre-quantized MXFP8 / NVFP4 operands, where this JAX has it;
 - `jaxquant.dense` forward under fp8_current and mxfp8, quantization included.
+GEMMs with at most 64 rows run 8 to a jitted call (distinct operands), so that JAX's
+dispatch, longer than such a GEMM, stays out of their times.
 Also a transformer MLP block's training step (forward + backward) under bf16, fp8_current,
 fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel (and
 `jax.lax.ragged_dot` with --ragged-dot), each against the dense GEMM of the same FLOPs
@@ -27,7 +29,7 @@ import jaxquant
 from jaxquant import kernels
 from jaxquant import quantizers as Q
 from jaxquant.ops import gemm as gemm_ops
-from timing import device_seconds
+from timing import device_seconds, per_call_seconds
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (2048, 8192, 8192), (16, 8192, 8192))
 QUICK_SHAPES = ((1024, 1024, 1024), (16, 1024, 1024))
@@ -76,25 +78,30 @@ class Records(list):
                                      "jax": jax.__version__, "records": list(self)}, indent=1))
 
 
-def _fp8_spellings(a, b, add):
+def _fp8_spellings(pairs, add):
   """Other routes to the same per-tensor FP8 GEMM: the dot's own bf16 output (scales after,
   a second rounding), and jaxquant's grouped kernel with one group (scales fused)."""
-  scale = a.scale_inv * b.scale_inv
   dims = (((1,), (1,)), ((), ()))
-  bf16_out = jax.jit(lambda a, b, s: (jax.lax.dot_general(
-      a, b, dims, preferred_element_type=jnp.bfloat16) * s).astype(jnp.bfloat16))
-  add("gemm_fp8_tensor_xla_bf16_out", device_seconds(bf16_out, a.data, b.data, scale))
+  bf16_out = lambda a, b: (jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.bfloat16)
+                           * (a.scale_inv * b.scale_inv)).astype(jnp.bfloat16)
+  add("gemm_fp8_tensor_xla_bf16_out", per_call_seconds(bf16_out, pairs))
   if kernels.available():
-    one = jax.jit(lambda a, b, s: kernels.grouped_gemm(
-        a, b[None], jnp.full((1,), a.shape[0], jnp.int32), s.reshape(1), jnp.bfloat16))
-    add("gemm_fp8_tensor_jaxquant_kernel", device_seconds(one, a.data, b.data, scale))
+    one = lambda a, b: kernels.grouped_gemm(a.data, b.data[None], jnp.full((1,), a.data.shape[0], jnp.int32),
+                                            (a.scale_inv * b.scale_inv).reshape(1), jnp.bfloat16)
+    add("gemm_fp8_tensor_jaxquant_kernel", per_call_seconds(one, pairs))
+
+
+# GEMMs with at most this many rows are timed as 8 independent calls in one jitted call
+# (timing.per_call_seconds), every other shape as one.
+SMALL_ROWS, SMALL_COPIES = 64, 8
 
 
 def gemm_records(shapes, records):
   for m, n, k in shapes:
     flops = 2.0 * m * n * k
-    x, w = _operands(m, n, k)
-    base = device_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)), x, w)
+    copies = SMALL_COPIES if m <= SMALL_ROWS else 1
+    operands = [_operands(m, n, k, seed=i) for i in range(copies)]
+    base = per_call_seconds(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16), operands)
     shape = f"{m}x{n}x{k}"
     records.add({"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops", "value": flops / base / 1e12})
 
@@ -105,21 +112,22 @@ def gemm_records(shapes, records):
     block = (Q.BlockFloat8Quantizer(block="1x128"), Q.BlockFloat8Quantizer(block="128x128"))
     for name, quantizers in (("fp8_tensor", (Q.Float8Quantizer(),)), ("fp8_block", block),
                              ("mxfp8", (Q.MXFP8Quantizer(),)), ("nvfp4", (Q.NVFP4Quantizer(),))):
-      a, b = _quantized_pair(x, w, *quantizers)
+      pairs = [_quantized_pair(x, w, *quantizers) for x, w in operands]
       add(f"gemm_{name}_prequantized",
-          device_seconds(jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16)), a, b))
+          per_call_seconds(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16), pairs))
       if name == "fp8_tensor":
-        _fp8_spellings(a, b, add)
+        _fp8_spellings(pairs, add)
+      del pairs
     for name, quantizer in (("mxfp8", Q.MXFP8Quantizer()), ("nvfp4", Q.NVFP4Quantizer())):
       try:
-        args = _scaled_matmul_inputs(x, w, quantizer)
-        fn = jax.jit(lambda ad, bd, as_, bs: jax.nn.scaled_matmul(
-            ad, bd, as_, bs, preferred_element_type=jnp.bfloat16))
-        add(f"jax_scaled_matmul_{name}_prequantized", device_seconds(fn, *args))
+        arg_sets = [_scaled_matmul_inputs(x, w, quantizer) for x, w in operands]
+        fn = lambda ad, bd, as_, bs: jax.nn.scaled_matmul(ad, bd, as_, bs, preferred_element_type=jnp.bfloat16)
+        add(f"jax_scaled_matmul_{name}_prequantized", per_call_seconds(fn, arg_sets))
       except Exception as e:  # an older JAX or an unsupported pair: say so in the table
         print(f"jax.nn.scaled_matmul {name} unavailable at {shape}: {type(e).__name__}: {e}"[:300])
     if m % 128:  # dense also quantizes x columnwise (blocks along M) for its backward
       continue
+    x, w = operands[0]
     kernel = w.T  # Flax layout [K, N]
     for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
       fn = jax.jit(lambda x, kern, recipe=recipe: jaxquant.dense(x, kern, recipe=recipe, name="bench"))

@@ -50,7 +50,7 @@ def cast_only(q, usages):
   """The cast kernel alone, global amaxes given (as with delayed scaling or an amax fused
   upstream), and the same computation through the XLA reference lowering."""
   config = cast_config(q, usages)
-  seed = jnp.zeros((2,), jnp.uint32)
+  seed = jnp.zeros((2,) if config.stochastic_rounding else (), jnp.uint32)  # as quantize_usages
 
   def amaxes(x):
     if isinstance(q, NVFP4Quantizer):

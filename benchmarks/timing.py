@@ -26,3 +26,13 @@ def device_seconds(fn, *args, reps: int = 20, rounds: int = 5) -> float:
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - start) / reps)
   return statistics.median(samples)
+
+
+def per_call_seconds(fn, arg_sets) -> float:
+  """Device time of one fn(*args), from one jitted call that makes len(arg_sets) independent
+  calls, each on its own operands (so XLA merges none of them into one), divided by their
+  number. A GEMM with few rows takes less device time than JAX takes to dispatch a call
+  (on the H100 machine every such call measured about 60 us alone, bf16 `jnp.dot` at
+  16x8192x8192 included); batching keeps the dispatch out of the figure."""
+  many = jax.jit(lambda sets: [fn(*args) for args in sets])
+  return device_seconds(many, list(arg_sets)) / len(arg_sets)

@@ -26,6 +26,7 @@ TARGETS = {
     "jaxquant_dequantize": "JaxquantDequantize",
     "jaxquant_grouped_gemm": "JaxquantGroupedGemm",
     "jaxquant_block_fp8_gemm": "JaxquantBlockFp8Gemm",
+    "jaxquant_dequant_gemm": "JaxquantDequantGemm",
 }
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)

@@ -89,7 +89,7 @@ def define(spec: KernelSpec) -> Primitive:
     lower_fn = lambda *shards: local_fn(
         lambda *a: inner.bind(*a, config=config), *shards)
     return (mesh, lower_fn, [named(s) for s in result_specs],
-            [named(s) for s in arg_specs])
+            tuple(named(s) for s in arg_specs))
 
   def sharding_rule(config, mesh, value_types, result_types):
     shapes = [tuple(t.shape) for t in value_types]

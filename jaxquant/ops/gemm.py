@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxquant import kernels
 from jaxquant.formats import Family
-from jaxquant.kernels import block_gemm
+from jaxquant.kernels import block_gemm, fused_dequant
 from jaxquant.reference import split_scales
 from jaxquant.tensor import QuantizedData
 
@@ -112,11 +112,27 @@ def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32
                                    b_block_rows=b.format.block[0], out_dtype=out_dtype)
 
 
+def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+  """MXFP8 / NVFP4 pairs: with at most 32 rows on one side (decode-like), the kernel that
+  dequantizes in registers and reads the codes once; D^T = B . A^T when B is the short
+  side. Larger problems dequantize to bf16 (exact) for XLA's bf16 GEMM."""
+  if kernels.available():
+    if fused_dequant.unsupported_reason(a, b, out_dtype) is None:
+      return fused_dequant.dequant_gemm(a, b, out_dtype=out_dtype)
+    if fused_dequant.unsupported_reason(b, a, out_dtype) is None:
+      return fused_dequant.dequant_gemm(b, a, out_dtype=out_dtype).T
+  return _gpu_emulated_gemm(a, b, out_dtype=out_dtype)
+
+
+_FUSED_DEQUANT = tuple((("gpu", fa, fb), _fused_dequant_gemm)
+                       for fa in fused_dequant.FAMILIES for fb in fused_dequant.FAMILIES)
+
 # (platform, A family, B family) -> implementation; None matches any family. Kernels
 # are new entries here. The first matching key in this order wins.
 _IMPLEMENTATIONS: tuple[tuple[tuple[str, Optional[Family], Optional[Family]], GemmFn], ...] = (
     (("gpu", Family.FP8_TENSOR, Family.FP8_TENSOR), _xla_fp8_gemm),
     (("gpu", Family.FP8_BLOCK, Family.FP8_BLOCK), _block_fp8_gemm),
+    *_FUSED_DEQUANT,
     (("gpu", None, None), _gpu_emulated_gemm),
 )
 

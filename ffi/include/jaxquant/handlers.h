@@ -18,5 +18,6 @@ JAXQUANT_HANDLER(JaxquantNvfp4Cast);
 JAXQUANT_HANDLER(JaxquantDequantize);
 JAXQUANT_HANDLER(JaxquantGroupedGemm);
 JAXQUANT_HANDLER(JaxquantBlockFp8Gemm);
+JAXQUANT_HANDLER(JaxquantDequantGemm);
 
 #undef JAXQUANT_HANDLER

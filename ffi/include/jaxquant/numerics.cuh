@@ -116,6 +116,27 @@ __device__ __forceinline__ float fp8_to_float(uint8_t code, int32_t element) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(code) << 8));
 }
 
+// Two FP8 codes (bits 0-7, 8-15) as exact fp32 values; NaN codes give NaN.
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t codes, int32_t element) {
+  uint32_t h2;
+  const uint16_t c = static_cast<uint16_t>(codes);
+  if (element == kE4M3) {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(c));
+  } else {
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(c));
+  }
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
+}
+
+// Two E2M1 codes (bits 0-3, 4-7) as fp16 bit patterns scaled by 2^-14: the code's three
+// magnitude bits placed at fp16 bits 9-11 mean 2^-14 times the E2M1 value, normal and
+// subnormal codes alike.
+__device__ __forceinline__ float2 e2m1x2_to_float2_scaled(uint32_t codes) {
+  const uint32_t h2 = ((codes & 0x7u) << 9) | ((codes & 0x8u) << 12) | ((codes & 0x70u) << 21) |
+                      ((codes & 0x80u) << 24);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
+}
+
 // ---- per-tensor / per-block FP8 scale (NUMERICS.md "Per-tensor FP8", steps 1-3) -----
 
 template <typename T>
