@@ -14,8 +14,8 @@
 // chunk gives the lane's fragment slots {2t, 2t+1} the elements 4s, 4s+1 of its range and
 // slots {2t+8, 2t+9} the elements 4s+2, 4s+3; A and B use the same assignment, so every
 // product pairs the same k. Partial sums go to fp32 scratch; a second kernel adds the splits
-// in order and applies the epilogue, D = sum * (a_outer[m] * b_outer[n]) (NVFP4's S_dec,
-// per tensor or per row; 1 for MXFP8), as the reference does.
+// in order and applies the epilogue, D = sum * (S_dec_A[m] * S_dec_B[n]) (NVFP4's decode
+// scale from its global amax, per tensor or per row; 1 for MXFP8), as the reference does.
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/numerics.cuh"
 
@@ -235,7 +235,8 @@ __global__ __launch_bounds__(kThreads) void dequant_gemm_kernel(Operand A, Opera
   const int64_t last = min(first + chunks_per_split, k / kChunk);
   float acc[kMTiles][kNTiles][4] = {};
   // B's next chunk and A's next chunk are loading while this one multiplies; A's is then
-  // decoded into the other shared buffer, and one barrier per chunk hands it over.
+  // decoded into the other shared buffer, and one barrier per chunk hands it over. (A third
+  // register buffer for B, two chunks in flight, was slower: fewer CTAs fit per SM.)
   Raw cur_b[kNTiles], next_b[kNTiles];
   AStage<EA, kMTiles> stage;
   load_b<EB>(cur_b, B, b_row0, first * kChunk + kLaneK * t, k, g);
@@ -270,19 +271,27 @@ __global__ __launch_bounds__(kThreads) void dequant_gemm_kernel(Operand A, Opera
   }
 }
 
-// D[m, n] = (sum over splits, in order) * (a_outer[m] * b_outer[n]); grid (N / 256, M).
+// An operand's outer scale: NVFP4's S_dec from its global amax (per tensor or per row), or
+// 1 for MXFP8 (whose buffer is an unread scalar).
+struct Outer {
+  const float* amax;
+  bool nvfp4, per_row;
+
+  __device__ __forceinline__ float at(int64_t row) const {
+    return nvfp4 ? nvfp4_global(amax[per_row ? row : 0]).s_dec : 1.0f;
+  }
+};
+
+// D[m, n] = (sum over splits, in order) * (S_dec_A[m] * S_dec_B[n]); grid (N / 256, M).
 template <typename TD>
 __global__ void reduce_kernel(const float* __restrict__ partial, int splits, int64_t m_rows,
-                              int64_t n_rows, const float* __restrict__ a_outer, bool a_per_row,
-                              const float* __restrict__ b_outer, bool b_per_row,
-                              TD* __restrict__ out) {
+                              int64_t n_rows, Outer a_outer, Outer b_outer, TD* __restrict__ out) {
   const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, m = blockIdx.y;
   if (n >= n_rows) return;
   const int64_t idx = m * n_rows + n;
   float sum = partial[idx];
   for (int s = 1; s < splits; ++s) sum += partial[s * m_rows * n_rows + idx];
-  const float scale = a_outer[a_per_row ? m : 0] * b_outer[b_per_row ? n : 0];
-  out[idx] = from_float<TD>(sum * scale);
+  out[idx] = from_float<TD>(sum * (a_outer.at(m) * b_outer.at(n)));
 }
 
 struct Problem {
@@ -386,17 +395,17 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
     splits = *ran;
   }
   const dim3 grid(static_cast<unsigned>((n + 255) / 256), static_cast<unsigned>(m));
-  const auto* ao = static_cast<const float*>(a_outer.untyped_data());
-  const auto* bo = static_cast<const float*>(b_outer.untyped_data());
-  const bool a_rows = a_outer.element_count() == static_cast<size_t>(m);
-  const bool b_rows = b_outer.element_count() == static_cast<size_t>(n);
+  const Outer ao{static_cast<const float*>(a_outer.untyped_data()), a_element == kE2M1,
+                 a_outer.element_count() == static_cast<size_t>(m) && m > 1};
+  const Outer bo{static_cast<const float*>(b_outer.untyped_data()), b_element == kE2M1,
+                 b_outer.element_count() == static_cast<size_t>(n) && n > 1};
   switch (d->element_type()) {
     case ffi::DataType::BF16:
-      reduce_kernel<<<grid, 256, 0, stream>>>(partial, static_cast<int>(splits), m, n, ao, a_rows, bo, b_rows,
+      reduce_kernel<<<grid, 256, 0, stream>>>(partial, static_cast<int>(splits), m, n, ao, bo,
                                               static_cast<__nv_bfloat16*>(d->untyped_data()));
       break;
     case ffi::DataType::F32:
-      reduce_kernel<<<grid, 256, 0, stream>>>(partial, static_cast<int>(splits), m, n, ao, a_rows, bo, b_rows,
+      reduce_kernel<<<grid, 256, 0, stream>>>(partial, static_cast<int>(splits), m, n, ao, bo,
                                               static_cast<float*>(d->untyped_data()));
       break;
     default: return invalid("dequant_gemm: the output dtype must be bfloat16 or float32");
@@ -414,10 +423,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantDequantGemm, jaxquant::dequant_gemm_detail
                                   .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()  // A codes
                                   .Arg<xla::ffi::AnyBuffer>()  // A block scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // A outer scale: [] or [M]
+                                  .Arg<xla::ffi::AnyBuffer>()  // A's NVFP4 global amax: [] or [M]
                                   .Arg<xla::ffi::AnyBuffer>()  // B codes
                                   .Arg<xla::ffi::AnyBuffer>()  // B block scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // B outer scale: [] or [N]
+                                  .Arg<xla::ffi::AnyBuffer>()  // B's NVFP4 global amax: [] or [N]
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("a_element")
                                   .Attr<int32_t>("b_element")

@@ -3,8 +3,8 @@ NVFP4 (1-D blocks or 16x16 tiles, per-tensor or per-row global scale), in any pa
 
 The kernel (ffi/gemm/dequant_gemm.cu) reads the codes once, turns them into bf16 in
 registers (code times block scale, exact) and multiplies on bf16 tensor cores with fp32
-accumulation; the outer scales (NVFP4's S_dec) multiply the sum, `a_outer[m] * b_outer[n]`,
-as in the reference. It is the decode-shaped member of the fused-dequantize family: with
+accumulation; the outer scales (NVFP4's S_dec, from the global amax) multiply the sum,
+`S_dec_A[m] * S_dec_B[n]`, as in the reference. It is the decode-shaped member of the fused-dequantize family: with
 few rows a GEMM is a read of B, and the codes are a half (MXFP8) or a quarter (NVFP4) of
 the bytes of the bf16 weight that a dequantize-first GEMM reads. Elsewhere the lowering is
 the reference: dequantize both operands, one fp32 dot, the same epilogue. Under a sharded
@@ -50,7 +50,7 @@ def _rows_k(data, fmt: Format) -> tuple[int, int]:
   return rows, 2 * cols if fmt.packed else cols
 
 
-def _abstract_eval(a, sa, oa, b, sb, ob, *, config):
+def _abstract_eval(a, sa, amax_a, b, sb, amax_b, *, config):
   return [ShapedArray((a.shape[0], b.shape[0]), jnp.dtype(config.out_dtype))]
 
 
@@ -59,9 +59,14 @@ def _values(data, scale, fmt: Format):
   return (mxfp8 if fmt.family is Family.MXFP8 else nvfp4).dequantize_values(qd)
 
 
-def _reference(a, sa, oa, b, sb, ob, *, config):
-  """ops.gemm's reference: block-scaled values, fp32 dot, outer scales after."""
+def _decode_scale(amax, fmt: Format):
+  return nvfp4.global_scales(amax)[1] if fmt.family is Family.NVFP4 else jnp.float32(1.0)
+
+
+def _reference(a, sa, amax_a, b, sb, amax_b, *, config):
+  """ops.gemm's reference: block-scaled values, fp32 dot, outer scales (S_dec) after."""
   va, vb = _values(a, sa, config.a_format), _values(b, sb, config.b_format)
+  oa, ob = _decode_scale(amax_a, config.a_format), _decode_scale(amax_b, config.b_format)
   out = jax.lax.dot_general(va, vb, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)
   scale = (oa.reshape(-1, 1) if oa.ndim else oa) * (ob.reshape(1, -1) if ob.ndim else ob)
@@ -114,12 +119,12 @@ def unsupported_reason(a: QuantizedData, b: QuantizedData, out_dtype) -> str | N
   return None
 
 
-def _outer(op: QuantizedData) -> jax.Array:
-  """The operand's outer decode scale, float32 [] or [rows]: NVFP4's S_dec, 1 for MXFP8 (a
-  scalar constant, which XLA embeds; an array of ones would cost a kernel per call)."""
+def _global_amax(op: QuantizedData) -> jax.Array:
+  """NVFP4's global amax, float32 [] or [rows], from which the kernel derives S_dec (in XLA
+  that exact division is a handful of small kernels per call); an unread scalar for MXFP8."""
   if op.format.family is Family.MXFP8:
-    return jnp.float32(1.0)
-  return nvfp4.decode_scale(op).astype(jnp.float32)
+    return jnp.float32(0.0)
+  return jnp.asarray(op.amax, jnp.float32)
 
 
 def dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
@@ -132,5 +137,5 @@ def dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -
     raise ValueError(f"dequant_gemm: contraction dims differ: A has K={ka}, B has K={kb}")
   config = DequantGemmConfig(a.format, b.format, jnp.dtype(out_dtype).name)
   as_bytes = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)
-  return dequant_gemm_p.bind(a.data, as_bytes(a.scale_inv), _outer(a), b.data,
-                             as_bytes(b.scale_inv), _outer(b), config=config)[0]
+  return dequant_gemm_p.bind(a.data, as_bytes(a.scale_inv), _global_amax(a), b.data,
+                             as_bytes(b.scale_inv), _global_amax(b), config=config)[0]
