@@ -13,7 +13,9 @@
 // (E2M1) or two (FP8) loads and one MXFP8 scale block or two NVFP4 ones. MMA step s of the
 // chunk gives the lane's fragment slots {2t, 2t+1} the elements 4s, 4s+1 of its range and
 // slots {2t+8, 2t+9} the elements 4s+2, 4s+3; A and B use the same assignment, so every
-// product pairs the same k. Partial sums go to fp32 scratch; a second kernel adds the splits
+// product pairs the same k. A (re-read by every CTA, so mostly from L2) is decoded once per
+// CTA into shared memory; B's codes are decoded just before their MMA. Partial sums go to
+// fp32 scratch; a second kernel adds the splits
 // in order and applies the epilogue, D = sum * (S_dec_A[m] * S_dec_B[n]) (NVFP4's decode
 // scale from its global amax, per tensor or per row; 1 for MXFP8), as the reference does.
 #include "jaxquant/ffi_glue.h"
@@ -51,8 +53,8 @@ __device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
   return r;
 }
 
-// B is streamed once (no L1 allocation); A is re-read by every CTA and stays cached.
-template <int E, bool kStream>
+// One lane's 32 elements of a row of B, read once: streamed past L1.
+template <int E>
 __device__ __forceinline__ Raw load_lane(const Operand& op, int64_t row, int64_t k0, int64_t k) {
   Raw raw;
   if (row >= op.rows) {  // past the last row: zero codes under a unit scale
@@ -62,14 +64,14 @@ __device__ __forceinline__ Raw load_lane(const Operand& op, int64_t row, int64_t
   }
   if constexpr (E == kE2M1) {
     const uint8_t* p = op.data + row * (k / 2) + k0 / 2;
-    raw.v[0] = kStream ? load_streaming(p) : __ldg(reinterpret_cast<const uint4*>(p));
+    raw.v[0] = load_streaming(p);
     raw.v[1] = make_uint4(0, 0, 0, 0);
     raw.s = __ldg(reinterpret_cast<const uint16_t*>(
         op.scale + (row >> op.scale_row_shift) * (k / 16) + k0 / 16));
   } else {
     const uint8_t* p = op.data + row * k + k0;
-    raw.v[0] = kStream ? load_streaming(p) : __ldg(reinterpret_cast<const uint4*>(p));
-    raw.v[1] = kStream ? load_streaming(p + 16) : __ldg(reinterpret_cast<const uint4*>(p + 16));
+    raw.v[0] = load_streaming(p);
+    raw.v[1] = load_streaming(p + 16);
     raw.s = __ldg(op.scale + row * (k / 32) + k0 / 32);
   }
   return raw;
@@ -198,7 +200,7 @@ template <int EB>
 __device__ __forceinline__ void load_b(Raw (&b)[kNTiles], const Operand& B, int64_t b_row0,
                                        int64_t k0, int64_t k, int g) {
 #pragma unroll
-  for (int j = 0; j < kNTiles; ++j) b[j] = load_lane<EB, true>(B, b_row0 + 8 * j + g, k0, k);
+  for (int j = 0; j < kNTiles; ++j) b[j] = load_lane<EB>(B, b_row0 + 8 * j + g, k0, k);
 }
 
 // Codes become bf16 just before their MMA step, which keeps few registers live.

@@ -4,9 +4,10 @@ NVFP4 (1-D blocks or 16x16 tiles, per-tensor or per-row global scale), in any pa
 The kernel (ffi/gemm/dequant_gemm.cu) reads the codes once, turns them into bf16 in
 registers (code times block scale, exact) and multiplies on bf16 tensor cores with fp32
 accumulation; the outer scales (NVFP4's S_dec, from the global amax) multiply the sum,
-`S_dec_A[m] * S_dec_B[n]`, as in the reference. It is the decode-shaped member of the fused-dequantize family: with
-few rows a GEMM is a read of B, and the codes are a half (MXFP8) or a quarter (NVFP4) of
-the bytes of the bf16 weight that a dequantize-first GEMM reads. Elsewhere the lowering is
+`S_dec_A[m] * S_dec_B[n]`, as in the reference. It is the decode-shaped member of the
+fused-dequantize family: with few rows a GEMM is a read of B, and the codes are a half
+(MXFP8) or a quarter (NVFP4) of the bytes of the bf16 weight that a dequantize-first GEMM
+reads. Elsewhere the lowering is
 the reference: dequantize both operands, one fp32 dot, the same epilogue. Under a sharded
 `jit` B's rows (output features) stay on their devices; A and a sharded K are gathered.
 """

@@ -48,21 +48,27 @@ def _tag(tree, name: str):
   return jax.tree_util.tree_map(lambda leaf: checkpoint_name(leaf, name), tree)
 
 
-def _forward(cfg: DenseConfig, x, kernel, bias, keys, state):
+def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bool):
+  """y, the new state and, `for_backward`, the residuals. Without a backward pass to come
+  (the primal call: inference, evaluation) only the rowwise usages are quantized: the
+  columnwise ones would be a transposed cast per operand that nothing reads."""
   new_state = dict(state)
   matrices = {"input": x, "weight": kernel.T}  # logical x [M, K] and w [N, K]
   operands = {}
   for tensor_type, matrix in matrices.items():
+    usages = usages_to_quantize(tensor_type, cfg.backward) if for_backward else ("rowwise",)
     operands[tensor_type], role_state = quantize_operand(
-        matrix, cfg.quantizer(tensor_type), usages_to_quantize(tensor_type, cfg.backward),
-        key=keys[tensor_type], state=state.get(tensor_type))
+        matrix, cfg.quantizer(tensor_type), usages, key=keys[tensor_type],
+        state=state.get(tensor_type))
     if tensor_type in state:
       new_state[tensor_type] = role_state
   y = gemm(operands["input"]["rowwise"], operands["weight"]["rowwise"], out_dtype=jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
-  residuals = {t: _tag(backward_residual(operands[t], m, cfg.backward), RESIDUAL_NAMES[t])
-               for t, m in matrices.items()}
+  residuals = None
+  if for_backward:
+    residuals = {t: _tag(backward_residual(operands[t], m, cfg.backward), RESIDUAL_NAMES[t])
+                 for t, m in matrices.items()}
   return y.astype(x.dtype), new_state, residuals
 
 
@@ -70,12 +76,12 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state):
 def dense_2d(cfg: DenseConfig, x, kernel, bias, keys, state):
   """(y [M, N] in x's dtype, new_state). `keys` maps each tensor type to its key or None;
   `state` maps the delayed-scaling roles to their DelayedScalingState."""
-  y, new_state, _ = _forward(cfg, x, kernel, bias, keys, state)
+  y, new_state, _ = _forward(cfg, x, kernel, bias, keys, state, for_backward=False)
   return y, new_state
 
 
 def _dense_fwd(cfg, x, kernel, bias, keys, state):
-  y, new_state, residuals = _forward(cfg, x, kernel, bias, keys, state)
+  y, new_state, residuals = _forward(cfg, x, kernel, bias, keys, state, for_backward=True)
   saved = (residuals, keys["grad_output"], state.get("grad_output"))
   return (y, new_state), saved
 
