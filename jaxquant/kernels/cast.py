@@ -2,8 +2,9 @@
 
 Inputs: x [M, K]; the rowwise and columnwise global amaxes (the per-tensor FP8 amax or
 delayed scale, NVFP4's global amaxes; ignored by MXFP8 and block FP8); the SR seed
-(uint32[2] with stochastic rounding, else an unread uint32 scalar). Results, for each requested usage in order rowwise, columnwise: (data,
-scale) in the stored layout of tensor.py. The amaxes come in as arrays, not computed
+(uint32[2] with stochastic rounding, else an unread uint32 scalar). Results, for each
+requested usage in order rowwise, columnwise: (data, scale) in the stored layout of
+tensor.py. The amaxes come in as arrays, not computed
 inside, so that under sharding they are global (kernels/amax.py pmax-es them) while each
 device casts only its own shard.
 """

@@ -88,6 +88,8 @@ def define(spec: KernelSpec) -> Primitive:
     named = lambda s: jax.sharding.NamedSharding(mesh, s)
     lower_fn = lambda *shards: local_fn(
         lambda *a: inner.bind(*a, config=config), *shards)
+    # A tuple: custom_partitioning flattens the argument shardings against the operands'
+    # tree, a tuple ("Expected tuple" from the fused-dequant GEMM's partition with a list).
     return (mesh, lower_fn, [named(s) for s in result_specs],
             tuple(named(s) for s in arg_specs))
 
