@@ -22,8 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import scaling
 from jaxquant.ops.gemm import gemm
-from jaxquant.ops.operands import (backward_residual, columnwise_operand, quantize_operand, stored,
-                                   usages_to_quantize)
+from jaxquant.ops.operands import (backward_residual, columnwise_operand, quantize_operand,
+                                   quantize_transposed_operand, stored, usages_to_quantize)
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensor import USAGES
 
@@ -57,8 +57,11 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
   operands = {}
   for tensor_type, matrix in matrices.items():
     usages = usages_to_quantize(tensor_type, cfg.backward) if for_backward else ("rowwise",)
-    operands[tensor_type], role_state = quantize_operand(
-        matrix, cfg.quantizer(tensor_type), usages, key=keys[tensor_type],
+    # w = kernel.T: the weight's usages are cast from the kernel itself where they can be.
+    quantize_fn, source = ((quantize_transposed_operand, kernel) if tensor_type == "weight"
+                           else (quantize_operand, matrix))
+    operands[tensor_type], role_state = quantize_fn(
+        source, cfg.quantizer(tensor_type), usages, key=keys[tensor_type],
         state=state.get(tensor_type))
     if tensor_type in state:
       new_state[tensor_type] = role_state

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from jaxquant import recipes, reference
 from jaxquant.ops.quantize import quantize, resolve_implementation  # kernels where they run, else the reference
-from jaxquant.quantizers import (QUANTIZER_TYPES, NVFP4Quantizer, Quantizer, for_usage, needs_key,
-                                 needs_state)
+from jaxquant.quantizers import (BASE_QUANTIZER_TYPES, QUANTIZER_TYPES, NVFP4Quantizer, Quantizer,
+                                 for_usage, needs_key, needs_state)
 from jaxquant.roles import TENSOR_TYPES
 from jaxquant.tensor import USAGES, QuantizedData, Usage
 
@@ -122,6 +122,34 @@ def quantize_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, 
   for u in quantized:
     operands[u] = qt.usage(u)
   return operands, new_state
+
+
+_OTHER_USAGE = {"rowwise": "columnwise", "columnwise": "rowwise"}
+
+
+def _treats_usages_alike(quantizer: Optional[Quantizer]) -> bool:
+  """One format for both usages and nothing usage-specific (no hybrid, no RHT on the
+  columnwise usage, no per-usage SR stream, no per-token rows): then a matrix's columnwise
+  usage is, bit for bit, its transpose's rowwise usage, and the other way round."""
+  if not isinstance(quantizer, BASE_QUANTIZER_TYPES):
+    return False  # high precision, or a hybrid
+  if isinstance(quantizer, NVFP4Quantizer) and (
+      quantizer.rht or quantizer.stochastic_rounding or quantizer.per_token):
+    return False
+  return quantizer.format("rowwise") == quantizer.format("columnwise")
+
+
+def quantize_transposed_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, *,
+                                key: Optional[jax.Array] = None, state=None):
+  """`quantize_operand(matrix.T, ...)`, casting `matrix` as it is where the quantizer treats
+  both usages alike: the operands are the same bits, and no transposed copy of the matrix
+  is made for the cast kernel (XLA materializes a transpose before a custom call; a
+  [K, N] kernel's w = kernel.T is a full read and write of the weight)."""
+  if not _treats_usages_alike(quantizer):
+    return quantize_operand(matrix.T, quantizer, usages, key=key, state=state)
+  swapped = tuple(u for u in USAGES if _OTHER_USAGE[u] in usages)
+  operands, new_state = quantize_operand(matrix, quantizer, swapped, key=key, state=state)
+  return {u: operands[_OTHER_USAGE[u]] for u in usages}, new_state
 
 
 def dequantized(operand, usage: Usage) -> jax.Array:
