@@ -28,7 +28,7 @@ from jaxquant import kernels
 from jaxquant.kernels.amax import amax
 from jaxquant.kernels.cast import cast_p
 from jaxquant.kernels.config import cast_config
-from jaxquant.kernels.quantize import nvfp4_amaxes
+from jaxquant.kernels.quantize import cast_seed, nvfp4_amaxes
 from jaxquant.kernels.reference_cast import reference_cast
 from jaxquant.ops import quantize as ops
 from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
@@ -50,7 +50,7 @@ def cast_only(q, usages):
   """The cast kernel alone, global amaxes given (as with delayed scaling or an amax fused
   upstream), and the same computation through the XLA reference lowering."""
   config = cast_config(q, usages)
-  seed = jnp.zeros((2,) if config.stochastic_rounding else (), jnp.uint32)  # as quantize_usages
+  seed = cast_seed(config, jax.random.key(0))
 
   def amaxes(x):
     if isinstance(q, NVFP4Quantizer):

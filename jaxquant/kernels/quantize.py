@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxquant.formats import Family
 from jaxquant.kernels.amax import amax as compute_amax
 from jaxquant.kernels.cast import cast_p, stored_shape
-from jaxquant.kernels.config import cast_config, unsupported_reason
+from jaxquant.kernels.config import KernelConfig, cast_config, unsupported_reason
 from jaxquant.kernels.validate import check_array, check_matrix
 from jaxquant.quantizers import BaseQuantizer, DelayedFloat8Quantizer, NVFP4Quantizer
 from jaxquant.reference import fp32
@@ -32,6 +32,15 @@ def seed_from_key(key: jax.Array) -> jax.Array:
   if data.shape == (2,) and data.dtype == jnp.uint32:
     return data
   return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def cast_seed(config: KernelConfig, key: Optional[jax.Array]) -> jax.Array:
+  """The cast's seed operand: the key's uint32[2] with stochastic rounding (the key is then
+  required), else an unread scalar (XLA embeds a scalar constant, while a uint32[2] of
+  zeros costs a broadcast kernel before every cast)."""
+  if not config.stochastic_rounding:
+    return jnp.zeros((), jnp.uint32)
+  return seed_from_key(key)
 
 
 def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, ...], *,
@@ -64,13 +73,9 @@ def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usag
       row_amax = col_amax = compute_amax(x2d)
   elif family is Family.NVFP4:
     row_amax, col_amax = nvfp4_amaxes(x2d, quantizer, usages)
-  # Without SR the seed is an unread scalar: XLA embeds a scalar constant, while a
-  # uint32[2] of zeros costs a broadcast kernel before every cast.
-  seed = jnp.zeros((), jnp.uint32)
-  if config.stochastic_rounding:
-    if key is None:
-      raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
-    seed = seed_from_key(key)
+  if config.stochastic_rounding and key is None:
+    raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
+  seed = cast_seed(config, key)
   outs = cast_p.bind(x2d, row_amax, col_amax, seed, config=config)
   result = {}
   for i, usage in enumerate(config.usages):
