@@ -1,15 +1,20 @@
 // Dequantize one usage in its stored layout, every family: data [rows, cols] (cols/2 bytes
 // for packed E2M1) and its scales back to the high-precision dtype of the output buffer.
-// Each thread turns 8 consecutive elements of one stored row into 8 outputs (one 16-byte
-// store for 2-byte outputs); codes are widened through fp16, which holds every FP8 and
+// Each thread turns 16 consecutive elements of one stored row (one 16-byte load of FP8
+// codes, 8 bytes of E2M1; one scaling block, since blocks are at least 16 wide and
+// 16-aligned) into 16 outputs; codes are widened through fp16, which holds every FP8 and
 // E2M1 value exactly, so each output is the same one or two fp32 products as the reference.
+// With `block_scales_only` the NVFP4 outer scale S_dec is left out: the values a GEMM
+// multiplies (E2M1 times an E4M3 scale: exact in bf16), S_dec applied after the sum.
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
 namespace jaxquant {
 namespace {
 
-constexpr int kGroup = 8;  // elements per thread
+// Elements per thread. Sixteen rather than eight: twice the bytes in flight per thread,
+// which the loads need to approach the copy's bandwidth (8 gave ~half of it at 8192^2).
+constexpr int kGroup = 16;
 
 struct DequantArgs {
   const uint8_t* data;
@@ -17,6 +22,7 @@ struct DequantArgs {
   const float* amax;     // NVFP4 global amax: [] or [rows]
   int64_t rows, cols;
   int32_t family, element, row_shift, col_shift, row_scaled;  // block = 2^shift
+  int32_t block_scales_only;
 };
 
 // Scale multiplier of the block holding (r, c) in the stored layout.
@@ -36,28 +42,31 @@ __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* 
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kGroup;
   if (c >= a.cols) return;
   const bool nvfp4 = a.family == kNvfp4;
-  const float tensor_s_dec = nvfp4 && !a.row_scaled ? nvfp4_global(*a.amax).s_dec : 0.0f;
+  const bool per_tensor_s_dec = nvfp4 && !a.row_scaled && !a.block_scales_only;
+  const float tensor_s_dec = per_tensor_s_dec ? nvfp4_global(*a.amax).s_dec : 1.0f;
   for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
     float vals[kGroup];
     if (nvfp4) {
       // x = q * float(s) * S_dec, in that order (NUMERICS.md NVFP4 step 6); q is 2^14 h
-      // exactly, so q * s = h * (2^14 s), both products exact-rounded once.
-      const uint32_t packed = *reinterpret_cast<const uint32_t*>(a.data + r * (a.cols / 2) + c / 2);
+      // exactly, so q * s = h * (2^14 s), both products exact-rounded once. Without S_dec
+      // (block scales only) the second product is by 1: the same first product.
+      const uint2 packed = *reinterpret_cast<const uint2*>(a.data + r * (a.cols / 2) + c / 2);
       const float s = block_multiplier(a, r, c) * 16384.0f;
-      const float s_dec = a.row_scaled ? nvfp4_global(a.amax[r]).s_dec : tensor_s_dec;
+      const float s_dec =
+          a.row_scaled && !a.block_scales_only ? nvfp4_global(a.amax[r]).s_dec : tensor_s_dec;
 #pragma unroll
       for (int i = 0; i < kGroup; i += 2) {
-        const float2 h = e2m1x2_to_float2_scaled(packed >> (4 * i));
+        const float2 h = e2m1x2_to_float2_scaled((i < 8 ? packed.x : packed.y) >> (4 * (i % 8)));
         vals[i] = h.x * s * s_dec;
         vals[i + 1] = h.y * s * s_dec;
       }
     } else {
-      const uint2 packed = *reinterpret_cast<const uint2*>(a.data + r * a.cols + c);
-      // Blocks are at least 16 wide and 16-aligned, so one multiplier serves all 8.
+      const uint4 packed = *reinterpret_cast<const uint4*>(a.data + r * a.cols + c);
+      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
       const float s = block_multiplier(a, r, c);
 #pragma unroll
       for (int i = 0; i < kGroup; i += 2) {
-        const float2 q = fp8x2_to_float2((i < 4 ? packed.x : packed.y) >> (8 * (i % 4)), a.element);
+        const float2 q = fp8x2_to_float2(words[i / 4] >> (8 * (i % 4)), a.element);
         vals[i] = q.x * s;
         vals[i + 1] = q.y * s;
       }
@@ -91,7 +100,8 @@ ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer s
   if (data.size_bytes() != static_cast<size_t>(rows * (nvfp4 ? cols / 2 : cols))) {
     return invalid("dequantize: data size does not match the output shape");
   }
-  if (nvfp4 && amax.element_count() != (cfg.row_scaled ? static_cast<size_t>(rows) : 1)) {
+  const size_t amax_count = cfg.row_scaled ? static_cast<size_t>(rows) : 1;
+  if (nvfp4 && !cfg.block_scales_only && amax.element_count() != amax_count) {
     return invalid("dequantize: NVFP4 global amax has the wrong size");
   }
   DequantArgs a{};
@@ -108,6 +118,7 @@ ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer s
     return invalid("dequantize: block dims must be powers of two");
   }
   a.row_scaled = cfg.row_scaled;
+  a.block_scales_only = cfg.block_scales_only;
   if (rows == 0 || cols == 0) return ffi::Error::Success();
   return dispatch_float(result->element_type(), [&](auto tag) {
     using T = decltype(tag);

@@ -50,7 +50,7 @@ def _partition(config, mesh, arg_shapes, result_shape):
   return arg_specs, result_specs, local
 
 
-def _sharding_rule(config, shapes):
+def _sharding_rule(config, shapes, mesh_size):
   if config.amax_per_row:
     return sharding.rule([("m", "k")], [("m",)], {}, reduction_factors=("k",))
   return sharding.rule([("m", "k")], [()], {}, reduction_factors=("m", "k"))

@@ -58,7 +58,7 @@ def _reference(a, b, sfa, sfb, *, config):
 _ROWS_PER_SHARD = 16
 
 
-def _sharding_rule(config, shapes):
+def _sharding_rule(config, shapes, mesh_size):
   """A's rows (M) and B's rows (N) may be sharded, the contraction (K, and the k-blocks of
   the scales) may not: each k-block's scales multiply one whole 128-deep partial sum."""
   (_, _), (n, _) = shapes[0], shapes[1]

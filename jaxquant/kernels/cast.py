@@ -84,10 +84,13 @@ def _whole_blocks(config: KernelConfig, m: int, k: int) -> bool:
   return m % mi == 0 and k % ki == 0
 
 
-def _sharding_rule(config: KernelConfig, shapes):
+def _sharding_rule(config: KernelConfig, shapes, mesh_size):
   m, k = shapes[0]
-  if not _whole_blocks(config, m, k):
-    # Partial edge blocks (block FP8): keep the tensor whole.
+  mi, ki = _blocks(config)
+  if not _whole_blocks(config, m, k) or (m // mi) % mesh_size or (k // ki) % mesh_size:
+    # Partial edge blocks (block FP8), or fewer blocks than an even split over the devices
+    # needs (Shardy would split a mesh axis to shard them, which `partition` cannot take):
+    # keep the tensor whole.
     seed = ("seed",) if config.stochastic_rounding else ()
     operands = [("m", "k"), ("r",) if config.format.row_scaled else (), (), seed]
     results = [tuple(f"o{i}_{d}" for d in range(len(s))) for i, s in enumerate(

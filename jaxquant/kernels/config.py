@@ -39,6 +39,7 @@ class KernelConfig:
   rht: bool = False  # NVFP4: Hadamard transform on the columnwise usage
   stochastic_rounding: bool = False
   amax_per_row: bool = False  # amax kernel only
+  block_scales_only: bool = False  # dequantize only: leave the outer scale (NVFP4 S_dec) out
   out_dtype: Optional[str] = None  # dequantize only; not an FFI attribute (the output
   # buffer's dtype says it on the C++ side)
 
@@ -58,6 +59,7 @@ class KernelConfig:
         stochastic_rounding=i32(self.stochastic_rounding),
         row_scaled=i32(self.format.row_scaled),
         amax_per_row=i32(self.amax_per_row),
+        block_scales_only=i32(self.block_scales_only),
     )
 
   @property

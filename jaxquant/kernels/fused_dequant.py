@@ -74,7 +74,7 @@ def _reference(a, sa, amax_a, b, sb, amax_b, *, config):
   return [(out * scale).astype(config.out_dtype)]
 
 
-def _sharding_rule(config, shapes):
+def _sharding_rule(config, shapes, mesh_size):
   """B's rows (N) may stay sharded when its scales are per row (1-D blocks); A (at most 32
   rows), K and 16x16-tiled B are whole."""
   per_row = config.b_format.block[0] == 1

@@ -36,7 +36,8 @@ class KernelSpec:
   abstract_eval(*avals, config) -> list of ShapedArray; reference(*arrays, config) -> list
   of arrays (the non-CUDA lowering); partition(config, mesh, arg_shapes, result_shape) ->
   (arg_specs, result_specs, local_fn) with local_fn(config, axes, *shards) computing one
-  shard's results; sharding_rule(config, arg_shapes) -> (einsum-like rule, kwargs).
+  shard's results; sharding_rule(config, arg_shapes, mesh_size) -> (einsum-like rule, kwargs),
+  mesh_size the number of devices (a dim of blocks divisible by it shards evenly on any axes).
   """
 
   name: str
@@ -95,7 +96,7 @@ def define(spec: KernelSpec) -> Primitive:
 
   def sharding_rule(config, mesh, value_types, result_types):
     shapes = [tuple(t.shape) for t in value_types]
-    return spec.sharding_rule(config, shapes)
+    return spec.sharding_rule(config, shapes, mesh.size)
 
   @functools.partial(custom_partitioning, static_argnums=(0,))
   def partitioned(config, *args):
@@ -127,5 +128,9 @@ def define(spec: KernelSpec) -> Primitive:
     return lower_partitioned(ctx, *args, config=config)
 
   mlir.register_lowering(outer, lower_outer)
+  # As for custom_partitioning itself: without this, jit lowers a jaxpr holding only the
+  # outer primitive with no device assignment, lower_outer takes it for one device, and
+  # XLA partitions the whole kernel (gathering its operands) instead of running `partition`.
+  dispatch.prim_requires_devices_during_lowering.add(outer)
   batching.primitive_batchers[outer] = _batch_rule(outer)
   return outer

@@ -62,7 +62,7 @@ def kept_whole(num_operands: int):
     replicated = pspec()
     return [replicated] * num_operands, [replicated], lambda kernel, *a: kernel(*a)
 
-  def sharding_rule(config, shapes):
+  def sharding_rule(config, shapes, mesh_size):
     operands = [tuple(f"a{i}_{d}" for d in range(len(s))) for i, s in enumerate(shapes)]
     results = [("r0", "r1")]
     names = tuple(sorted({f for t in operands + results for f in t}))

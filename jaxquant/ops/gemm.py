@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxquant import kernels
 from jaxquant.formats import Family
 from jaxquant.kernels import block_gemm, fused_dequant
-from jaxquant.reference import split_scales
+from jaxquant.reference import outer_scale, split_scales
 from jaxquant.tensor import QuantizedData
 
 Operand = Union[QuantizedData, jax.Array]
@@ -112,15 +112,33 @@ def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32
                                    b_block_rows=b.format.block[0], out_dtype=out_dtype)
 
 
+def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+  """Each operand's block-scaled values (exact in bf16) from the dequantize kernel, XLA's
+  bf16 GEMM with fp32 accumulation, outer scales in the epilogue. The kernel's result is
+  opaque to XLA, which would otherwise fuse the dequantization into a transposing fusion
+  at a quarter of the copy bandwidth (notes/gemm.md, session 6). Without outer scales the
+  GEMM rounds its fp32 sums to `out_dtype` itself: no fp32 result to write and convert."""
+  va = kernels.dequantize_data(a, jnp.bfloat16, block_scales_only=True)
+  vb = kernels.dequantize_data(b, jnp.bfloat16, block_scales_only=True)
+  oa, ob = outer_scale(a), outer_scale(b)
+  dims = (((1,), (1,)), ((), ()))
+  if oa is None and ob is None and jnp.dtype(out_dtype) in (jnp.float32, jnp.bfloat16):
+    return jax.lax.dot_general(va, vb, dims, preferred_element_type=out_dtype)
+  out = jax.lax.dot_general(va, vb, dims, preferred_element_type=jnp.float32)
+  return _epilogue(out, oa, ob, out_dtype)
+
+
 def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
   """MXFP8 / NVFP4 pairs: with at most 32 rows on one side (decode-like), the kernel that
   dequantizes in registers and reads the codes once; D^T = B . A^T when B is the short
-  side. Larger problems dequantize to bf16 (exact) for XLA's bf16 GEMM."""
+  side. Larger problems dequantize first (kernel, then XLA's bf16 GEMM)."""
   if kernels.available():
     if fused_dequant.unsupported_reason(a, b, out_dtype) is None:
       return fused_dequant.dequant_gemm(a, b, out_dtype=out_dtype)
     if fused_dequant.unsupported_reason(b, a, out_dtype) is None:
       return fused_dequant.dequant_gemm(b, a, out_dtype=out_dtype).T
+    if a.stored_shape[1] % 16 == 0:  # the dequantize kernel's 16-element groups along k
+      return _dequantize_first_gemm(a, b, out_dtype=out_dtype)
   return _gpu_emulated_gemm(a, b, out_dtype=out_dtype)
 
 

@@ -19,7 +19,7 @@ from jaxquant.quantizers import (QUANTIZER_TYPES, BlockFloat8Quantizer, DelayedF
 from jaxquant.reference import fp8, fp32, hadamard, mxfp8, nvfp4
 from jaxquant.tensor import QuantizedData, QuantizedTensor, Usage, check_usages
 
-__all__ = ["quantize", "dequantize", "dequantize_data", "split_scales", "check_input"]
+__all__ = ["quantize", "dequantize", "dequantize_data", "split_scales", "outer_scale", "check_input"]
 
 
 def check_input(x, quantizer) -> None:
@@ -87,19 +87,27 @@ def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"
   return (qt, new_state) if state is not None else qt
 
 
-def split_scales(qd: QuantizedData):
-  """(values with block scales applied [rows, cols] fp32, outer decode scale).
+def outer_scale(qd: QuantizedData):
+  """The decode scale that factors out of a GEMM: the per-tensor FP8 scale_inv, the NVFP4
+  S_dec (a scalar, or [rows] for per-token data), or None."""
+  family = qd.format.family
+  if family is Family.FP8_TENSOR:
+    return qd.scale_inv
+  if family is Family.NVFP4:
+    return nvfp4.decode_scale(qd)
+  return None
 
-  The outer scale is what factors out of a GEMM: the per-tensor FP8 scale_inv, the NVFP4
-  S_dec (a scalar, or [rows] for per-token data), or None.
-  """
+
+def split_scales(qd: QuantizedData):
+  """(values with block scales applied [rows, cols] fp32, `outer_scale(qd)`)."""
   family = qd.format.family
   if family in (Family.FP8_TENSOR, Family.FP8_BLOCK):
     values = fp8.dequantize_values(qd)
-    return values, (qd.scale_inv if family is Family.FP8_TENSOR else None)
-  if family is Family.MXFP8:
-    return mxfp8.dequantize_values(qd), None
-  return nvfp4.dequantize_values(qd), nvfp4.decode_scale(qd)
+  elif family is Family.MXFP8:
+    values = mxfp8.dequantize_values(qd)
+  else:
+    values = nvfp4.dequantize_values(qd)
+  return values, outer_scale(qd)
 
 
 def dequantize_data(qd: QuantizedData) -> jax.Array:

@@ -235,8 +235,28 @@ def test_kernel_edge_cases_and_bf16_output(a_name, b_name):
 @pytest.mark.parametrize("m,n,uses_kernel", [(16, 512, True), (512, 24, True), (64, 512, False)])
 def test_gemm_dispatch(m, n, uses_kernel):
   """ops.gemm takes the kernel when either side has at most 32 rows (D^T = B . A^T when it
-  is B), and the dequantize-first GEMM otherwise; every route matches the oracle."""
+  is B), and otherwise the dequantize kernel before XLA's bf16 GEMM; every route matches
+  the oracle."""
   a, b = operands(11, m, n, 512, "mxfp8_e4m3", "nvfp4")
   run = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
-  assert ("jaxquant_dequant_gemm" in run.lower(a, b).as_text()) == uses_kernel
+  text = run.lower(a, b).as_text()
+  assert ("jaxquant_dequant_gemm" in text) == uses_kernel
+  assert ("jaxquant_dequantize" in text) != uses_kernel
   assert_close(run(a, b), oracle(a, b), BF16_MMA_TOLERANCE)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("a_name,b_name", PAIRS)
+def test_dequantize_first_route_matches_oracle(a_name, b_name):
+  """More than 32 rows on both sides: the dequantize kernel (block scales only) and XLA's
+  bf16 GEMM, S_dec in the epilogue; 16x16 tiles and per-token rows included, sizes that
+  fill no 128-wide GEMM tile, fp32 and bf16 outputs, NaN rows passed through."""
+  a, b = operands(21, 80, 208, 512, a_name, b_name, edges=True)
+  want = oracle(a, b)
+  run = jax.jit(lambda a, b, dtype: gemm_ops.gemm(a, b, out_dtype=dtype), static_argnums=2)
+  assert "jaxquant_dequantize" in run.lower(a, b, jnp.float32).as_text()
+  assert_close(run(a, b, jnp.float32), want, BF16_MMA_TOLERANCE)
+  got16 = run(a, b, jnp.bfloat16)
+  assert got16.dtype == jnp.bfloat16
+  assert_close(got16.astype(jnp.float32), want, BF16_MMA_TOLERANCE + 2.0 ** -9)

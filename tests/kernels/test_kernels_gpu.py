@@ -117,6 +117,14 @@ def test_dequantize_bit_exact(name, out_dtype):
     kernel = f(jax.device_put(qt, jax.devices()[0]), "kernel")
     want = reference_on_cpu(lambda qt: f(qt, "reference"), qt)
     assert_same_bits(kernel, want, f"dequantize {name} {usage}")
+    stored = qt.usage(usage)
+    if name.startswith("fp8_"):
+      continue  # per-tensor FP8 has no block scales
+    # Block scales only: the values a GEMM multiplies (NVFP4 without S_dec).
+    g = jax.jit(lambda qd: kernels.dequantize_data(qd, out_dtype, block_scales_only=True))
+    want = reference_on_cpu(lambda qd: reference.split_scales(qd)[0].astype(out_dtype), stored)
+    assert_same_bits(g(jax.device_put(stored, jax.devices()[0])), want,
+                     f"dequantize {name} {usage} block scales only")
 
 
 @pytest.mark.parametrize("name", sorted(SR_QUANTIZERS))

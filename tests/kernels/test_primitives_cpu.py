@@ -94,6 +94,66 @@ def test_sharded_amax_is_global(eight_devices):
   assert_same_bits(rows, reference.fp32.abs_max(x, axis=1), "per-row amax sharded")
 
 
+DEQUANTIZE_SHARDED_CASES = [
+    # (quantizer, usage, spec, whole): whole = every shard holds whole blocks, nothing gathered
+    ("mxfp8_e4m3", "rowwise", P("a", "b"), True),
+    ("mxfp8_e4m3", "columnwise", P(None, ("a", "b")), True),
+    ("nvfp4_per_token", "rowwise", P("a", "b"), True),
+    ("nvfp4_16x16", "rowwise", P("a", "b"), True),
+    ("block_128x128", "rowwise", P(("a", "b"), None), False),  # 128-row tiles over 8 shards of 64
+    ("fp8_e4m3", "rowwise", P("b", "a"), True),
+]
+
+
+@pytest.mark.parametrize("name,usage,spec,whole", DEQUANTIZE_SHARDED_CASES, ids=str)
+@pytest.mark.parametrize("block_scales_only", [False, True], ids=["all_scales", "block_scales"])
+def test_sharded_dequantize(name, usage, spec, whole, block_scales_only, eight_devices):
+  """Each device dequantizes its shard (same bits as one device) and keeps the operand's
+  sharding wherever whole scaling blocks allow; tiles a shard would split are gathered."""
+  if block_scales_only and name.startswith("fp8_"):
+    pytest.skip("per-tensor FP8 has no block scales")
+  q = SHARDED_CASES[name]
+  stored = getattr(reference.quantize(random_input(5, (512, 1024), jnp.bfloat16), q), usage)
+  f = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.bfloat16, block_scales_only=block_scales_only))
+  want = f(stored)
+  mesh = _mesh(eight_devices)
+
+  def place(array, array_spec):  # replicated where the spec does not divide the array
+    try:
+      return jax.device_put(array, NamedSharding(mesh, array_spec))
+    except ValueError:
+      return jax.device_put(array, NamedSharding(mesh, P()))
+
+  amax = stored.amax
+  placed = stored.__class__(place(stored.data, spec), place(stored.scale_inv, spec),
+                            None if amax is None else place(amax, P(*spec[:amax.ndim])),
+                            stored.format)
+  got = f(placed)
+  assert_same_bits(got, want, f"dequantize {name} {usage} {spec}")
+  # The stored codes must not be gathered (matched by their full shape: XLA:CPU widens FP8
+  # to f16 for collectives; the reference's exact-product host callback gathers fp32).
+  rows, cols = stored.data.shape
+  hlo = f.lower(placed).compile().as_text()
+  gathered = re.search(rf"(f8\w+|u8|f16)\[{rows},{cols}\][^ ]* all-gather", hlo)
+  assert bool(gathered) != whole, f"{name} {spec}: codes gathered={bool(gathered)}"
+  if whole:
+    padded = lambda s: tuple(s) + (None,) * (2 - len(tuple(s)))
+    assert padded(got.sharding.spec) == padded(spec)
+
+
+def test_dequantize_block_scales_only_leaves_s_dec_out():
+  """The values a GEMM multiplies: NVFP4 without S_dec (reference.split_scales), every
+  other family as the full dequantization."""
+  x = random_input(6, (64, 128), jnp.bfloat16) * 1e3
+  for name in ("nvfp4", "nvfp4_per_token", "mxfp8_e5m2", "block_1x128"):
+    stored = reference.quantize(x, SHARDED_CASES[name]).rowwise
+    got = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.float32, block_scales_only=True))(stored)
+    assert_same_bits(got, reference.split_scales(stored)[0], f"{name} block scales only")
+  with pytest.raises(ValueError, match="per-tensor FP8"):
+    kernels.dequantize_data(reference.quantize(x, QUANTIZERS["fp8_e4m3"]).rowwise, jnp.float32,
+                            block_scales_only=True)
+
+
 def test_config_matches_the_cpp_struct():
   header = pathlib.Path(__file__).parents[2] / "ffi/include/jaxquant/ffi_glue.h"
   cpp = re.findall(r'StructMember<\w+>\("(\w+)"\)', header.read_text())

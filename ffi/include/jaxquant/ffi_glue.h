@@ -34,6 +34,7 @@ struct KernelConfig {
   int32_t stochastic_rounding;
   int32_t row_scaled;     // NVFP4 per-token: one global amax per rowwise row
   int32_t amax_per_row;   // amax kernel: per row instead of per tensor
+  int32_t block_scales_only;  // dequantize: leave the outer scale (NVFP4 S_dec) out
 };
 
 enum Family : int32_t { kFp8Tensor = 0, kFp8Block = 1, kMxfp8 = 2, kNvfp4 = 3 };
@@ -93,4 +94,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int32_t>("rht"),
     ::xla::ffi::StructMember<int32_t>("stochastic_rounding"),
     ::xla::ffi::StructMember<int32_t>("row_scaled"),
-    ::xla::ffi::StructMember<int32_t>("amax_per_row"));
+    ::xla::ffi::StructMember<int32_t>("amax_per_row"),
+    ::xla::ffi::StructMember<int32_t>("block_scales_only"));
