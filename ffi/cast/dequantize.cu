@@ -1,9 +1,9 @@
 // Dequantize one usage in its stored layout, every family: data [rows, cols] (cols/2 bytes
 // for packed E2M1) and its scales back to the high-precision dtype of the output buffer.
-// Each thread turns 16 consecutive elements of one stored row (one 16-byte load of FP8
-// codes, 8 bytes of E2M1; one scaling block, since blocks are at least 16 wide and
-// 16-aligned) into 16 outputs; codes are widened through fp16, which holds every FP8 and
-// E2M1 value exactly, so each output is the same one or two fp32 products as the reference.
+// Each thread turns 8 consecutive FP8 elements (16 E2M1 ones) of one stored row, one
+// 8-byte load within one scaling block (blocks are at least 16 wide and 16-aligned), into
+// 16-byte stores; codes are widened through fp16, which holds every FP8 and E2M1 value
+// exactly, so each output is the same one or two fp32 products as the reference.
 // With `block_scales_only` the NVFP4 outer scale S_dec is left out: the values a GEMM
 // multiplies (E2M1 times an E4M3 scale: exact in bf16), S_dec applied after the sum.
 #include "jaxquant/ffi_glue.h"
@@ -12,61 +12,69 @@
 namespace jaxquant {
 namespace {
 
-// Elements per thread. Sixteen rather than eight: twice the bytes in flight per thread,
-// which the loads need to approach the copy's bandwidth (8 gave ~half of it at 8192^2).
-constexpr int kGroup = 16;
-
 struct DequantArgs {
   const uint8_t* data;
   const void* scale;     // fp32 (FP8 families), E8M0 or E4M3 bytes
   const float* amax;     // NVFP4 global amax: [] or [rows]
   int64_t rows, cols;
-  int32_t family, element, row_shift, col_shift, row_scaled;  // block = 2^shift
+  int32_t row_shift, col_shift, row_scaled;  // block = 2^shift
   int32_t block_scales_only;
 };
 
-// Scale multiplier of the block holding (r, c) in the stored layout.
+// Family and element are template parameters: a thread makes one load, one short chain of
+// conversions and one or two stores, so every instruction lengthens the time its load
+// waits to be replaced (a runtime-generic version ran at half the copy's bandwidth).
+template <int32_t kFamily>
+constexpr int kGroup = kFamily == kNvfp4 ? 16 : 8;  // elements a thread: 8 or 4 code bytes
+
+// Scale multiplier of the block holding (r, c) in the stored layout (NVFP4: times 2^14,
+// see below).
+template <int32_t kFamily>
 __device__ __forceinline__ float block_multiplier(const DequantArgs& a, int64_t r, int64_t c) {
-  if (a.family == kFp8Tensor) return *reinterpret_cast<const float*>(a.scale);
-  // Block FP8 allows a partial last block: ceil(cols / block) blocks per row.
-  const int64_t blocks_across = ((a.cols - 1) >> a.col_shift) + 1;
-  const int64_t index = (r >> a.row_shift) * blocks_across + (c >> a.col_shift);
-  if (a.family == kFp8Block) return reinterpret_cast<const float*>(a.scale)[index];
-  const uint8_t byte = reinterpret_cast<const uint8_t*>(a.scale)[index];
-  if (a.family == kMxfp8) return e8m0_to_float(byte);
-  return e4m3_to_float(byte);
+  if constexpr (kFamily == kFp8Tensor) {
+    return *reinterpret_cast<const float*>(a.scale);
+  } else {
+    // Block FP8 allows a partial last block: ceil(cols / block) blocks per row.
+    const int64_t blocks_across = ((a.cols - 1) >> a.col_shift) + 1;
+    const int64_t index = (r >> a.row_shift) * blocks_across + (c >> a.col_shift);
+    if constexpr (kFamily == kFp8Block) return reinterpret_cast<const float*>(a.scale)[index];
+    const uint8_t byte = reinterpret_cast<const uint8_t*>(a.scale)[index];
+    if constexpr (kFamily == kMxfp8) return e8m0_to_float(byte);
+    return e4m3_to_float(byte) * 16384.0f;
+  }
 }
 
-template <typename T>
+template <typename T, int32_t kFamily, int32_t kElement>
 __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* __restrict__ out) {
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kGroup;
+  constexpr int G = kGroup<kFamily>;
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * G;
   if (c >= a.cols) return;
-  const bool nvfp4 = a.family == kNvfp4;
-  const bool per_tensor_s_dec = nvfp4 && !a.row_scaled && !a.block_scales_only;
-  const float tensor_s_dec = per_tensor_s_dec ? nvfp4_global(*a.amax).s_dec : 1.0f;
   for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
-    float vals[kGroup];
-    if (nvfp4) {
+    float vals[G];
+    const float s = block_multiplier<kFamily>(a, r, c);
+    if constexpr (kFamily == kNvfp4) {
       // x = q * float(s) * S_dec, in that order (NUMERICS.md NVFP4 step 6); q is 2^14 h
-      // exactly, so q * s = h * (2^14 s), both products exact-rounded once. Without S_dec
-      // (block scales only) the second product is by 1: the same first product.
+      // exactly, so q * s = h * (2^14 s), both products exact-rounded once. Block scales
+      // only: the first product alone.
       const uint2 packed = *reinterpret_cast<const uint2*>(a.data + r * (a.cols / 2) + c / 2);
-      const float s = block_multiplier(a, r, c) * 16384.0f;
-      const float s_dec =
-          a.row_scaled && !a.block_scales_only ? nvfp4_global(a.amax[r]).s_dec : tensor_s_dec;
+      const uint32_t words[2] = {packed.x, packed.y};
 #pragma unroll
-      for (int i = 0; i < kGroup; i += 2) {
-        const float2 h = e2m1x2_to_float2_scaled((i < 8 ? packed.x : packed.y) >> (4 * (i % 8)));
-        vals[i] = h.x * s * s_dec;
-        vals[i + 1] = h.y * s * s_dec;
+      for (int i = 0; i < G; i += 2) {
+        const float2 h = e2m1x2_to_float2_scaled(words[i / 8] >> (4 * (i % 8)));
+        vals[i] = h.x * s;
+        vals[i + 1] = h.y * s;
+      }
+      if (!a.block_scales_only) {
+        const float s_dec = nvfp4_global(a.amax[a.row_scaled ? r : 0]).s_dec;
+#pragma unroll
+        for (int i = 0; i < G; ++i) vals[i] *= s_dec;
       }
     } else {
-      const uint4 packed = *reinterpret_cast<const uint4*>(a.data + r * a.cols + c);
-      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-      const float s = block_multiplier(a, r, c);
+      const uint2 packed = *reinterpret_cast<const uint2*>(a.data + r * a.cols + c);
+      const uint32_t words[2] = {packed.x, packed.y};
 #pragma unroll
-      for (int i = 0; i < kGroup; i += 2) {
-        const float2 q = fp8x2_to_float2(words[i / 4] >> (8 * (i % 4)), a.element);
+      for (int i = 0; i < G; i += 2) {
+        const float2 q = fp8x2_to_float2(words[i / 4] >> (8 * (i % 4)), kElement);
         vals[i] = q.x * s;
         vals[i + 1] = q.y * s;
       }
@@ -74,13 +82,21 @@ __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* 
     constexpr int V = kVec<T>;
     Vec16<T>* dst = reinterpret_cast<Vec16<T>*>(out + r * a.cols + c);
 #pragma unroll
-    for (int j = 0; j < kGroup / V; ++j) {
+    for (int j = 0; j < G / V; ++j) {
       Vec16<T> w;
 #pragma unroll
       for (int i = 0; i < V; ++i) w.v[i] = from_float<T>(vals[j * V + i]);
       dst[j] = w;
     }
   }
+}
+
+template <typename T, int32_t kFamily, int32_t kElement>
+void launch(const DequantArgs& a, T* out, cudaStream_t stream) {
+  constexpr int64_t kMaxGridY = 65535;
+  const dim3 grid((a.cols / kGroup<kFamily> + kThreads - 1) / kThreads,
+                  a.rows < kMaxGridY ? a.rows : kMaxGridY);
+  dequantize_kernel<T, kFamily, kElement><<<grid, kThreads, 0, stream>>>(a, out);
 }
 
 // log2 of a power-of-two block size, or -1.
@@ -110,8 +126,6 @@ ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer s
   a.amax = reinterpret_cast<const float*>(amax.untyped_data());
   a.rows = rows;
   a.cols = cols;
-  a.family = cfg.family;
-  a.element = cfg.element;
   a.row_shift = cfg.family == kFp8Tensor ? 0 : block_shift(cfg.block_rows);
   a.col_shift = cfg.family == kFp8Tensor ? 0 : block_shift(cfg.block_cols);
   if (a.row_shift < 0 || a.col_shift < 0) {
@@ -122,10 +136,21 @@ ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer s
   if (rows == 0 || cols == 0) return ffi::Error::Success();
   return dispatch_float(result->element_type(), [&](auto tag) {
     using T = decltype(tag);
-    constexpr int64_t kMaxGridY = 65535;
-    const dim3 grid((cols / kGroup + kThreads - 1) / kThreads, rows < kMaxGridY ? rows : kMaxGridY);
-    dequantize_kernel<T><<<grid, kThreads, 0, stream>>>(
-        a, reinterpret_cast<T*>(result->untyped_data()));
+    T* out = reinterpret_cast<T*>(result->untyped_data());
+    const bool e5m2 = cfg.element == kE5M2;
+    switch (cfg.family) {
+      case kFp8Tensor:
+        e5m2 ? launch<T, kFp8Tensor, kE5M2>(a, out, stream) : launch<T, kFp8Tensor, kE4M3>(a, out, stream);
+        break;
+      case kFp8Block:
+        e5m2 ? launch<T, kFp8Block, kE5M2>(a, out, stream) : launch<T, kFp8Block, kE4M3>(a, out, stream);
+        break;
+      case kMxfp8:
+        e5m2 ? launch<T, kMxfp8, kE5M2>(a, out, stream) : launch<T, kMxfp8, kE4M3>(a, out, stream);
+        break;
+      default:
+        launch<T, kNvfp4, kE2M1>(a, out, stream);
+    }
     return cuda_status("dequantize");
   });
 }

@@ -65,7 +65,10 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
         state=state.get(tensor_type))
     if tensor_type in state:
       new_state[tensor_type] = role_state
-  y = gemm(operands["input"]["rowwise"], operands["weight"]["rowwise"], out_dtype=jnp.float32)
+  # fp32 sums rounded once to x's dtype, by the GEMM itself where no bias is added first
+  # (the same bits; no fp32 [M, N] to write and convert).
+  y_dtype = x.dtype if bias is None else jnp.float32
+  y = gemm(operands["input"]["rowwise"], operands["weight"]["rowwise"], out_dtype=y_dtype)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   residuals = None
@@ -109,7 +112,7 @@ def _dense_bwd(cfg, saved, cotangents):
   w_col = columnwise_operand(residuals["weight"], cfg.backward)
   x_col = columnwise_operand(residuals["input"], cfg.backward)
   dx = gemm(dy_ops["rowwise"], w_col, out_dtype=dy.dtype)
-  dkernel = gemm(dy_ops["columnwise"], x_col, out_dtype=jnp.float32).T.astype(cfg.kernel_dtype)
+  dkernel = gemm(dy_ops["columnwise"], x_col, out_dtype=cfg.kernel_dtype).T
   dbias = None
   if cfg.bias_dtype is not None:
     dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(cfg.bias_dtype)
