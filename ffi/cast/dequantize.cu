@@ -1,8 +1,8 @@
 // Dequantize one usage in its stored layout, every family: data [rows, cols] (cols/2 bytes
 // for packed E2M1) and its scales back to the high-precision dtype of the output buffer.
-// Each thread turns 8 consecutive FP8 elements (16 E2M1 ones) of one stored row, one
-// 8-byte load within one scaling block (blocks are at least 16 wide and 16-aligned), into
-// 16-byte stores; codes are widened through fp16, which holds every FP8 and E2M1 value
+// Each thread turns 8 consecutive elements of one stored row, one 8-byte (E2M1: 4-byte)
+// load within one scaling block (blocks are at least 16 wide and 16-aligned), into one
+// 16-byte store of bf16/fp16 (two of fp32); codes are widened through fp16, which holds every FP8 and E2M1 value
 // exactly, so each output is the same one or two fp32 products as the reference.
 // With `block_scales_only` the NVFP4 outer scale S_dec is left out: the values a GEMM
 // multiplies (E2M1 times an E4M3 scale: exact in bf16), S_dec applied after the sum.
@@ -24,8 +24,7 @@ struct DequantArgs {
 // Family and element are template parameters: a thread makes one load, one short chain of
 // conversions and one or two stores, so every instruction lengthens the time its load
 // waits to be replaced (a runtime-generic version ran at half the copy's bandwidth).
-template <int32_t kFamily>
-constexpr int kGroup = kFamily == kNvfp4 ? 16 : 8;  // elements a thread: 8 or 4 code bytes
+constexpr int kGroup = 8;  // elements a thread: 8 FP8 or 4 E2M1 code bytes, 16 bytes of bf16
 
 // Scale multiplier of the block holding (r, c) in the stored layout (NVFP4: times 2^14,
 // see below).
@@ -46,7 +45,7 @@ __device__ __forceinline__ float block_multiplier(const DequantArgs& a, int64_t 
 
 template <typename T, int32_t kFamily, int32_t kElement>
 __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* __restrict__ out) {
-  constexpr int G = kGroup<kFamily>;
+  constexpr int G = kGroup;
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * G;
   if (c >= a.cols) return;
   for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
@@ -56,11 +55,10 @@ __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* 
       // x = q * float(s) * S_dec, in that order (NUMERICS.md NVFP4 step 6); q is 2^14 h
       // exactly, so q * s = h * (2^14 s), both products exact-rounded once. Block scales
       // only: the first product alone.
-      const uint2 packed = *reinterpret_cast<const uint2*>(a.data + r * (a.cols / 2) + c / 2);
-      const uint32_t words[2] = {packed.x, packed.y};
+      const uint32_t packed = *reinterpret_cast<const uint32_t*>(a.data + r * (a.cols / 2) + c / 2);
 #pragma unroll
       for (int i = 0; i < G; i += 2) {
-        const float2 h = e2m1x2_to_float2_scaled(words[i / 8] >> (4 * (i % 8)));
+        const float2 h = e2m1x2_to_float2_scaled(packed >> (4 * i));
         vals[i] = h.x * s;
         vals[i + 1] = h.y * s;
       }
@@ -94,7 +92,7 @@ __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* 
 template <typename T, int32_t kFamily, int32_t kElement>
 void launch(const DequantArgs& a, T* out, cudaStream_t stream) {
   constexpr int64_t kMaxGridY = 65535;
-  const dim3 grid((a.cols / kGroup<kFamily> + kThreads - 1) / kThreads,
+  const dim3 grid((a.cols / kGroup + kThreads - 1) / kThreads,
                   a.rows < kMaxGridY ? a.rows : kMaxGridY);
   dequantize_kernel<T, kFamily, kElement><<<grid, kThreads, 0, stream>>>(a, out);
 }

@@ -1,0 +1,108 @@
+"""The CUDA kernels under a sharded jit on several GPUs (skipped with fewer than two).
+
+Each device runs the kernel on its shard through the partition rules of kernels/*.py;
+the CPU suite checks the same rules with the reference lowering (test_primitives_cpu.py),
+this one that the FFI calls take shards: casts and dequantization give one device's bits
+and never gather their input, GEMMs match one device's result.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxquant
+from jaxquant import kernels, reference
+from jaxquant.ops import gemm as gemm_ops
+from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
+from kernel_cases import assert_same_bits, random_input, relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
+]
+
+BOTH = ("rowwise", "columnwise")
+
+
+@pytest.fixture
+def mesh():
+  devices = jax.devices()
+  if len(devices) < 2:
+    pytest.skip(f"needs 2 GPUs, {jax.default_backend()} has {len(devices)}")
+  return Mesh(np.array(devices), ("d",))
+
+
+def _gathers(hlo: str, dtype: str, shape) -> bool:
+  return bool(re.search(rf"{dtype}\[{','.join(map(str, shape))}\][^ ]* all-gather", hlo))
+
+
+QUANTIZERS = {"fp8_current": Float8Quantizer(), "mxfp8": MXFP8Quantizer(),
+              "nvfp4_per_token": NVFP4Quantizer(per_token=True), "nvfp4_rht": NVFP4Quantizer(rht=True)}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+@pytest.mark.parametrize("spec", [P("d", None), P(None, "d")], ids=str)
+def test_cast_takes_shards(mesh, name, spec):
+  quantizer = QUANTIZERS[name]
+  x = random_input(1, (1024, 2048), jnp.bfloat16)
+  want = kernels.quantize_usages(x, quantizer, BOTH)
+  xs = jax.device_put(x, NamedSharding(mesh, spec))
+  f = jax.jit(lambda x: kernels.quantize_usages(x, quantizer, BOTH))
+  assert_same_bits(f(xs), want, f"{name} sharded {spec}")
+  assert not _gathers(f.lower(xs).compile().as_text(), "bf16", x.shape), "input gathered"
+
+
+@pytest.mark.parametrize("spec", [P("d", None), P(None, "d")], ids=str)
+def test_dequantize_takes_shards(mesh, spec):
+  stored = reference.quantize(random_input(2, (1024, 2048), jnp.bfloat16), NVFP4Quantizer()).rowwise
+  f = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.bfloat16, block_scales_only=True))
+  want = f(stored)
+  placed = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec if a.ndim == 2 else P())),
+                        stored)
+  assert_same_bits(f(placed), want, f"dequantize sharded {spec}")
+  assert not _gathers(f.lower(placed).compile().as_text(), "u8", stored.data.shape), "codes gathered"
+
+
+@pytest.mark.parametrize("spec_a,spec_b", [(P("d", None), P()), (P(), P("d", None))],
+                         ids=["data_parallel", "weight_rows"])
+def test_dequantize_first_gemm_takes_shards(mesh, spec_a, spec_b):
+  """The MXFP8 GEMM of more than 32 rows (dequantize kernel, bf16 GEMM) with A's rows
+  (tokens) or B's rows (a column-parallel weight) sharded: one device's result."""
+  q = MXFP8Quantizer()
+  a = reference.quantize(random_input(3, (1024, 2048), jnp.bfloat16), q).rowwise
+  b = reference.quantize(random_input(4, (512, 2048), jnp.bfloat16), q).rowwise
+  f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
+  want = np.asarray(f(a, b), np.float64)
+  place = lambda qd, spec: jax.tree.map(lambda t: jax.device_put(t, NamedSharding(mesh, spec)), qd)
+  got = np.asarray(f(place(a, spec_a), place(b, spec_b)), np.float64)
+  assert relative_error(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("recipe", [jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8],
+                         ids=lambda r: r.name)
+def test_dense_training_step_data_parallel(mesh, recipe):
+  """Forward and backward of `dense` with the tokens sharded: per-tensor amaxes are global
+  (pmax in the cast's partition), so every quantized value is one device's, and the
+  outputs and gradients match one device's up to the sums' order (bf16 outputs)."""
+  x = random_input(5, (1024, 512), jnp.bfloat16)
+  kernel = (random_input(6, (512, 256), jnp.bfloat16) * 0.05).astype(jnp.bfloat16)
+
+  def loss(x, kernel):
+    y = jaxquant.dense(x, kernel, recipe=recipe, name="mlp")
+    return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  (_, y1), (dx1, dk1) = step(x, kernel)
+  xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+  (_, y2), (dx2, dk2) = step(xs, kernel)
+  for name, got, want in (("y", y2, y1), ("dx", dx2, dx1), ("dkernel", dk2, dk1)):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    # One bf16 rounding of sums that differ only in order: within a bf16 ulp each.
+    assert relative_error(got, want) <= 2.0 ** -8, name
