@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jaxquant import recipes
 from jaxquant.formats import INPUT_DTYPES
 from jaxquant.ops.dense_vjp import DenseConfig, dense_2d
-from jaxquant.ops.operands import (check_dims, check_placement, check_role_args, check_state,
-                                   is_high_precision, resolve_quantizers, role_key,
+from jaxquant.ops.operands import (FORWARD_USAGES, check_dims, check_placement, check_role_args,
+                                   check_state, is_high_precision, resolve_quantizers, role_key,
                                    usages_to_quantize)
 from jaxquant.quantizers import Quantizer, needs_key
 from jaxquant.roles import TENSOR_TYPES
@@ -90,13 +90,14 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
   keys = {}
   for t in TENSOR_TYPES:
     usages = usages_to_quantize(t, backward)
-    check_dims(shapes[t], quantizers[t], usages, f"{what} {t}")
+    # The forward's usages here; the backward's when a backward is traced (dense_vjp).
+    check_dims(shapes[t], quantizers[t], FORWARD_USAGES[t], f"{what} {t}")
     check_role_args(t, quantizers[t], usages, key=key, state=(state or {}).get(t),
                     what=f"{what} {t}")
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
 
   cfg = DenseConfig(tuple(quantizers.items()), backward, jnp.dtype(kernel.dtype),
-                    None if bias is None else jnp.dtype(bias.dtype))
+                    None if bias is None else jnp.dtype(bias.dtype), what)
   y, new_state = dense_2d(cfg, x.reshape(m, k), kernel, bias, keys, dict(state or {}))
   y = y.reshape(*x.shape[:-1], n)
   return y if state is None else (y, new_state)

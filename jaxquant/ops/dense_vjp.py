@@ -22,7 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import scaling
 from jaxquant.ops.gemm import gemm
-from jaxquant.ops.operands import (backward_residual, columnwise_operand, quantize_operand,
+from jaxquant.ops.operands import (FORWARD_USAGES, backward_residual, check_dims,
+                                   columnwise_operand, quantize_operand,
                                    quantize_transposed_operand, stored, usages_to_quantize)
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensor import USAGES
@@ -39,6 +40,7 @@ class DenseConfig:
   backward: str  # recipes.BACKWARD_MODES
   kernel_dtype: jnp.dtype  # gradients come back in the primal dtypes
   bias_dtype: Optional[jnp.dtype]  # None: no bias
+  what: str = "dense"  # the call's name in error messages
 
   def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
     return dict(self.quantizers)[tensor_type]
@@ -56,7 +58,8 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
   matrices = {"input": x, "weight": kernel.T}  # logical x [M, K] and w [N, K]
   operands = {}
   for tensor_type, matrix in matrices.items():
-    usages = usages_to_quantize(tensor_type, cfg.backward) if for_backward else ("rowwise",)
+    usages = (usages_to_quantize(tensor_type, cfg.backward) if for_backward
+              else FORWARD_USAGES[tensor_type])
     # w = kernel.T: the weight's usages are cast from the kernel itself where they can be.
     quantize_fn, source = ((quantize_transposed_operand, kernel) if tensor_type == "weight"
                            else (quantize_operand, matrix))
@@ -87,6 +90,12 @@ def dense_2d(cfg: DenseConfig, x, kernel, bias, keys, state):
 
 
 def _dense_fwd(cfg, x, kernel, bias, keys, state):
+  # A backward pass is coming: its usages must tile too (the primal call checked the
+  # forward's alone, so that few-token inference is not refused for the columnwise blocks).
+  m, k = x.shape
+  shapes = {"input": (m, k), "weight": (kernel.shape[1], k), "grad_output": (m, kernel.shape[1])}
+  for t, shape in shapes.items():
+    check_dims(shape, cfg.quantizer(t), usages_to_quantize(t, cfg.backward), f"{cfg.what} {t}")
   y, new_state, residuals = _forward(cfg, x, kernel, bias, keys, state, for_backward=True)
   saved = (residuals, keys["grad_output"], state.get("grad_output"))
   return (y, new_state), saved

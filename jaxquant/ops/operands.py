@@ -41,6 +41,11 @@ GEMM_OPERANDS = {
 }
 
 
+# The usages the forward GEMM (fprop) consumes, per tensor type.
+FORWARD_USAGES: dict[str, tuple[Usage, ...]] = {"input": ("rowwise",), "weight": ("rowwise",),
+                                                "grad_output": ()}
+
+
 def usages_to_quantize(tensor_type: str, backward: str) -> tuple[Usage, ...]:
   """The usages of a role's tensor that its GEMMs consume in quantized form.
 

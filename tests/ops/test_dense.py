@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-from jaxquant import recipes, scaling
+from jaxquant import recipes, reference, scaling
+from jaxquant.ops import gemm as gemm_ops
+from jaxquant.roles import QuantizerRole
 from jaxquant.ops import dense_vjp
 from jaxquant.quantizers import (BlockFloat8Quantizer, Float8Quantizer, HybridQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer, needs_state)
@@ -212,17 +214,36 @@ def test_errors_name_the_problem():
     _trace(lambda x, k: jq.dense(x, k, name="l"), x, kernel[None])
   with pytest.raises(ValueError, match=r"bias must have shape"):
     _trace(lambda x, k, b: jq.dense(x, k, b, name="l"), x, kernel, bias[:3])
+  # The backward's usages are checked when a backward is traced (forward alone: see
+  # test_forward_alone_takes_few_tokens).
+  grad = lambda f: jax.grad(lambda x, k: jnp.sum(f(x, k).astype(jnp.float32)), argnums=(0, 1))
   with pytest.raises(ValueError, match=r"dense 'l' input: columnwise usage.*divisible by its block 32"):
-    _trace(lambda x, k: jq.dense(x, k, recipe=recipes.mxfp8, name="l"), x[:, :24], kernel)
+    _trace(grad(lambda x, k: jq.dense(x, k, recipe=recipes.mxfp8, name="l")), x[:, :24], kernel)
   with pytest.raises(ValueError, match=r"dense 'l' grad_output: rowwise usage.*divisible by its block 16"):
-    _trace(lambda x, k: jq.dense(x, k, quantizers={"grad_output": NVFP4Quantizer()}, name="l"),
+    _trace(grad(lambda x, k: jq.dense(x, k, quantizers={"grad_output": NVFP4Quantizer()}, name="l")),
            x, kernel[:, :40])
+  with pytest.raises(ValueError, match=r"dense 'l' input: rowwise usage.*divisible by its block 32"):
+    _trace(lambda x, k: jq.dense(x, k, recipe=recipes.mxfp8, name="l"), x[..., :48], kernel[:48])
   with pytest.raises(ValueError, match=r"dense 'l' grad_output: .*pass a PRNG key"):
     _trace(lambda x, k: jq.dense(x, k, recipe=recipes.nvfp4, name="l"), x, kernel)
   with pytest.raises(ValueError, match=r"roles \['grad_output', 'input', 'weight'\] use delayed"):
     _trace(lambda x, k: jq.dense(x, k, recipe=recipes.fp8_delayed, name="l"), x, kernel)
   with pytest.raises(TypeError, match=r"quantizers\['weight'\]"):
     _trace(lambda x, k: jq.dense(x, k, quantizers={"weight": "fp8"}, name="l"), x, kernel)
+
+
+@pytest.mark.parametrize("recipe", [recipes.mxfp8, recipes.nvfp4], ids=lambda r: r.name)
+def test_forward_alone_takes_few_tokens(recipe):
+  """Inference with 8 tokens: no columnwise blocks along tokens are needed, so none are
+  checked (the forward equals the reference emulation of its two rowwise operands)."""
+  _, kernel, _, _ = _data()
+  x = jax.random.normal(jax.random.key(3), (8, kernel.shape[0]), kernel.dtype)
+  got = jax.jit(lambda x, k: jq.dense(x, k, recipe=recipe, name="l", key=jax.random.key(0)))(x, kernel)
+  qs = {t: recipe.qfactory(QuantizerRole("linear", t, "l")) for t in ("input", "weight")}
+  a = reference.quantize(x, qs["input"], ("rowwise",)).rowwise
+  b = reference.quantize(kernel.T, qs["weight"], ("rowwise",)).rowwise
+  want = gemm_ops.reference_gemm(a, b, out_dtype=jnp.float32).astype(x.dtype)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_placement_errors():
