@@ -12,10 +12,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jaxquant
 from jaxquant import kernels, reference
 from jaxquant.kernels import fused_dequant as fd
 from jaxquant.ops import gemm as gemm_ops
 from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
+from jaxquant.roles import QuantizerRole
 from jaxquant.tensor import QuantizedData
 from kernel_cases import BF16_MMA_TOLERANCE, edge_input, random_input, relative_error
 
@@ -260,3 +262,19 @@ def test_dequantize_first_route_matches_oracle(a_name, b_name):
   got16 = run(a, b, jnp.bfloat16)
   assert got16.dtype == jnp.bfloat16
   assert_close(got16.astype(jnp.float32), want, BF16_MMA_TOLERANCE + 2.0 ** -9)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("recipe", [jaxquant.recipes.mxfp8, jaxquant.recipes.nvfp4], ids=lambda r: r.name)
+def test_dense_decode_reaches_the_kernel(recipe):
+  """`dense` of 16 tokens (inference) under MXFP8 / NVFP4 runs this kernel and matches the
+  oracle of its two rowwise operands."""
+  x = random_input(31, (16, 512), jnp.float32).astype(jnp.bfloat16)
+  kernel = (random_input(32, (512, 384), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  f = jax.jit(lambda x, k: jaxquant.dense(x, k, recipe=recipe, name="decode", key=jax.random.key(0)))
+  assert "jaxquant_dequant_gemm" in f.lower(x, kernel).as_text()
+  qs = {t: recipe.qfactory(QuantizerRole("linear", t, "decode")) for t in ("input", "weight")}
+  a = reference.quantize(x, qs["input"], ("rowwise",)).rowwise
+  b = reference.quantize(kernel.T, qs["weight"], ("rowwise",)).rowwise
+  assert_close(f(x, kernel).astype(jnp.float32), oracle(a, b), BF16_MMA_TOLERANCE + 2.0 ** -9)
