@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import ops
-from jaxquant.ops.operands import usages_to_quantize
+from jaxquant.ops.operands import FORWARD_USAGES, gemm_matrices
 from jaxquant.quantizers import Quantizer, for_usage
 
 # The logical matrix of each role and the GEMM dim each of its axes is.
@@ -84,14 +84,15 @@ def plan_einsum(lhs: str, rhs: str, out: str, what: str) -> GemmPlan:
 
 
 def check_gemm_dims(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]],
-                    backward: str, what: str) -> None:
+                    what: str) -> None:
   """Raises, naming the role and the GEMM dim (M, K or N), if a quantizer's blocks do not
-  tile a dim of the matrix it quantizes."""
-  sizes = {"input": (m, k), "weight": (n, k), "grad_output": (m, n)}
+  tile a dim of the matrix the forward GEMM quantizes (`ops.dense` checks the backward's
+  usages when a backward is traced, so that few-token inference is not refused)."""
+  sizes = gemm_matrices(m, k, n)
   for tensor_type, quantizer in quantizers.items():
     rows, cols = sizes[tensor_type]
     row_dim, col_dim = _ROLE_DIMS[tensor_type]
-    for usage in usages_to_quantize(tensor_type, backward):
+    for usage in FORWARD_USAGES[tensor_type]:
       q = for_usage(quantizer, usage)
       if q is None:
         continue
@@ -116,7 +117,7 @@ def quantized_gemm(plan: GemmPlan, x: jax.Array, kernel: jax.Array, *,
   """The layer's output through `ops.dense`, and the new delayed-scaling state (or None)."""
 
   def gemm(x2d, k2d):
-    check_gemm_dims(x2d.shape[0], x2d.shape[1], k2d.shape[1], quantizers, backward, what)
+    check_gemm_dims(x2d.shape[0], x2d.shape[1], k2d.shape[1], quantizers, what)
     out = ops.dense(x2d, k2d, quantizers=dict(quantizers), backward=backward, name=name,
                     module_type="linear", key=key, state=state)
     return out if state is not None else (out, None)

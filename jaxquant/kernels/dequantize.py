@@ -105,8 +105,8 @@ dequantize_p = primitive.define(primitive.KernelSpec(
 
 def dequantize_data(qd: QuantizedData, dtype, *, block_scales_only: bool = False) -> jax.Array:
   """One usage back to `dtype`, in its stored layout. `block_scales_only` leaves the
-  outer scale (`reference.outer_scale`: NVFP4's S_dec) out; it changes nothing for the
-  other families, whose kernels would apply none or, for per-tensor FP8, need it."""
+  outer scale (`reference.outer_scale`, NVFP4's S_dec) out: the values a GEMM multiplies.
+  MXFP8 and block FP8 have no outer scale; per-tensor FP8 has only that one (refused)."""
   fmt = qd.format
   rows, cols = qd.stored_shape
   if cols % 16:

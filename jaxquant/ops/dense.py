@@ -19,8 +19,8 @@ from jaxquant import recipes
 from jaxquant.formats import INPUT_DTYPES
 from jaxquant.ops.dense_vjp import DenseConfig, dense_2d
 from jaxquant.ops.operands import (FORWARD_USAGES, check_dims, check_placement, check_role_args,
-                                   check_state, is_high_precision, resolve_quantizers, role_key,
-                                   usages_to_quantize)
+                                   check_state, gemm_matrices, is_high_precision, resolve_quantizers,
+                                   role_key, usages_to_quantize)
 from jaxquant.quantizers import Quantizer, needs_key
 from jaxquant.roles import TENSOR_TYPES
 
@@ -86,7 +86,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
   k, n = kernel.shape
   m = math.prod(x.shape[:-1])
   check_placement(quantizers, backward, what)
-  shapes = {"input": (m, k), "weight": (n, k), "grad_output": (m, n)}
+  shapes = gemm_matrices(m, k, n)
   keys = {}
   for t in TENSOR_TYPES:
     usages = usages_to_quantize(t, backward)

@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxquant import scaling
 from jaxquant.ops.gemm import gemm
 from jaxquant.ops.operands import (FORWARD_USAGES, backward_residual, check_dims,
-                                   columnwise_operand, quantize_operand,
+                                   columnwise_operand, gemm_matrices, quantize_operand,
                                    quantize_transposed_operand, stored, usages_to_quantize)
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensor import USAGES
@@ -92,9 +92,7 @@ def dense_2d(cfg: DenseConfig, x, kernel, bias, keys, state):
 def _dense_fwd(cfg, x, kernel, bias, keys, state):
   # A backward pass is coming: its usages must tile too (the primal call checked the
   # forward's alone, so that few-token inference is not refused for the columnwise blocks).
-  m, k = x.shape
-  shapes = {"input": (m, k), "weight": (kernel.shape[1], k), "grad_output": (m, kernel.shape[1])}
-  for t, shape in shapes.items():
+  for t, shape in gemm_matrices(*x.shape, kernel.shape[1]).items():
     check_dims(shape, cfg.quantizer(t), usages_to_quantize(t, cfg.backward), f"{cfg.what} {t}")
   y, new_state, residuals = _forward(cfg, x, kernel, bias, keys, state, for_backward=True)
   saved = (residuals, keys["grad_output"], state.get("grad_output"))

@@ -137,7 +137,7 @@ def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.flo
       return fused_dequant.dequant_gemm(a, b, out_dtype=out_dtype)
     if fused_dequant.unsupported_reason(b, a, out_dtype) is None:
       return fused_dequant.dequant_gemm(b, a, out_dtype=out_dtype).T
-    if a.stored_shape[1] % 16 == 0:  # the dequantize kernel's 16-element groups along k
+    if a.stored_shape[1] % 16 == 0:  # the dequantize kernel's rule for k
       return _dequantize_first_gemm(a, b, out_dtype=out_dtype)
   return _gpu_emulated_gemm(a, b, out_dtype=out_dtype)
 

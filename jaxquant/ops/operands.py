@@ -41,6 +41,11 @@ GEMM_OPERANDS = {
 }
 
 
+def gemm_matrices(m: int, k: int, n: int) -> dict[str, tuple[int, int]]:
+  """The logical [rows, cols] of each tensor type of y [m, n] = x [m, k] . w [n, k]^T."""
+  return {"input": (m, k), "weight": (n, k), "grad_output": (m, n)}
+
+
 # The usages the forward GEMM (fprop) consumes, per tensor type.
 FORWARD_USAGES: dict[str, tuple[Usage, ...]] = {"input": ("rowwise",), "weight": ("rowwise",),
                                                 "grad_output": ()}

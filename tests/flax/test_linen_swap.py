@@ -123,6 +123,23 @@ def test_quantizer_that_does_not_fit_a_dim_names_module_and_dim():
                    jnp.ones((32, 40)))
 
 
+def test_few_tokens_run_forward_and_are_refused_for_training():
+  """Inference of 8 tokens under MXFP8 needs no columnwise blocks along the tokens; a
+  gradient does, and its error names the layer and the rule."""
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.DenseGeneral(32, name="proj")(x)
+
+  model = jqf.quantize_model(Model(), recipes.mxfp8)
+  x = jnp.ones((8, 64))
+  params = model.init(jax.random.key(0), x)
+  assert model.apply(params, x).shape == (8, 32)
+  loss = lambda p: jnp.sum(model.apply(p, x))
+  with pytest.raises(ValueError, match=r"'proj'.*input: columnwise usage.*divisible by its block 32"):
+    jax.grad(loss)(params)
+
+
 def test_batched_einsum_is_rejected_when_quantized_but_runs_in_bf16():
   class Model(nn.Module):
     @nn.compact
