@@ -2,8 +2,9 @@
 // for packed E2M1) and its scales back to the high-precision dtype of the output buffer.
 // Each thread turns 8 consecutive elements of one stored row, one 8-byte (E2M1: 4-byte)
 // load within one scaling block (blocks are at least 16 wide and 16-aligned), into one
-// 16-byte store of bf16/fp16 (two of fp32); codes are widened through fp16, which holds every FP8 and E2M1 value
-// exactly, so each output is the same one or two fp32 products as the reference.
+// 16-byte store of bf16/fp16 (two of fp32). Codes are widened through fp16, which holds
+// every FP8 and E2M1 value exactly, so each output is the same one or two fp32 products
+// as the reference.
 // With `block_scales_only` the NVFP4 outer scale S_dec is left out: the values a GEMM
 // multiplies (E2M1 times an E4M3 scale: exact in bf16), S_dec applied after the sum.
 #include "jaxquant/ffi_glue.h"
@@ -45,11 +46,10 @@ __device__ __forceinline__ float block_multiplier(const DequantArgs& a, int64_t 
 
 template <typename T, int32_t kFamily, int32_t kElement>
 __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* __restrict__ out) {
-  constexpr int G = kGroup;
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * G;
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kGroup;
   if (c >= a.cols) return;
   for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
-    float vals[G];
+    float vals[kGroup];
     const float s = block_multiplier<kFamily>(a, r, c);
     if constexpr (kFamily == kNvfp4) {
       // x = q * float(s) * S_dec, in that order (NUMERICS.md NVFP4 step 6); q is 2^14 h
@@ -57,7 +57,7 @@ __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* 
       // only: the first product alone.
       const uint32_t packed = *reinterpret_cast<const uint32_t*>(a.data + r * (a.cols / 2) + c / 2);
 #pragma unroll
-      for (int i = 0; i < G; i += 2) {
+      for (int i = 0; i < kGroup; i += 2) {
         const float2 h = e2m1x2_to_float2_scaled(packed >> (4 * i));
         vals[i] = h.x * s;
         vals[i + 1] = h.y * s;
@@ -65,13 +65,13 @@ __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* 
       if (!a.block_scales_only) {
         const float s_dec = nvfp4_global(a.amax[a.row_scaled ? r : 0]).s_dec;
 #pragma unroll
-        for (int i = 0; i < G; ++i) vals[i] *= s_dec;
+        for (int i = 0; i < kGroup; ++i) vals[i] *= s_dec;
       }
     } else {
       const uint2 packed = *reinterpret_cast<const uint2*>(a.data + r * a.cols + c);
       const uint32_t words[2] = {packed.x, packed.y};
 #pragma unroll
-      for (int i = 0; i < G; i += 2) {
+      for (int i = 0; i < kGroup; i += 2) {
         const float2 q = fp8x2_to_float2(words[i / 4] >> (8 * (i % 4)), kElement);
         vals[i] = q.x * s;
         vals[i + 1] = q.y * s;
@@ -80,7 +80,7 @@ __global__ __launch_bounds__(kThreads) void dequantize_kernel(DequantArgs a, T* 
     constexpr int V = kVec<T>;
     Vec16<T>* dst = reinterpret_cast<Vec16<T>*>(out + r * a.cols + c);
 #pragma unroll
-    for (int j = 0; j < G / V; ++j) {
+    for (int j = 0; j < kGroup / V; ++j) {
       Vec16<T> w;
 #pragma unroll
       for (int i = 0; i < V; ++i) w.v[i] = from_float<T>(vals[j * V + i]);
@@ -138,16 +138,31 @@ ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer s
     const bool e5m2 = cfg.element == kE5M2;
     switch (cfg.family) {
       case kFp8Tensor:
-        e5m2 ? launch<T, kFp8Tensor, kE5M2>(a, out, stream) : launch<T, kFp8Tensor, kE4M3>(a, out, stream);
+        if (e5m2) {
+          launch<T, kFp8Tensor, kE5M2>(a, out, stream);
+        } else {
+          launch<T, kFp8Tensor, kE4M3>(a, out, stream);
+        }
         break;
       case kFp8Block:
-        e5m2 ? launch<T, kFp8Block, kE5M2>(a, out, stream) : launch<T, kFp8Block, kE4M3>(a, out, stream);
+        if (e5m2) {
+          launch<T, kFp8Block, kE5M2>(a, out, stream);
+        } else {
+          launch<T, kFp8Block, kE4M3>(a, out, stream);
+        }
         break;
       case kMxfp8:
-        e5m2 ? launch<T, kMxfp8, kE5M2>(a, out, stream) : launch<T, kMxfp8, kE4M3>(a, out, stream);
+        if (e5m2) {
+          launch<T, kMxfp8, kE5M2>(a, out, stream);
+        } else {
+          launch<T, kMxfp8, kE4M3>(a, out, stream);
+        }
+        break;
+      case kNvfp4:
+        launch<T, kNvfp4, kE2M1>(a, out, stream);
         break;
       default:
-        launch<T, kNvfp4, kE2M1>(a, out, stream);
+        return invalid("dequantize: unknown family " + std::to_string(cfg.family));
     }
     return cuda_status("dequantize");
   });
