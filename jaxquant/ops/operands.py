@@ -47,8 +47,8 @@ def gemm_matrices(m: int, k: int, n: int) -> dict[str, tuple[int, int]]:
 
 
 # The usages the forward GEMM (fprop) consumes, per tensor type.
-FORWARD_USAGES: dict[str, tuple[Usage, ...]] = {"input": ("rowwise",), "weight": ("rowwise",),
-                                                "grad_output": ()}
+FORWARD_USAGES: dict[str, tuple[Usage, ...]] = {
+    t: tuple(u for tt, u in GEMM_OPERANDS["fprop"] if tt == t) for t in TENSOR_TYPES}
 
 
 def usages_to_quantize(tensor_type: str, backward: str) -> tuple[Usage, ...]:
@@ -59,7 +59,7 @@ def usages_to_quantize(tensor_type: str, backward: str) -> tuple[Usage, ...]:
   """
   if backward == "quantized":
     return USAGES
-  return ("rowwise",) if tensor_type in ("input", "weight") else ()
+  return FORWARD_USAGES[tensor_type]
 
 
 def role_key(key: Optional[jax.Array], tensor_type: str) -> Optional[jax.Array]:
