@@ -9,10 +9,14 @@
 namespace jaxquant {
 namespace {
 
-// Three 16 KB tile stages: 48 KB, the static shared-memory limit.
-constexpr int kStages = 3;
+// Four 32 KB tile stages, so one CTA per SM: 0.81 of a copy in a micro-benchmark at
+// 16384 x 8192 bf16, against 0.79 for three stages and two CTAs.
+constexpr int kStages = 4;
 
 constexpr int kBlock = 32;
+// Tiles per strip, at most (tile.cuh): 8 tiles give each row 32 bytes of rowwise scales
+// (bf16 input), one whole sector.
+constexpr int kMaxStripShift = 3;
 
 struct Mxfp8Out {
   uint8_t* row_data;   // [M, K]
@@ -31,25 +35,45 @@ __device__ __forceinline__ uint32_t mxfp8x4_code(float f0, float f1, float f2, f
 }
 
 template <typename T, int32_t kElement>
-__global__ __launch_bounds__(kThreads, kMinBlocks) void mxfp8_cast_kernel(const T* __restrict__ x,
-                                                                          int64_t M, int64_t K,
-                                                                          Mxfp8Out out) {
-  constexpr int V = kVec<T>;
-  __shared__ CastTile<T> stage[kStages];
+__global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void mxfp8_cast_kernel(
+    const T* __restrict__ x, int64_t M, int64_t K, int strip_shift, Mxfp8Out out) {
+  constexpr int V = kVec<T>, kTileBlocks = kCastCols<T> / kBlock;
+  constexpr int kStripBytes = (1 << kMaxStripShift) * kTileBlocks;
+  // The rowwise scales of the current strip, stored once it is done (tile.cuh).
+  __shared__ __align__(16) uint8_t strip_scales[kCastRows][kStripBytes];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   constexpr float fmax = element_max(kElement);
 
   // Shuffles run on every lane; only stores depend on the range checks. Output pointers
   // step by whole rows, so each store costs one 64-bit add.
-  constexpr int kPassRows = kThreads / kChunks;
+  constexpr int kPassRows = kCastThreads / kChunks;
   const int64_t row_scales = K / kBlock, col_scales = M / kBlock;
-  for_each_cast_tile<kStages>(x, M, K, stage, [&](const CastTile<T>& tile, TileOrigin o) {
+  auto store_strip_scales = [&](TileOrigin first, int tiles) {
+    if (out.row_data == nullptr) return;
+    const int64_t b0 = first.k0 / kBlock;
+    const int64_t bytes = min(static_cast<int64_t>(tiles * kTileBlocks), row_scales - b0);
+    constexpr int kWords = kStripBytes / 4;
+    for (int i = threadIdx.x; i < kCastRows * kWords; i += kCastThreads) {
+      const int r = i / kWords, w = i % kWords;
+      const int64_t m = first.m0 + r;
+      if (m >= M || 4 * w >= bytes) continue;
+      uint8_t* dst = out.row_scale + m * row_scales + b0 + 4 * w;
+      const uint32_t word = *reinterpret_cast<const uint32_t*>(&strip_scales[r][4 * w]);
+      if (4 * w + 4 <= bytes && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
+        *reinterpret_cast<uint32_t*>(dst) = word;
+      } else {
+        for (int b = 0; b < 4 && 4 * w + b < bytes; ++b) dst[b] = static_cast<uint8_t>(word >> 8 * b);
+      }
+    }
+  };
+  for_each_cast_tile<kStages>(x, M, K, strip_shift, [&](const CastTile<T>& tile, TileOrigin o) {
     if (out.row_data != nullptr) {
       constexpr int kLanesPerBlock = kBlock / V;
       const int q = row_pass_chunk();
       const int64_t m_first = o.m0 + row_pass_row(0), k = o.k0 + q * V;
       uint8_t* data = out.row_data + m_first * K + k;
-      uint8_t* scale = out.row_scale + m_first * row_scales + k / kBlock;
+      const int in_strip = static_cast<int>(o.k0 / kCastCols<T>) & ((1 << strip_shift) - 1);
+      const int scale_byte = in_strip * kTileBlocks + q / kLanesPerBlock;
 #pragma unroll
       for (int i = 0; i < kCastRowPasses; ++i) {
         const Vec16<T> v = tile.at(row_pass_row(i), q);
@@ -63,16 +87,15 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void mxfp8_cast_kernel(const 
                                                 element_float(v, j + 2), element_float(v, j + 3),
                                                 mult, isnan(a));
         }
+        if (q % kLanesPerBlock == 0) strip_scales[row_pass_row(i)][scale_byte] = e;
         if (m_first + i * kPassRows < M && k < K) {
           if constexpr (V == 8) {
             *reinterpret_cast<uint2*>(data) = make_uint2(codes[0], codes[1]);
           } else {
             *reinterpret_cast<uint32_t*>(data) = codes[0];
           }
-          if (q % kLanesPerBlock == 0) *scale = e;
         }
         data += kPassRows * K;
-        scale += kPassRows * row_scales;
       }
     }
     if (out.col_data != nullptr) {
@@ -109,7 +132,7 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void mxfp8_cast_kernel(const 
         store_columns(std::false_type{});
       }
     }
-  });
+  }, store_strip_scales);
 }
 
 ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*row_amax*/,
@@ -137,13 +160,12 @@ ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*ro
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto kernel) {
-      int grid = 0;
-      const cudaError_t err = cast_grid(kernel, cast_tiles<T>(M, K), grid);
-      if (err != cudaSuccess) {
-        return cuda_error("mxfp8_cast: grid size", err);
-      }
-      kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const T*>(x.untyped_data()), M, K,
-                                            out);
+      constexpr size_t smem = kCastStageBytes<T, kStages>;
+      CastPlan plan{};
+      const cudaError_t err = plan_cast<T>(kernel, M, K, smem, kMaxStripShift, plan);
+      if (err != cudaSuccess) return cuda_error("mxfp8_cast: launch plan", err);
+      kernel<<<plan.grid, kCastThreads, smem, stream>>>(
+          reinterpret_cast<const T*>(x.untyped_data()), M, K, plan.strip_shift, out);
       return cuda_status("mxfp8_cast");
     };
     return cfg.element == kE4M3 ? launch(mxfp8_cast_kernel<T, kE4M3>)

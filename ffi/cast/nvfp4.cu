@@ -13,9 +13,10 @@
 namespace jaxquant {
 namespace {
 
-// Two 16 KB tile stages: with the tables below a third would pass the 48 KB static
-// shared-memory limit (and this kernel is bound by arithmetic, not by loads in flight).
+// Two 32 KB tile stages, two CTAs of 512 threads per SM, one tile per strip (tile.cuh): the
+// kernel is bound by arithmetic, and three or four stages or longer strips measured slower.
 constexpr int kStages = 2;
+constexpr int kMaxStripShift = 0;
 
 constexpr int kBlock = 16;
 constexpr int kScaleCodes = 128;  // E4M3 scale bytes a block can get: 0 .. 0x7E, 0x7F (NaN)
@@ -52,16 +53,16 @@ __device__ __forceinline__ uint32_t nvfp4_pack(const float (&f)[N], float enc, b
 // The options that change the kernel's code are template parameters, so each variant
 // carries only its own registers.
 template <typename T, bool kTile2d, bool kRht, bool kSr>
-__global__ __launch_bounds__(kThreads, kMinBlocks) void nvfp4_cast_kernel(const T* __restrict__ x,
+__global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kernel(const T* __restrict__ x,
                                                                           int64_t M, int64_t K,
+                                                                          int strip_shift,
                                                                           Nvfp4Args args,
                                                                           Nvfp4Out out) {
-  constexpr int V = kVec<T>, kColBlocks = kCastCols<T> / kBlock, kPassRows = kThreads / kChunks;
-  __shared__ CastTile<T> stage[kStages];
+  constexpr int V = kVec<T>, kColBlocks = kCastCols<T> / kBlock, kPassRows = kCastThreads / kChunks;
   // Step 4's encoding multiplier for every scale byte: a table instead of a division per block.
   __shared__ float row_enc[kScaleCodes], col_enc[kScaleCodes];
   // 16x16 tiles: per-warp partial amaxes, then the tile scales of the current tile.
-  __shared__ float tile_amax[kWarps][kCastRows / kBlock];
+  __shared__ float tile_amax[kCastWarps][kCastRows / kBlock];
   __shared__ uint8_t tile_scale[kCastRows / kBlock][kColBlocks];
   // Per-token: the global scales of the current tile's rows, computed once per row.
   __shared__ Nvfp4Global row_globals[kCastRows];
@@ -70,14 +71,14 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void nvfp4_cast_kernel(const 
   const Nvfp4Global row_global = nvfp4_global(args.row_scaled ? 0.0f : *args.row_amax);
   // 16x16 tiles share the rowwise global amax; the columnwise one may be after RHT.
   const Nvfp4Global col_global = kTile2d ? row_global : nvfp4_global(*args.col_amax);
-  static_assert(kThreads == 2 * kScaleCodes, "one table entry per thread");
+  static_assert(kCastThreads >= 2 * kScaleCodes, "one table entry per thread");
   if (threadIdx.x < kScaleCodes) {
     row_enc[threadIdx.x] = nvfp4_block_enc(threadIdx.x, row_global);
-  } else {
+  } else if (threadIdx.x < 2 * kScaleCodes) {
     col_enc[threadIdx.x - kScaleCodes] = nvfp4_block_enc(threadIdx.x - kScaleCodes, col_global);
   }
 
-  for_each_cast_tile<kStages>(x, M, K, stage, [&](CastTile<T>& tile, TileOrigin o) {
+  for_each_cast_tile<kStages>(x, M, K, strip_shift, [&](CastTile<T>& tile, TileOrigin o) {
     if (!kTile2d && args.row_scaled) {
       if (threadIdx.x < kCastRows) {
         const int64_t m = o.m0 + threadIdx.x;
@@ -174,7 +175,7 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void nvfp4_cast_kernel(const 
       __syncthreads();
       constexpr int TC = kCastCols<T>;
       const int c = threadIdx.x % TC;
-      for (int b = threadIdx.x / TC; b < kCastRows / kBlock; b += kThreads / TC) {
+      for (int b = threadIdx.x / TC; b < kCastRows / kBlock; b += kCastThreads / TC) {
         float f[kBlock], y[kBlock];
 #pragma unroll
         for (int i = 0; i < kBlock; ++i) f[i] = to_float(tile.element(kBlock * b + i, c));
@@ -216,7 +217,7 @@ __global__ __launch_bounds__(kThreads, kMinBlocks) void nvfp4_cast_kernel(const 
       data += M / 2;
       scale += M / kBlock;
     }
-  });
+  }, NoStripEnd{});
 }
 
 }  // namespace
@@ -263,12 +264,11 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
     using T = decltype(tag);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
     auto launch = [&](auto kernel) {
-      int grid = 0;
-      const cudaError_t err = cast_grid(kernel, cast_tiles<T>(M, K), grid);
-      if (err != cudaSuccess) {
-        return cuda_error("nvfp4_cast: grid size", err);
-      }
-      kernel<<<grid, kThreads, 0, stream>>>(xp, M, K, args, out);
+      constexpr size_t smem = kCastStageBytes<T, kStages>;
+      CastPlan plan{};
+      const cudaError_t err = plan_cast<T>(kernel, M, K, smem, kMaxStripShift, plan);
+      if (err != cudaSuccess) return cuda_error("nvfp4_cast: launch plan", err);
+      kernel<<<plan.grid, kCastThreads, smem, stream>>>(xp, M, K, plan.strip_shift, args, out);
       return cuda_status("nvfp4_cast");
     };
     const bool sr = cfg.stochastic_rounding;

@@ -11,11 +11,9 @@
 
 namespace jaxquant {
 
+// Block size of the one-dimensional kernels (amax, dequantize, block FP8).
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// Resident CTAs per SM the cast kernels ask the compiler for (caps registers at 64), so that
-// one CTA's loads overlap another's compute and stores.
-constexpr int kMinBlocks = 4;
 
 // Elements of T in one 16-byte vector.
 template <typename T> constexpr int kVec = 16 / sizeof(T);
@@ -41,24 +39,34 @@ __device__ __forceinline__ Vec16<T> zero_vec() {
 
 // ---- Staged cast tiles (FP8 per-tensor, MXFP8, NVFP4) -----------------------------------
 //
-// A cast tile is kCastRows rows x 128 bytes of the input (64 bf16/fp16 or 32 fp32 columns),
-// eight 16-byte chunks per row. Each CTA walks over the tiles (grid-stride) and copies the
-// next tile into shared memory with cp.async while it casts the current one (two stages),
-// so loads stay in flight without holding registers.
+// A cast tile is kCastRows rows x 256 bytes of the input (128 bf16/fp16 or 64 fp32 columns),
+// sixteen 16-byte chunks per row. Each CTA walks over the tiles (grid-stride) and copies
+// its next tiles into shared memory with cp.async while it casts the current one, so loads
+// stay in flight without holding registers.
 //
-// Work split inside a tile (8 warps):
-// - rowwise: thread t reads chunk t % 8 of rows t / 8 + 32 i (i < kCastRowPasses); a row is
-//   8 consecutive lanes, so a block along the row is a group of consecutive lanes;
+// 256 bytes, not 128: a bf16 tile row then gives 128 bytes of FP8 along the row and a tile
+// column 128 bytes of the transposed row, whole cache lines both ways. With 128-byte tiles
+// the rowwise stores covered half lines, and a store-only micro-benchmark of that pattern
+// reached 0.79 of a copy against 0.89 for whole lines.
+//
+// Work split inside a tile (16 warps of 32 lanes, kCastThreads):
+// - rowwise: thread t reads chunk t % 16 of rows t / 16 + 32 i (i < kCastRowPasses); a row
+//   is 16 consecutive lanes, so a block along the row is a group of consecutive lanes;
 // - columnwise: warp w reads chunk column w, lane l rows 4l .. 4l+3; for each of its kVec
 //   columns a lane holds 4 consecutive elements of one transposed output row, so a warp's
-//   store covers 128 consecutive positions of that row (whole 32-byte sectors; the old
-//   one-thread-per-column layout wrote 16-byte pieces of 32 rows 16 KB apart per store).
-// Chunk q of row r is stored in slot q ^ ((r / 4) % 8) of the row: the 8 lanes that share
-// a 128-byte wavefront then hit 8 distinct slots both along a row and down a chunk column.
+//   store covers 128 consecutive positions of that row.
+// Chunk q of row r is stored in slot q ^ ((r / 4) % 8) of the row (the XOR stays inside the
+// row's 128-byte half): the 8 lanes that share a 128-byte wavefront then hit 8 distinct
+// slots both along a row and down a chunk column.
+constexpr int kCastThreads = 512;
+constexpr int kCastWarps = kCastThreads / 32;
+// Resident CTAs per SM the cast kernels ask the compiler for (caps registers at 64), so that
+// one CTA's loads overlap another's compute and stores.
+constexpr int kCastMinBlocks = 2;
 constexpr int kCastRows = 128;
-constexpr int kChunks = 8;                                   // 16-byte chunks per tile row
-constexpr int kCastRowPasses = kCastRows * kChunks / kThreads;
-static_assert(kWarps == kChunks && kCastRows == 32 * 4,
+constexpr int kChunks = 16;                                  // 16-byte chunks per tile row
+constexpr int kCastRowPasses = kCastRows * kChunks / kCastThreads;
+static_assert(kCastWarps == kChunks && kCastRows == 32 * 4,
               "the column split is one warp per chunk column, 4 rows per lane");
 
 template <typename T> constexpr int kCastCols = kChunks * kVec<T>;
@@ -74,13 +82,24 @@ struct CastTile {
   }
 };
 
+// The stages live in dynamic shared memory (32 KB each: more than the 48 KB of static
+// shared memory allows for two).
+template <typename T, int kStages>
+constexpr size_t kCastStageBytes = sizeof(CastTile<T>) * kStages;
+
+template <typename T>
+__device__ __forceinline__ CastTile<T>* cast_stages() {
+  extern __shared__ __align__(128) unsigned char cast_smem[];
+  return reinterpret_cast<CastTile<T>*>(cast_smem);
+}
+
 // Position of a tile in the input and of this thread's rowwise chunk in it.
 struct TileOrigin {
   int64_t m0, k0;
 };
 
 __device__ __forceinline__ int row_pass_row(int pass) {
-  return threadIdx.x / kChunks + pass * (kThreads / kChunks);
+  return threadIdx.x / kChunks + pass * (kCastThreads / kChunks);
 }
 __device__ __forceinline__ int row_pass_chunk() { return threadIdx.x % kChunks; }
 
@@ -96,93 +115,134 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 // owns, with kStages shared-memory stages: the CTA's next kStages - 1 tiles load while one
 // is cast. body may use __syncthreads (every thread of the CTA runs the same tiles).
 //
-// Tile order: bands of up to kBandTiles tiles down M, a band walked across K. The tiles in
-// flight at once (about one per CTA) then form a patch some kBandTiles tall and tens of
-// tiles wide, so the input rows, rowwise rows and transposed rows touched at the same
-// time are each a few KB long rather than single 128-byte lines in different DRAM pages.
-constexpr uint32_t kBandTiles = 16;
-
-template <int kStages, typename T, typename Body>
+// Tile order: the tiles are dealt out in strips of 2^strip_shift consecutive tiles along K
+// within one 128-row band; CTA c casts strips c, c + grid, ... in order, and after a strip's
+// last tile (once every thread is done with it) calls strip_end(origin of its first tile,
+// its tile count). A kernel can so collect what a strip writes along K, 4 block-scale bytes
+// per row and tile for MXFP8, and store it as whole 32-byte sectors: scattered 4-byte
+// pieces of the rowwise and columnwise scales together cost the MXFP8 cast 12 % in a
+// micro-benchmark, the same bytes stored contiguously 4 %. Strips are numbered down M
+// first, so the strips in flight at once cover whole 128-byte lines of the transposed
+// output's rows as well.
+template <int kStages, typename T, typename Body, typename StripEnd>
 __device__ __forceinline__ void for_each_cast_tile(const T* __restrict__ x, int64_t M, int64_t K,
-                                                   CastTile<T> (&stage)[kStages], Body&& body) {
+                                                   int strip_shift, Body&& body,
+                                                   StripEnd&& strip_end) {
   static_assert(kStages >= 2, "one stage casts while the others load");
+  CastTile<T>* stage = cast_stages<T>();
   constexpr int V = kVec<T>;
   // Tile counts fit 32 bits (the handlers check), so the per-tile index math is 32-bit.
   const uint32_t tiles_m = static_cast<uint32_t>((M + kCastRows - 1) / kCastRows);
   const uint32_t tiles_k = static_cast<uint32_t>((K + kCastCols<T> - 1) / kCastCols<T>);
-  const uint32_t tiles = tiles_m * tiles_k;
-  // Band height: the largest power of two <= kBandTiles dividing tiles_m (bands are whole).
-  uint32_t band = kBandTiles;
-  while (tiles_m % band) band >>= 1;
-  const uint32_t band_shift = __ffs(band) - 1;
-  auto origin = [&](uint32_t t) {
-    const uint32_t rest = t >> band_shift, band_index = rest / tiles_k;
-    const uint32_t tm = band_index * band + (t & (band - 1)), tk = rest - band_index * tiles_k;
-    return TileOrigin{static_cast<int64_t>(tm) * kCastRows,
-                      static_cast<int64_t>(tk) * kCastCols<T>};
+  const uint32_t strip = 1u << strip_shift;
+  const uint32_t strips = tiles_m * ((tiles_k + strip - 1) >> strip_shift);
+  const uint32_t my_strips =
+      blockIdx.x < strips ? (strips - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  if (my_strips == 0) return;  // uniform over the CTA (and no division by tiles_m = 0)
+  // The CTA's n-th tile. A strip at the right edge is padded to full length with tiles
+  // past K (valid false: loaded and cast by nobody, so every strip has the same length).
+  struct Slot {
+    TileOrigin o;
+    uint32_t in_strip;  // index within its strip
+    bool valid, last;   // last: the strip's last valid tile
   };
-  auto load = [&](uint32_t t, TileOrigin o, CastTile<T>& tile) {
-    if (t < tiles) {
+  auto slot = [&](uint32_t n) {
+    const uint32_t u = blockIdx.x + (n >> strip_shift) * gridDim.x;
+    const uint32_t j = n & (strip - 1), band = u / tiles_m;
+    const uint32_t tm = u - band * tiles_m, tk = (band << strip_shift) + j;
+    return Slot{{static_cast<int64_t>(tm) * kCastRows, static_cast<int64_t>(tk) * kCastCols<T>},
+                j, u < strips && tk < tiles_k, j == strip - 1 || tk == tiles_k - 1};
+  };
+  auto load = [&](const Slot& t, CastTile<T>& tile) {
+    if (t.valid) {
       const int q = row_pass_chunk();
 #pragma unroll
       for (int i = 0; i < kCastRowPasses; ++i) {
         const int r = row_pass_row(i);
-        const int64_t m = o.m0 + r, k = o.k0 + q * V;
+        const int64_t m = t.o.m0 + r, k = t.o.k0 + q * V;
         const bool valid = m < M && k < K;
         cp_async16(&tile.chunk[r][CastTile<T>::slot(r, q)], valid ? x + m * K + k : x, valid);
       }
     }
-    // Always a group (empty past the last tile), so the wait below counts the same.
+    // Always a group (empty for a padding tile or past the last one), so the wait below
+    // counts the same.
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
-  // ahead[j]: origin of the CTA's j-th tile from the current one (registers: constant
-  // indices only). Stage s holds the current tile, stage (s + j) % kStages the j-th next.
-  TileOrigin ahead[kStages];
+  // ahead[j]: the CTA's j-th tile from the current one (registers: constant indices only).
+  // Stage s holds the current tile, stage (s + j) % kStages the j-th next.
+  Slot ahead[kStages];
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
-    const uint32_t t = blockIdx.x + j * gridDim.x;
-    ahead[j] = origin(t);
-    load(t, ahead[j], stage[j]);
+    ahead[j] = slot(j);
+    load(ahead[j], stage[j]);
   }
   int s = 0;
-  for (uint32_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const uint32_t t_last = t + (kStages - 1) * gridDim.x;
-    ahead[kStages - 1] = origin(t_last);
-    load(t_last, ahead[kStages - 1], stage[s == 0 ? kStages - 1 : s - 1]);
+  const uint32_t count = my_strips << strip_shift;
+  for (uint32_t n = 0; n < count; ++n) {
+    ahead[kStages - 1] = slot(n + kStages - 1);
+    load(ahead[kStages - 1], stage[s == 0 ? kStages - 1 : s - 1]);
     // All but the kStages - 1 most recent groups are complete: the current tile has landed.
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 1) : "memory");
     __syncthreads();
-    body(stage[s], ahead[0]);
+    const Slot& t = ahead[0];
+    if (t.valid) body(stage[s], t.o);
     __syncthreads();  // stage s is refilled by the next iteration's load
+    if (t.valid && t.last) {
+      strip_end(TileOrigin{t.o.m0, t.o.k0 - static_cast<int64_t>(t.in_strip) * kCastCols<T>},
+                static_cast<int>(t.in_strip) + 1);
+    }
     s = s == kStages - 1 ? 0 : s + 1;
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j) ahead[j] = ahead[j + 1];
   }
 }
 
-// Grid of a for_each_cast_tile kernel: every tile, at most as many CTAs as fit on the device
-// at once.
-template <typename Kernel>
-inline cudaError_t cast_grid(Kernel kernel, int64_t tiles, int& grid) {
-  if (tiles > (int64_t{1} << 30)) return cudaErrorInvalidValue;  // tile indices are 32-bit
+// A kernel without strip-wide stores.
+struct NoStripEnd {
+  __device__ void operator()(TileOrigin, int) const {}
+};
+
+// Launch shape of a for_each_cast_tile kernel.
+struct CastPlan {
+  int grid;         // CTAs: every strip, at most as many as fit on the device at once
+  int strip_shift;  // log2 of the tiles per strip
+};
+
+// Plans a for_each_cast_tile kernel with `smem` bytes of stages over x [M, K] of T, with
+// strips of up to 2^max_strip_shift tiles: the longest whose count still keeps the
+// resident CTAs 90 % busy over the rounds (long strips on a small input would leave
+// CTAs idle). Also lets the kernel have that much dynamic shared memory (an attribute of
+// the function, not a stream operation: capture-safe).
+template <typename T, typename Kernel>
+inline cudaError_t plan_cast(Kernel kernel, int64_t M, int64_t K, size_t smem,
+                             int max_strip_shift, CastPlan& plan) {
+  const int64_t tiles_m = (M + kCastRows - 1) / kCastRows;
+  const int64_t tiles_k = (K + kCastCols<T> - 1) / kCastCols<T>;
+  if (tiles_m * tiles_k > (int64_t{1} << 30)) return cudaErrorInvalidValue;  // 32-bit indices
   int device = 0, sms = 0, per_sm = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err == cudaSuccess) {
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCastThreads, smem);
   }
   if (err != cudaSuccess) return err;
   const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
-  grid = static_cast<int>(tiles < resident ? tiles : resident);
+  int shift = max_strip_shift;
+  int64_t strips = 0;
+  for (;; --shift) {
+    strips = tiles_m * ((tiles_k + (int64_t{1} << shift) - 1) >> shift);
+    const int64_t rounds = (strips + resident - 1) / resident;
+    if (shift == 0 || 10 * strips >= 9 * rounds * resident) break;
+  }
+  plan.strip_shift = shift;
+  plan.grid = static_cast<int>(strips < resident ? strips : resident);
   return cudaSuccess;
 }
 
-template <typename T>
-inline int64_t cast_tiles(int64_t M, int64_t K) {
-  return ((M + kCastRows - 1) / kCastRows) * ((K + kCastCols<T> - 1) / kCastCols<T>);
-}
 
 // max of two magnitudes (non-negative or NaN), NaN-propagating: on the bit patterns of
 // non-negative floats the integer order is the float order, and every NaN with a clear
