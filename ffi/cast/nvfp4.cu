@@ -40,14 +40,15 @@ struct Nvfp4Out {
 template <int N, bool kSr>
 __device__ __forceinline__ uint32_t nvfp4_pack(const float (&f)[N], float enc, bool nan_global,
                                                const uint4& bits) {
-  uint32_t packed = 0;
+  uint32_t biased = 0, signs = 0;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     const float v = f[i] * enc;
-    const uint32_t code = kSr ? e2m1_code_sr(v, random_byte(bits, i)) : e2m1_code_rne(v);
-    packed += code << (4 * i);  // disjoint bits: one shift-add
+    biased += (kSr ? e2m1_biased_sr(v, random_byte(bits, i)) : e2m1_biased_rne(v)) << (4 * i);
+    signs |= (__float_as_uint(v) >> (28 - 4 * i)) & (8u << (4 * i));
   }
-  return nan_global ? 0u : packed;
+  constexpr uint32_t kBias = packed_bias(kSr ? kE2m1SrBias : kE2m1RneBias, N);
+  return nan_global ? 0u : (biased - kBias) | signs;
 }
 
 // The options that change the kernel's code are template parameters, so each variant

@@ -217,34 +217,48 @@ __device__ __forceinline__ float nvfp4_block_enc(uint32_t scale_byte, const Nvfp
   return fminf(1.0f / (e4m3_to_float(static_cast<uint8_t>(scale_byte)) * g.s_dec), kFltMax);
 }
 
-// E2M1 code of v = fl32(x * enc), round to nearest even, saturating (step 5).
-// Magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are codes 0..7; ties go to the even code. The grid
-// spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 8): with `over` = 0, 1, 2 for these
-// ranges, code = RNE(a * 2^(1 - over)) + 2 * over, where the RNE to an integer is one FFMA
-// with 1.5 * 2^23 (a single rounding, ties to even). Equal to the seven-threshold definition
-// for every non-NaN v (checked exhaustively on the host); v is never NaN here (a NaN input
+// E2M1 magnitude code of v = fl32(x * enc) (step 5), biased: the functions below return
+// code + bias modulo 2^32, the bias a by-product of their arithmetic. A packed word of
+// codes is then one multiply-add per element and one subtraction per word (nvfp4.cu;
+// codes are below 8, so the nibbles never carry). The sign is the caller's: v's sign bit.
+//
+// Round to nearest even: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are codes 0..7; ties go to
+// the even code, and magnitudes past 6 saturate. The grid spacing is 0.5 below 2, 1 in
+// [2, 4) and 2 in [4, 6]: with a = min(|v|, 6) and `over` = 0, 1, 2 for these ranges,
+// code = RNE(a * 2^(1 - over)) + 2 * over, where the RNE to an integer is one FFMA with
+// 1.5 * 2^23 (a single rounding, ties to even). Equal to the seven-threshold definition for
+// every non-NaN v (checked exhaustively on the host); v is never NaN here (a NaN input
 // makes the global amax NaN, and then every code is 0).
-__device__ __forceinline__ uint32_t e2m1_code_rne(float v) {
-  const float a = fminf(fabsf(v), 8.0f);
-  const uint32_t over = max(__float_as_uint(a) >> 23, 127u) - 127u;  // 3 only at 8: saturates
-  const float step_inv = __uint_as_float((128u - over) << 23);
-  const uint32_t n = __float_as_uint(fmaf(a, step_inv, 12582912.0f)) - 0x4B400000u;
-  return min(n + 2 * over, 7u) | ((__float_as_uint(v) >> 28) & 0x8u);
+constexpr uint32_t kE2m1RneBias = 0x4B400000u + 2u * 127u;
+
+__device__ __forceinline__ uint32_t e2m1_biased_rne(float v) {
+  const float a = fminf(fabsf(v), 6.0f);
+  const uint32_t e = max(__float_as_uint(a) >> 23, 127u);     // 127 + over
+  const float step_inv = __uint_as_float((255u - e) << 23);  // 2^(1 - over)
+  return __float_as_uint(fmaf(a, step_inv, 12582912.0f)) + 2u * e;
 }
 
-// E2M1 code with stochastic rounding: round up iff frac > t = (u + 0.5) / 256, where frac
-// is |v|'s position between the two neighbouring magnitudes and u is 8 random bits.
-// On the scaled grid of e2m1_code_rne (y = a * 2^(1 - over), neighbours at integers) the
-// code index is ceil(y - t): y - 1 - t and the integer conversion are both rounded toward
-// +inf, which keeps the ceiling exact; 1 + t is built from its bits.
-__device__ __forceinline__ uint32_t e2m1_code_sr(float v, uint32_t u) {
-  const float a = fminf(fabsf(v), 8.0f);
-  const uint32_t over = max(__float_as_uint(a) >> 23, 127u) - 127u;
-  const float step_inv = __uint_as_float((128u - over) << 23);
+// Stochastic rounding: round up iff frac > t = (u + 0.5) / 256, where frac is |v|'s
+// position between the two neighbouring magnitudes and u is 8 random bits. On the scaled
+// grid above (y = a * 2^(1 - over), neighbours at integers) the code index is ceil(y - t):
+// y - 1 - t and the integer conversion are both rounded toward +inf, which keeps the ceiling
+// exact; 1 + t is built from its bits. Checked on the host against the definition.
+constexpr uint32_t kE2m1SrBias = kE2m1RneBias - 1u;
+
+__device__ __forceinline__ uint32_t e2m1_biased_sr(float v, uint32_t u) {
+  const float a = fminf(fabsf(v), 6.0f);
+  const uint32_t e = max(__float_as_uint(a) >> 23, 127u);
+  const float step_inv = __uint_as_float((255u - e) << 23);
   const float one_plus_t = __uint_as_float(0x3F800000u | ((2u * u + 1u) << 14));
   const float below = __fmaf_ru(a, step_inv, -one_plus_t);  // ceil of it is index - 1
-  const uint32_t n = __float_as_uint(__fadd_ru(below, 12582912.0f)) - 0x4B400000u + 1u;
-  return min(n + 2 * over, 7u) | ((__float_as_uint(v) >> 28) & 0x8u);
+  return __float_as_uint(__fadd_ru(below, 12582912.0f)) + 2u * e;
+}
+
+// The bias of n packed codes: `bias` in each of the n nibble positions, summed mod 2^32.
+__host__ __device__ constexpr uint32_t packed_bias(uint32_t bias, int n) {
+  uint32_t sum = 0;
+  for (int i = 0; i < n; ++i) sum += bias << (4 * i);
+  return sum;
 }
 
 __device__ __forceinline__ float e2m1_to_float(uint32_t code) {
