@@ -97,6 +97,16 @@ void launch(const DequantArgs& a, T* out, cudaStream_t stream) {
   dequantize_kernel<T, kFamily, kElement><<<grid, kThreads, 0, stream>>>(a, out);
 }
 
+// An FP8 family's kernel for the element type.
+template <typename T, int32_t kFamily>
+void launch_fp8(const DequantArgs& a, T* out, bool e5m2, cudaStream_t stream) {
+  if (e5m2) {
+    launch<T, kFamily, kE5M2>(a, out, stream);
+  } else {
+    launch<T, kFamily, kE4M3>(a, out, stream);
+  }
+}
+
 // log2 of a power-of-two block size, or -1.
 int block_shift(int32_t size) {
   if (size <= 0 || (size & (size - 1))) return -1;
@@ -138,25 +148,13 @@ ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer s
     const bool e5m2 = cfg.element == kE5M2;
     switch (cfg.family) {
       case kFp8Tensor:
-        if (e5m2) {
-          launch<T, kFp8Tensor, kE5M2>(a, out, stream);
-        } else {
-          launch<T, kFp8Tensor, kE4M3>(a, out, stream);
-        }
+        launch_fp8<T, kFp8Tensor>(a, out, e5m2, stream);
         break;
       case kFp8Block:
-        if (e5m2) {
-          launch<T, kFp8Block, kE5M2>(a, out, stream);
-        } else {
-          launch<T, kFp8Block, kE4M3>(a, out, stream);
-        }
+        launch_fp8<T, kFp8Block>(a, out, e5m2, stream);
         break;
       case kMxfp8:
-        if (e5m2) {
-          launch<T, kMxfp8, kE5M2>(a, out, stream);
-        } else {
-          launch<T, kMxfp8, kE4M3>(a, out, stream);
-        }
+        launch_fp8<T, kMxfp8>(a, out, e5m2, stream);
         break;
       case kNvfp4:
         launch<T, kNvfp4, kE2M1>(a, out, stream);

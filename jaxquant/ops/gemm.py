@@ -65,6 +65,16 @@ def _epilogue(out, oa, ob, out_dtype):
   return out.astype(out_dtype)
 
 
+# Contract dim 1 of both operands: C[m, n] = sum_k A[m, k] * B[n, k].
+_TN = (((1,), (1,)), ((), ()))
+
+
+def _scaled_dot(va, vb, oa, ob, out_dtype, precision=None):
+  """fp32 sums of va . vb^T, then the outer scales and the rounding to out_dtype."""
+  out = jax.lax.dot_general(va, vb, _TN, precision=precision, preferred_element_type=jnp.float32)
+  return _epilogue(out, oa, ob, out_dtype)
+
+
 def emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, narrow: bool = False):
   """Dequantize (block scales only), dot with fp32 accumulation, outer scales after.
 
@@ -77,9 +87,7 @@ def emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, narrow: bool
   if va.dtype != vb.dtype:
     va, vb = va.astype(jnp.float32), vb.astype(jnp.float32)
   precision = None if va.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
-  out = jax.lax.dot_general(va, vb, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32)
-  return _epilogue(out, oa, ob, out_dtype)
+  return _scaled_dot(va, vb, oa, ob, out_dtype, precision)
 
 
 def reference_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32) -> jax.Array:
@@ -93,9 +101,7 @@ def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32) -> jax.
 
 def _xla_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
   """Per-tensor FP8 x FP8: XLA lowers a dot on f8 operands to cuBLASLt's FP8 GEMM."""
-  out = jax.lax.dot_general(a.data, b.data, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-  return _epilogue(out, a.scale_inv, b.scale_inv, out_dtype)
+  return _scaled_dot(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype)
 
 
 def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
@@ -121,11 +127,9 @@ def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.
   va = kernels.dequantize_data(a, jnp.bfloat16, block_scales_only=True)
   vb = kernels.dequantize_data(b, jnp.bfloat16, block_scales_only=True)
   oa, ob = outer_scale(a), outer_scale(b)
-  dims = (((1,), (1,)), ((), ()))
   if oa is None and ob is None and jnp.dtype(out_dtype) in (jnp.float32, jnp.bfloat16):
-    return jax.lax.dot_general(va, vb, dims, preferred_element_type=out_dtype)
-  out = jax.lax.dot_general(va, vb, dims, preferred_element_type=jnp.float32)
-  return _epilogue(out, oa, ob, out_dtype)
+    return jax.lax.dot_general(va, vb, _TN, preferred_element_type=out_dtype)
+  return _scaled_dot(va, vb, oa, ob, out_dtype)
 
 
 def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
