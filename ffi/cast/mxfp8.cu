@@ -62,7 +62,9 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void mxfp8_cast_kerne
       if (4 * w + 4 <= bytes && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
         *reinterpret_cast<uint32_t*>(dst) = word;
       } else {
-        for (int b = 0; b < 4 && 4 * w + b < bytes; ++b) dst[b] = static_cast<uint8_t>(word >> 8 * b);
+        for (int b = 0; b < 4 && 4 * w + b < bytes; ++b) {
+          dst[b] = static_cast<uint8_t>(word >> 8 * b);
+        }
       }
     }
   };

@@ -16,7 +16,6 @@ namespace {
 // Two 32 KB tile stages, two CTAs of 512 threads per SM, one tile per strip (tile.cuh): the
 // kernel is bound by arithmetic, and three or four stages or longer strips measured slower.
 constexpr int kStages = 2;
-constexpr int kMaxStripShift = 0;
 
 constexpr int kBlock = 16;
 constexpr int kScaleCodes = 128;  // E4M3 scale bytes a block can get: 0 .. 0x7E, 0x7F (NaN)
@@ -54,12 +53,10 @@ __device__ __forceinline__ uint32_t nvfp4_pack(const float (&f)[N], float enc, b
 // The options that change the kernel's code are template parameters, so each variant
 // carries only its own registers.
 template <typename T, bool kTile2d, bool kRht, bool kSr>
-__global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kernel(const T* __restrict__ x,
-                                                                          int64_t M, int64_t K,
-                                                                          int strip_shift,
-                                                                          Nvfp4Args args,
-                                                                          Nvfp4Out out) {
-  constexpr int V = kVec<T>, kColBlocks = kCastCols<T> / kBlock, kPassRows = kCastThreads / kChunks;
+__global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kernel(
+    const T* __restrict__ x, int64_t M, int64_t K, Nvfp4Args args, Nvfp4Out out) {
+  constexpr int V = kVec<T>, kColBlocks = kCastCols<T> / kBlock;
+  constexpr int kPassRows = kCastThreads / kChunks;
   // Step 4's encoding multiplier for every scale byte: a table instead of a division per block.
   __shared__ float row_enc[kScaleCodes], col_enc[kScaleCodes];
   // 16x16 tiles: per-warp partial amaxes, then the tile scales of the current tile.
@@ -79,7 +76,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
     col_enc[threadIdx.x - kScaleCodes] = nvfp4_block_enc(threadIdx.x - kScaleCodes, col_global);
   }
 
-  for_each_cast_tile<kStages>(x, M, K, strip_shift, [&](CastTile<T>& tile, TileOrigin o) {
+  for_each_cast_tile<kStages>(x, M, K, /*strip_shift=*/0, [&](CastTile<T>& tile, TileOrigin o) {
     if (!kTile2d && args.row_scaled) {
       if (threadIdx.x < kCastRows) {
         const int64_t m = o.m0 + threadIdx.x;
@@ -267,9 +264,9 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
     auto launch = [&](auto kernel) {
       constexpr size_t smem = kCastStageBytes<T, kStages>;
       CastPlan plan{};
-      const cudaError_t err = plan_cast<T>(kernel, M, K, smem, kMaxStripShift, plan);
+      const cudaError_t err = plan_cast<T>(kernel, M, K, smem, /*max_strip_shift=*/0, plan);
       if (err != cudaSuccess) return cuda_error("nvfp4_cast: launch plan", err);
-      kernel<<<plan.grid, kCastThreads, smem, stream>>>(xp, M, K, plan.strip_shift, args, out);
+      kernel<<<plan.grid, kCastThreads, smem, stream>>>(xp, M, K, args, out);
       return cuda_status("nvfp4_cast");
     };
     const bool sr = cfg.stochastic_rounding;

@@ -143,9 +143,10 @@ __global__ __launch_bounds__(kSetupThreads) void setup_groups(
       groups.a[g] = a + static_cast<int64_t>(start) * k;
       groups.b[g] = b + static_cast<int64_t>(g) * n * k;
       groups.d[g] = d + static_cast<int64_t>(start) * n;
-      groups.stride_a[g] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {rows, k, 1});
-      groups.stride_b[g] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
-      groups.stride_d[g] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {rows, n, 1});
+      using cutlass::make_cute_packed_stride;
+      groups.stride_a[g] = make_cute_packed_stride(typename Config::StrideA{}, {rows, k, 1});
+      groups.stride_b[g] = make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
+      groups.stride_d[g] = make_cute_packed_stride(typename Config::StrideD{}, {rows, n, 1});
     }
     __syncthreads();  // every thread has read carry (and the scan storage is free again)
     if (threadIdx.x == 0) carry += chunk;

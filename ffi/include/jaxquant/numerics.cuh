@@ -242,7 +242,8 @@ __device__ __forceinline__ uint32_t e2m1_biased_rne(float v) {
 // position between the two neighbouring magnitudes and u is 8 random bits. On the scaled
 // grid above (y = a * 2^(1 - over), neighbours at integers) the code index is ceil(y - t):
 // y - 1 - t and the integer conversion are both rounded toward +inf, which keeps the ceiling
-// exact; 1 + t is built from its bits. Checked on the host against the definition.
+// exact; 1 + t is built from its bits. Equal to the definition (checked on the host for
+// every |v| < 16 with u in {0, 77, 255}, and 5e7 random (v, u)).
 constexpr uint32_t kE2m1SrBias = kE2m1RneBias - 1u;
 
 __device__ __forceinline__ uint32_t e2m1_biased_sr(float v, uint32_t u) {

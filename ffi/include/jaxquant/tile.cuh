@@ -61,7 +61,7 @@ __device__ __forceinline__ Vec16<T> zero_vec() {
 constexpr int kCastThreads = 512;
 constexpr int kCastWarps = kCastThreads / 32;
 // Resident CTAs per SM the cast kernels ask the compiler for (caps registers at 64), so that
-// one CTA's loads overlap another's compute and stores.
+// two CTAs fit where shared memory allows and one CTA's loads overlap another's work.
 constexpr int kCastMinBlocks = 2;
 constexpr int kCastRows = 128;
 constexpr int kChunks = 16;                                  // 16-byte chunks per tile row
@@ -122,8 +122,8 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 // per row and tile for MXFP8, and store it as whole 32-byte sectors: scattered 4-byte
 // pieces of the rowwise and columnwise scales together cost the MXFP8 cast 12 % in a
 // micro-benchmark, the same bytes stored contiguously 4 %. Strips are numbered down M
-// first, so the strips in flight at once cover whole 128-byte lines of the transposed
-// output's rows as well.
+// first: with one-tile strips that order measured 0.81 of a copy for the MXFP8 cast against
+// 0.78 for bands of 16 tiles down M walked across K.
 template <int kStages, typename T, typename Body, typename StripEnd>
 __device__ __forceinline__ void for_each_cast_tile(const T* __restrict__ x, int64_t M, int64_t K,
                                                    int strip_shift, Body&& body,
