@@ -91,9 +91,10 @@ def test_rejects_bad_sizes_and_output():
 # ---- The CUDA kernel (Hopper only) ----
 
 # N = 1408 (the G=64 MoE width): 5.5 of the bf16 kernel's 256-wide tiles, a partial last
-# tile in N.
+# tile in N. 300 groups of 15 rows: the setup kernel's scan runs two chunks of 256 groups,
+# and group 273 is clipped at m = 4096 in the second (later groups empty).
 GPU_SHAPES = SHAPES + [(4096, 512, 1024, [1000, 0, 17, 2048, 1000]), (8192, 256, 256, [8192]),
-                       (2048, 1408, 256, [700, 0, 900, 300])]
+                       (2048, 1408, 256, [700, 0, 900, 300]), (4096, 128, 128, [15] * 300)]
 
 
 TOLERANCE = {"bf16": BF16_MMA_TOLERANCE, "fp8": FP8_MMA_TOLERANCE}
