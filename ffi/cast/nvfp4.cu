@@ -174,12 +174,13 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
       constexpr int TC = kCastCols<T>;
       const int c = threadIdx.x % TC;
       for (int b = threadIdx.x / TC; b < kCastRows / kBlock; b += kCastThreads / TC) {
-        float f[kBlock], y[kBlock];
+        float f[kBlock];
+        T y[kBlock];
 #pragma unroll
         for (int i = 0; i < kBlock; ++i) f[i] = to_float(tile.element(kBlock * b + i, c));
-        rht16<T>(f, y);
+        rht16_rounded<T>(f, y);
 #pragma unroll
-        for (int i = 0; i < kBlock; ++i) tile.element(kBlock * b + i, c) = from_float<T>(y[i]);
+        for (int i = 0; i < kBlock; ++i) tile.element(kBlock * b + i, c) = y[i];
       }
       __syncthreads();
     }

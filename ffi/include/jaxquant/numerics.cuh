@@ -278,7 +278,7 @@ constexpr uint32_t kRhtSignMask = 0xD7E8u;  // s = [1,1,1,-1,1,-1,-1,-1,-1,-1,-1
 // Written naively; identical prefixes across j are common subexpressions the compiler
 // shares (it may not reassociate, so the order is kept).
 template <typename T>
-__device__ __forceinline__ void rht16(const float (&x)[16], float (&y)[16]) {
+__device__ __forceinline__ void rht16_rounded(const float (&x)[16], T (&y)[16]) {
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     float acc = 0.0f;
@@ -287,8 +287,17 @@ __device__ __forceinline__ void rht16(const float (&x)[16], float (&y)[16]) {
       const bool negative = ((kRhtSignMask >> i) & 1) ^ (__popc(i & j) & 1);
       acc = negative ? acc - x[i] : acc + x[i];
     }
-    y[j] = to_float(from_float<T>(acc * 0.25f));
+    y[j] = from_float<T>(acc * 0.25f);
   }
+}
+
+// The same outputs as fp32 values (for their amax).
+template <typename T>
+__device__ __forceinline__ void rht16(const float (&x)[16], float (&y)[16]) {
+  T rounded[16];
+  rht16_rounded<T>(x, rounded);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) y[j] = to_float(rounded[j]);
 }
 
 }  // namespace jaxquant
