@@ -13,6 +13,7 @@ from jaxquant.kernels.config import KernelConfig, unsupported_reason
 from jaxquant.kernels.block_gemm import block_fp8_gemm
 from jaxquant.kernels.fused_dequant import dequant_gemm
 from jaxquant.kernels.dequantize import dequantize_data
+from jaxquant.kernels.tensor_gemm import fp8_tensor_gemm
 from jaxquant.kernels.grouped import grouped_gemm
 from jaxquant.kernels.library import available, unavailable_reason
 from jaxquant.kernels.quantize import quantize_usages
@@ -20,4 +21,5 @@ from jaxquant.kernels.quantize import quantize_usages
 library.load_error()  # register the FFI targets now, when the library exists
 
 __all__ = ["available", "unavailable_reason", "amax", "quantize_usages", "dequantize_data",
-           "grouped_gemm", "block_fp8_gemm", "dequant_gemm", "KernelConfig", "unsupported_reason"]
+           "grouped_gemm", "block_fp8_gemm", "dequant_gemm", "fp8_tensor_gemm", "KernelConfig",
+           "unsupported_reason"]

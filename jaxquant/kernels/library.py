@@ -27,6 +27,7 @@ TARGETS = {
     "jaxquant_grouped_gemm": "JaxquantGroupedGemm",
     "jaxquant_block_fp8_gemm": "JaxquantBlockFp8Gemm",
     "jaxquant_dequant_gemm": "JaxquantDequantGemm",
+    "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
 }
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)

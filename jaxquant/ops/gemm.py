@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxquant import kernels
 from jaxquant.formats import Family
-from jaxquant.kernels import block_gemm, fused_dequant
+from jaxquant.kernels import block_gemm, fused_dequant, tensor_gemm
 from jaxquant.reference import outer_scale, split_scales
 from jaxquant.tensor import QuantizedData
 
@@ -99,8 +99,14 @@ def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32) -> jax.
   return emulated_gemm(a, b, out_dtype=out_dtype, narrow=True)
 
 
-def _xla_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
-  """Per-tensor FP8 x FP8: XLA lowers a dot on f8 operands to cuBLASLt's FP8 GEMM."""
+def _fp8_tensor_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+  """Per-tensor FP8 x FP8: cuBLASLt's FP8 GEMM with the scales and the output rounding
+  inside (the kernel), or else XLA's dot on f8 operands, which also reaches cuBLASLt but
+  converts its fp32 result in a second pass."""
+  n, k = b.stored_shape
+  if (kernels.available() and
+      tensor_gemm.unsupported_reason(a.data.dtype, b.data.dtype, n, k, out_dtype) is None):
+    return tensor_gemm.fp8_tensor_gemm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype=out_dtype)
   return _scaled_dot(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype)
 
 
@@ -152,7 +158,7 @@ _FUSED_DEQUANT = tuple((("gpu", fa, fb), _fused_dequant_gemm)
 # (platform, A family, B family) -> implementation; None matches any family. Kernels
 # are new entries here. The first matching key in this order wins.
 _IMPLEMENTATIONS: tuple[tuple[tuple[str, Optional[Family], Optional[Family]], GemmFn], ...] = (
-    (("gpu", Family.FP8_TENSOR, Family.FP8_TENSOR), _xla_fp8_gemm),
+    (("gpu", Family.FP8_TENSOR, Family.FP8_TENSOR), _fp8_tensor_gemm),
     (("gpu", Family.FP8_BLOCK, Family.FP8_BLOCK), _block_fp8_gemm),
     *_FUSED_DEQUANT,
     (("gpu", None, None), _gpu_emulated_gemm),

@@ -19,5 +19,6 @@ JAXQUANT_HANDLER(JaxquantDequantize);
 JAXQUANT_HANDLER(JaxquantGroupedGemm);
 JAXQUANT_HANDLER(JaxquantBlockFp8Gemm);
 JAXQUANT_HANDLER(JaxquantDequantGemm);
+JAXQUANT_HANDLER(JaxquantFp8TensorGemm);
 
 #undef JAXQUANT_HANDLER

@@ -1,0 +1,108 @@
+"""Per-tensor FP8 GEMM through cuBLASLt: D = (sa * sb) * (A . B^T), rounded once.
+
+A [M, K] and B [N, K] are FP8 codes in their stored (K-major) layout, sa and sb their
+per-tensor decode scales (float32 scalars, on the device: no host sync). cuBLASLt applies
+the scales to the fp32 sums and writes bf16 or fp32 itself (ffi/gemm/fp8_tensor_gemm.cu);
+XLA's dot on f8 operands writes fp32 and converts in a second pass. Elsewhere the lowering
+is the reference: codes to fp32, one fp32 dot, then the scales, then the rounding. Under a
+sharded jit, A's rows (tokens) and B's rows (output features) stay on their devices; a
+sharded K is gathered (the scales multiply whole sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax._src.core import ShapedArray
+
+from jaxquant.kernels import primitive, sharding
+
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmConfig:
+  out_dtype: str
+
+  def ffi_attributes(self) -> dict:
+    return {}
+
+
+def _abstract_eval(a, b, sa, sb, *, config):
+  return [ShapedArray((a.shape[0], b.shape[0]), jnp.dtype(config.out_dtype))]
+
+
+def _reference(a, b, sa, sb, *, config):
+  out = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return [(out * (sa * sb)).astype(config.out_dtype)]
+
+
+# Rows per shard for A's and B's rows to stay sharded: cuBLASLt wants D's rows (N
+# elements) 16-byte aligned, and whole 16-row multiples keep its tiles full.
+_ROWS_PER_SHARD = 16
+
+
+def _sharding_rule(config, shapes, mesh_size):
+  return sharding.rule([("m", "k"), ("n", "k"), (), ()], [("m", "n")], {},
+                       need_replication_factors=("k",))
+
+
+def _partition(config, mesh, arg_shapes, result_shape):
+  """Each device multiplies its rows of A by its rows of B; a sharded K is gathered."""
+  (m, _), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
+  m_axes = sharding.keep_if_whole(mesh, sharding.spec_axes(arg_shapes[0].sharding, 2)[0], m,
+                                  _ROWS_PER_SHARD)
+  n_axes = sharding.keep_if_whole(mesh, sharding.spec_axes(arg_shapes[1].sharding, 2)[0], n,
+                                  _ROWS_PER_SHARD)
+  if set(m_axes) & set(n_axes):  # one mesh axis cannot split both output dims
+    n_axes = ()
+  arg_specs = [sharding.pspec(m_axes, ()), sharding.pspec(n_axes, ()), sharding.pspec(),
+               sharding.pspec()]
+  return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
+
+
+tensor_gemm_p = primitive.define(primitive.KernelSpec(
+    name="jaxquant_fp8_tensor_gemm", ffi_target=lambda config: "jaxquant_fp8_tensor_gemm",
+    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
+    sharding_rule=_sharding_rule))
+
+
+def unsupported_reason(a_dtype, b_dtype, n: int, k: int, out_dtype) -> str | None:
+  """Why cuBLASLt's FP8 GEMM cannot run this problem, or None: it takes E4M3 x E4M3,
+  E4M3 x E5M2 and E5M2 x E4M3, K a multiple of 16 and 16-byte aligned output rows."""
+  a_dtype, b_dtype, out_dtype = jnp.dtype(a_dtype), jnp.dtype(b_dtype), jnp.dtype(out_dtype)
+  if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES:
+    return f"operands must be float8_e4m3fn or float8_e5m2, got {a_dtype.name} and {b_dtype.name}"
+  if a_dtype == b_dtype == jnp.dtype(jnp.float8_e5m2):
+    return "E5M2 x E5M2 has no FP8 tensor-core GEMM"
+  if out_dtype not in OUT_DTYPES:
+    return f"the output dtype must be bfloat16 or float32, got {out_dtype.name}"
+  if k % 16:
+    return f"K = {k} must be a multiple of 16"
+  if (n * out_dtype.itemsize) % 16:
+    return f"N = {n} must be a multiple of {16 // out_dtype.itemsize} for a {out_dtype.name} output"
+  return None
+
+
+def fp8_tensor_gemm(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array, b_scale_inv: jax.Array, *,
+             out_dtype=jnp.float32) -> jax.Array:
+  """D = (a_scale_inv * b_scale_inv) * (A . B^T) from FP8 codes A [M, K] and B [N, K]."""
+  if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
+    raise ValueError(f"fp8_tensor_gemm: expects A [M, K] and B [N, K], got shapes "
+                     f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}")
+  (_, k), (n, kb) = a.shape, b.shape
+  if kb != k:
+    raise ValueError(f"fp8_tensor_gemm: contraction dims differ: A has K={k}, B has K={kb}")
+  reason = unsupported_reason(a.dtype, b.dtype, n, k, out_dtype)
+  if reason:
+    raise ValueError(f"fp8_tensor_gemm: {reason}")
+  for what, s in (("A", a_scale_inv), ("B", b_scale_inv)):
+    if jnp.shape(s) != () or jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
+      raise ValueError(f"fp8_tensor_gemm: {what}'s scale must be a float32 scalar, got "
+                       f"{jnp.dtype(s.dtype).name}{list(jnp.shape(s))}")
+  config = Fp8GemmConfig(out_dtype=jnp.dtype(out_dtype).name)
+  return tensor_gemm_p.bind(a, b, a_scale_inv, b_scale_inv, config=config)[0]
