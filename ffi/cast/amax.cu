@@ -36,22 +36,25 @@ __device__ __forceinline__ float vec_amax(const Vec16<T>& w) {
   return a;
 }
 
-// Grid-stride over 16-byte vectors, four loads in flight per thread.
+// Grid-stride over 16-byte vectors, four loads in flight per thread, from the end of the
+// tensor to its start: the cast that follows (current scaling) reads from the start, so
+// its first reads find what this pass read last still in L2 (50 MB on an H100). A max
+// does not depend on the order it is taken in.
 template <typename T>
 __global__ __launch_bounds__(kThreads) void amax_tensor_kernel(const T* __restrict__ x,
                                                                int64_t vectors, float* out) {
-  const Vec16<T>* xv = reinterpret_cast<const Vec16<T>*>(x);
+  const Vec16<T>* xv = reinterpret_cast<const Vec16<T>*>(x) + (vectors - 1);  // read as xv[-i]
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   float a = 0.0f;
   int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   for (; i + 3 * stride < vectors; i += 4 * stride) {
     Vec16<T> w[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w[j] = xv[i + j * stride];
+    for (int j = 0; j < 4; ++j) w[j] = xv[-(i + j * stride)];
 #pragma unroll
     for (int j = 0; j < 4; ++j) a = amax_combine(a, vec_amax(w[j]));
   }
-  for (; i < vectors; i += stride) a = amax_combine(a, vec_amax(xv[i]));
+  for (; i < vectors; i += stride) a = amax_combine(a, vec_amax(xv[-i]));
   publish_amax(block_amax(a), out);
 }
 

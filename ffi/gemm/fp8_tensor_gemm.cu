@@ -29,8 +29,9 @@ namespace {
 constexpr uint64_t kMaxWorkspaceBytes = uint64_t{32} << 20;
 // cuBLASLt wants a 256-byte aligned workspace; XLA's scratch allocator promises 16 bytes.
 constexpr uint64_t kWorkspaceAlignment = 256;
-// Algorithms the first call of a problem times, and the runs it times each for.
+// Algorithms the first call of a problem times, the rounds, and the runs per timing.
 constexpr int kCandidates = 8;
+constexpr int kRounds = 3;
 constexpr int kTimedRuns = 3;
 
 ffi::Error lt_error(const char* what, cublasStatus_t status) {
@@ -156,25 +157,37 @@ ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, ffi::ScratchAllocator&
     cudaEventDestroy(start);
     return best;
   }
-  float best_ms = 0;
-  bool timed_one = false;
+  // Every candidate runs once first (an algorithm that fails is dropped), then the
+  // candidates are timed in turns, several rounds, each keeping its best time: the clocks
+  // still ramp and drift during the first call, and timing one candidate after the other
+  // would favour the later ones.
+  bool usable[kCandidates];
   for (int i = 0; i < found; ++i) {
-    const Plan plan{candidates[i].algo, candidates[i].workspaceSize};
-    if (run(plan, *workspace).failure()) continue;  // warm-up; an algorithm that fails is skipped
-    cudaEventRecord(start, stream);
-    for (int rep = 0; rep < kTimedRuns; ++rep) run(plan, *workspace);
-    cudaEventRecord(stop, stream);
-    float ms;
-    if (cudaEventSynchronize(stop) != cudaSuccess ||
-        cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
-      continue;
-    }
-    if (!timed_one || ms < best_ms) {
-      best = plan;
-      best_ms = ms;
-      timed_one = true;
+    usable[i] = run(Plan{candidates[i].algo, candidates[i].workspaceSize}, *workspace).success();
+  }
+  float best_ms[kCandidates];
+  std::fill(best_ms, best_ms + kCandidates, -1.0f);
+  for (int round = 0; round < kRounds; ++round) {
+    for (int i = 0; i < found; ++i) {
+      if (!usable[i]) continue;
+      const Plan plan{candidates[i].algo, candidates[i].workspaceSize};
+      cudaEventRecord(start, stream);
+      for (int rep = 0; rep < kTimedRuns; ++rep) run(plan, *workspace);
+      cudaEventRecord(stop, stream);
+      float ms;
+      if (cudaEventSynchronize(stop) != cudaSuccess ||
+          cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+        usable[i] = false;
+        continue;
+      }
+      if (best_ms[i] < 0 || ms < best_ms[i]) best_ms[i] = ms;
     }
   }
+  int fastest = -1;
+  for (int i = 0; i < found; ++i) {
+    if (usable[i] && (fastest < 0 || best_ms[i] < best_ms[fastest])) fastest = i;
+  }
+  if (fastest >= 0) best = Plan{candidates[fastest].algo, candidates[fastest].workspaceSize};
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return best;
