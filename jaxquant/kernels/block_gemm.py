@@ -19,10 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.core import ShapedArray
 
-from jaxquant.kernels import primitive, sharding
+from jaxquant.kernels import primitive, sharding, validate
 
 BLOCK = 128
-OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +78,9 @@ def _sharding_rule(config, shapes, mesh_size):
 def _partition(config, mesh, arg_shapes, result_shape):
   """Each device multiplies its rows of A by its rows of B; a sharded K is gathered."""
   (m, _), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
-  m_axes = sharding.keep_if_whole(mesh, sharding.spec_axes(arg_shapes[0].sharding, 2)[0], m,
-                                  _ROWS_PER_SHARD)
-  n_axes = sharding.keep_if_whole(mesh, sharding.spec_axes(arg_shapes[1].sharding, 2)[0], n,
-                                  max(config.b_block_rows, _ROWS_PER_SHARD))
-  if set(m_axes) & set(n_axes):  # one mesh axis cannot split both output dims
-    n_axes = ()
+  m_axes, n_axes = sharding.gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
+                                          m, n, _ROWS_PER_SHARD,
+                                          max(config.b_block_rows, _ROWS_PER_SHARD))
   whole = ()
   arg_specs = [sharding.pspec(m_axes, whole), sharding.pspec(n_axes, whole),
                sharding.pspec(whole, m_axes), sharding.pspec(whole, n_axes)]
@@ -99,28 +95,16 @@ block_gemm_p = primitive.define(primitive.KernelSpec(
 
 def unsupported_reason(n: int, k: int, b_block_rows: int, out_dtype) -> str | None:
   """Why the kernel cannot run this problem, or None (TMA wants 16-byte aligned rows)."""
-  out_dtype = jnp.dtype(out_dtype)
   if b_block_rows not in (1, BLOCK):
     return f"B's blocks must be 1x128 or 128x128, got {b_block_rows}x128"
-  if out_dtype not in OUT_DTYPES:
-    return f"the output dtype must be bfloat16 or float32, got {out_dtype.name}"
-  if k % 16:
-    return f"K = {k} must be a multiple of 16"
-  if (n * out_dtype.itemsize) % 16:
-    return f"N = {n} must be a multiple of {16 // out_dtype.itemsize} for a {out_dtype.name} output"
-  return None
+  return validate.gemm_shape_reason(n, k, out_dtype)
 
 
 def block_fp8_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Array, *,
                    b_block_rows: int, out_dtype=jnp.float32) -> jax.Array:
   """D = A . B^T from E4M3 codes and their decode scales in the stored (K-major) layout:
   a_scales [M, ceil(K/128)], b_scales [ceil(N/b_block_rows), ceil(K/128)]."""
-  if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
-    raise ValueError(f"block_fp8_gemm: expects A [M, K] and B [N, K], got shapes "
-                     f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}")
-  (m, k), (n, kb_) = a.shape, b.shape
-  if kb_ != k:
-    raise ValueError(f"block_fp8_gemm: contraction dims differ: A has K={k}, B has K={kb_}")
+  m, n, k = validate.check_gemm_operands(a, b, "block_fp8_gemm")
   for what, x in (("A", a), ("B", b)):
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.float8_e4m3fn):
       raise ValueError(f"block_fp8_gemm: {what} must be float8_e4m3fn, got {jnp.dtype(x.dtype).name}")

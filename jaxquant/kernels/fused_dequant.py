@@ -22,14 +22,14 @@ import numpy as np
 from jax._src.core import ShapedArray
 
 from jaxquant.formats import Family, Format
-from jaxquant.kernels import primitive, sharding
+from jaxquant.kernels import primitive, sharding, validate
 from jaxquant.kernels.config import ELEMENT_CODES
 from jaxquant.reference import mxfp8, nvfp4
 from jaxquant.tensor import QuantizedData
 
 MAX_ROWS = 32
 K_MULTIPLE = 128
-OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+OUT_DTYPES = validate.GEMM_OUT_DTYPES
 FAMILIES = (Family.MXFP8, Family.NVFP4)
 
 

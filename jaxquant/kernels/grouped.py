@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax._src.core import ShapedArray
 
-from jaxquant.kernels import primitive, sharding
+from jaxquant.kernels import primitive, sharding, validate
 from jaxquant.reference.grouped import group_layout
 
 _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _BF16 = jnp.dtype(jnp.bfloat16)
-OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+OUT_DTYPES = validate.GEMM_OUT_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,18 @@ def keep_if_whole(mesh, axes: tuple[str, ...], dim: int, multiple: int) -> tuple
   return axes if n > 1 and dim % (n * multiple) == 0 else ()
 
 
+def gemm_row_axes(mesh, a_sharding, b_sharding, m: int, n: int, a_multiple: int,
+                  b_multiple: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """Mesh axes that keep A's rows (M) and B's rows (N) of a TN GEMM sharded: each only
+  where every shard holds whole multiples, and B's dropped when one mesh axis would
+  split both output dims."""
+  m_axes = keep_if_whole(mesh, spec_axes(a_sharding, 2)[0], m, a_multiple)
+  n_axes = keep_if_whole(mesh, spec_axes(b_sharding, 2)[0], n, b_multiple)
+  if set(m_axes) & set(n_axes):
+    n_axes = ()
+  return m_axes, n_axes
+
+
 def pspec(*dims: tuple[str, ...]) -> P:
   return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
 

@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax._src.core import ShapedArray
 
-from jaxquant.kernels import primitive, sharding
+from jaxquant.kernels import primitive, sharding, validate
 
-OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
@@ -54,12 +53,8 @@ def _sharding_rule(config, shapes, mesh_size):
 def _partition(config, mesh, arg_shapes, result_shape):
   """Each device multiplies its rows of A by its rows of B; a sharded K is gathered."""
   (m, _), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
-  m_axes = sharding.keep_if_whole(mesh, sharding.spec_axes(arg_shapes[0].sharding, 2)[0], m,
-                                  _ROWS_PER_SHARD)
-  n_axes = sharding.keep_if_whole(mesh, sharding.spec_axes(arg_shapes[1].sharding, 2)[0], n,
-                                  _ROWS_PER_SHARD)
-  if set(m_axes) & set(n_axes):  # one mesh axis cannot split both output dims
-    n_axes = ()
+  m_axes, n_axes = sharding.gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
+                                          m, n, _ROWS_PER_SHARD, _ROWS_PER_SHARD)
   arg_specs = [sharding.pspec(m_axes, ()), sharding.pspec(n_axes, ()), sharding.pspec(),
                sharding.pspec()]
   return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
@@ -74,29 +69,18 @@ tensor_gemm_p = primitive.define(primitive.KernelSpec(
 def unsupported_reason(a_dtype, b_dtype, n: int, k: int, out_dtype) -> str | None:
   """Why cuBLASLt's FP8 GEMM cannot run this problem, or None: it takes E4M3 x E4M3,
   E4M3 x E5M2 and E5M2 x E4M3, K a multiple of 16 and 16-byte aligned output rows."""
-  a_dtype, b_dtype, out_dtype = jnp.dtype(a_dtype), jnp.dtype(b_dtype), jnp.dtype(out_dtype)
+  a_dtype, b_dtype = jnp.dtype(a_dtype), jnp.dtype(b_dtype)
   if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES:
     return f"operands must be float8_e4m3fn or float8_e5m2, got {a_dtype.name} and {b_dtype.name}"
   if a_dtype == b_dtype == jnp.dtype(jnp.float8_e5m2):
     return "E5M2 x E5M2 has no FP8 tensor-core GEMM"
-  if out_dtype not in OUT_DTYPES:
-    return f"the output dtype must be bfloat16 or float32, got {out_dtype.name}"
-  if k % 16:
-    return f"K = {k} must be a multiple of 16"
-  if (n * out_dtype.itemsize) % 16:
-    return f"N = {n} must be a multiple of {16 // out_dtype.itemsize} for a {out_dtype.name} output"
-  return None
+  return validate.gemm_shape_reason(n, k, out_dtype)
 
 
-def fp8_tensor_gemm(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array, b_scale_inv: jax.Array, *,
-             out_dtype=jnp.float32) -> jax.Array:
+def fp8_tensor_gemm(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array, b_scale_inv: jax.Array,
+                    *, out_dtype=jnp.float32) -> jax.Array:
   """D = (a_scale_inv * b_scale_inv) * (A . B^T) from FP8 codes A [M, K] and B [N, K]."""
-  if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
-    raise ValueError(f"fp8_tensor_gemm: expects A [M, K] and B [N, K], got shapes "
-                     f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}")
-  (_, k), (n, kb) = a.shape, b.shape
-  if kb != k:
-    raise ValueError(f"fp8_tensor_gemm: contraction dims differ: A has K={k}, B has K={kb}")
+  _, n, k = validate.check_gemm_operands(a, b, "fp8_tensor_gemm")
   reason = unsupported_reason(a.dtype, b.dtype, n, k, out_dtype)
   if reason:
     raise ValueError(f"fp8_tensor_gemm: {reason}")
