@@ -9,11 +9,14 @@ Measures, at each shape (M, N, K) with random operands:
 - `jax.nn.scaled_matmul` on pre-quantized MXFP8 / NVFP4 operands, where this JAX has it;
 - `jaxquant.dense` forward under fp8_current and mxfp8, quantization included.
 GEMMs with at most 64 rows run 8 to a jitted call (distinct operands), so that JAX's
-dispatch, longer than such a GEMM, stays out of their times.
+dispatch, longer than such a GEMM, stays out of their times. MXFP8 and NVFP4 are also
+compared with `jax.nn.scaled_matmul` directly (`speedup_vs_jax_scaled_matmul`).
 Also a transformer MLP block's training step (forward + backward) under bf16, fp8_current,
 fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel (and
 `jax.lax.ragged_dot` with --ragged-dot), each against the dense GEMM of the same FLOPs
-and format. Times are device times of back-to-back calls (timing.py).
+and format. Times are device times of back-to-back calls, each figure's baseline and
+contenders timed in turns over several rounds (timing.py); a ratio is that of the median
+times, and its `_lowest_round` record the lowest ratio within one round.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +33,7 @@ import jaxquant
 from jaxquant import kernels
 from jaxquant import quantizers as Q
 from jaxquant.ops import gemm as gemm_ops
-from timing import device_seconds, per_call_seconds
+from timing import Call, batched, interleaved_seconds, speedup
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (2048, 8192, 8192), (16, 8192, 8192))
 QUICK_SHAPES = ((1024, 1024, 1024), (16, 1024, 1024))
@@ -78,60 +82,90 @@ class Records(list):
                                      "jax": jax.__version__, "records": list(self)}, indent=1))
 
 
-def _fp8_spellings(pairs, add):
+def _fp8_spellings(pairs):
   """Other routes to the same per-tensor FP8 GEMM: the dot's own bf16 output (scales after,
   a second rounding), and jaxquant's grouped kernel with one group (scales fused)."""
   dims = (((1,), (1,)), ((), ()))
   bf16_out = lambda a, b: (jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.bfloat16)
                            * (a.scale_inv * b.scale_inv)).astype(jnp.bfloat16)
-  add("gemm_fp8_tensor_xla_bf16_out", per_call_seconds(bf16_out, pairs))
+  calls = {"gemm_fp8_tensor_xla_bf16_out": batched(bf16_out, pairs)}
   if kernels.available():
     one = lambda a, b: kernels.grouped_gemm(a.data, b.data[None], jnp.full((1,), a.data.shape[0], jnp.int32),
                                             (a.scale_inv * b.scale_inv).reshape(1), jnp.bfloat16)
-    add("gemm_fp8_tensor_jaxquant_kernel", per_call_seconds(one, pairs))
+    calls["gemm_fp8_tensor_jaxquant_kernel"] = batched(one, pairs)
+  return calls
+
+
+def _runs(name, call):
+  """Whether `call` runs on this JAX and GPU (warming it up); says why in the table if not."""
+  try:
+    jax.block_until_ready(call())
+    return True
+  except Exception as e:  # an older JAX or an unsupported pair
+    print(f"{name} unavailable: {type(e).__name__}: {e}"[:300])
+    return False
+
+
+def _add_speedups(records, shape, samples, base, metric, flops=None):
+  """Every contender's speedup over `base` (ratio of medians, and its lowest round)."""
+  for op, times in samples.items():
+    if op == base:
+      continue
+    value, lowest = speedup(samples[base], times)
+    records.add({"op": op, "shape": shape, "metric": metric, "value": value})
+    records.add({"op": op, "shape": shape, "metric": f"{metric}_lowest_round", "value": lowest})
+    if flops:
+      records.add({"op": op, "shape": shape, "metric": "tflops",
+                   "value": flops / statistics.median(times) / 1e12})
 
 
 # GEMMs with at most this many rows are timed as 8 independent calls in one jitted call
-# (timing.per_call_seconds), every other shape as one.
+# (timing.batched), every other shape as one.
 SMALL_ROWS, SMALL_COPIES = 64, 8
 
 
 def gemm_records(shapes, records):
+  """Per shape, bf16 `jnp.dot` and every contender timed in turns (timing.interleaved_seconds)."""
   for m, n, k in shapes:
     flops = 2.0 * m * n * k
     copies = SMALL_COPIES if m <= SMALL_ROWS else 1
     operands = [_operands(m, n, k, seed=i) for i in range(copies)]
-    base = per_call_seconds(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16), operands)
-    shape = f"{m}x{n}x{k}"
-    records.add({"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops", "value": flops / base / 1e12})
-
-    def add(op, seconds):
-      records.add({"op": op, "shape": shape, "metric": "speedup_vs_bf16", "value": base / seconds})
-      records.add({"op": op, "shape": shape, "metric": "tflops", "value": flops / seconds / 1e12})
-
+    calls = {"gemm_bf16_jnp_dot": batched(
+        lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16), operands)}
     block = (Q.BlockFloat8Quantizer(block="1x128"), Q.BlockFloat8Quantizer(block="128x128"))
     for name, quantizers in (("fp8_tensor", (Q.Float8Quantizer(),)), ("fp8_block", block),
                              ("mxfp8", (Q.MXFP8Quantizer(),)), ("nvfp4", (Q.NVFP4Quantizer(),))):
       pairs = [_quantized_pair(x, w, *quantizers) for x, w in operands]
-      add(f"gemm_{name}_prequantized",
-          per_call_seconds(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16), pairs))
+      calls[f"gemm_{name}_prequantized"] = batched(
+          lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16), pairs)
       if name == "fp8_tensor":
-        _fp8_spellings(pairs, add)
-      del pairs
+        calls.update(_fp8_spellings(pairs))
     for name, quantizer in (("mxfp8", Q.MXFP8Quantizer()), ("nvfp4", Q.NVFP4Quantizer())):
+      fn = lambda ad, bd, as_, bs: jax.nn.scaled_matmul(ad, bd, as_, bs, preferred_element_type=jnp.bfloat16)
       try:
-        arg_sets = [_scaled_matmul_inputs(x, w, quantizer) for x, w in operands]
-        fn = lambda ad, bd, as_, bs: jax.nn.scaled_matmul(ad, bd, as_, bs, preferred_element_type=jnp.bfloat16)
-        add(f"jax_scaled_matmul_{name}_prequantized", per_call_seconds(fn, arg_sets))
-      except Exception as e:  # an older JAX or an unsupported pair: say so in the table
-        print(f"jax.nn.scaled_matmul {name} unavailable at {shape}: {type(e).__name__}: {e}"[:300])
-    if m % 128:  # dense also quantizes x columnwise (blocks along M) for its backward
-      continue
-    x, w = operands[0]
-    kernel = w.T  # Flax layout [K, N]
-    for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
-      fn = jax.jit(lambda x, kern, recipe=recipe: jaxquant.dense(x, kern, recipe=recipe, name="bench"))
-      add(f"dense_fwd_{recipe.name}_incl_quantize", device_seconds(fn, x, kernel))
+        call = batched(fn, [_scaled_matmul_inputs(x, w, quantizer) for x, w in operands])
+      except Exception as e:  # an older JAX without jax.nn.scaled_matmul
+        print(f"jax.nn.scaled_matmul {name}: {type(e).__name__}: {e}"[:300])
+        continue
+      if _runs(f"jax.nn.scaled_matmul {name} at {m}x{n}x{k}", call):
+        calls[f"jax_scaled_matmul_{name}_prequantized"] = call
+    if m % 128 == 0:  # dense also quantizes x columnwise (blocks along M) for its backward
+      x, w = operands[0]
+      kernel = w.T  # Flax layout [K, N]
+      for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
+        fn = jax.jit(lambda x, kern, recipe=recipe: jaxquant.dense(x, kern, recipe=recipe, name="bench"))
+        calls[f"dense_fwd_{recipe.name}_incl_quantize"] = Call(fn, (x, kernel))
+    samples = interleaved_seconds(calls)
+    shape = f"{m}x{n}x{k}"
+    records.add({"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops",
+                 "value": flops / statistics.median(samples["gemm_bf16_jnp_dot"]) / 1e12})
+    _add_speedups(records, shape, samples, "gemm_bf16_jnp_dot", "speedup_vs_bf16", flops)
+    for name in ("mxfp8", "nvfp4"):  # the issue's second yardstick for these formats
+      theirs = f"jax_scaled_matmul_{name}_prequantized"
+      if theirs in samples:
+        _add_speedups(records, shape, {theirs: samples[theirs],
+                                       f"gemm_{name}_prequantized": samples[f"gemm_{name}_prequantized"]},
+                      theirs, "speedup_vs_jax_scaled_matmul")
 
 
 GROUPED_SHAPES = ((8, 16384, 4096, 4096), (64, 32768, 2048, 1408))  # (G, M, K, N)
@@ -149,40 +183,44 @@ def _group_sizes(num_groups, rows, balanced, seed=0):
 
 def grouped_records(shapes, records, with_ragged_dot=False):
   """Grouped GEMM at (G, M, K, N) as a ratio to the dense [M, K] x [K, N] GEMM (same FLOPs)."""
+  if not kernels.available() and not with_ragged_dot:
+    print(f"grouped kernel unavailable: {kernels.unavailable_reason()}")
+    return
   for g, m, k, n in shapes:
     shape = f"G={g},M={m},K={k},N={n}"
     kx, kw = jax.random.split(jax.random.key(2))
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = jax.random.normal(kw, (g, n, k), jnp.bfloat16)
     alpha = jnp.full((g,), 0.5, jnp.float32)
-    dense_bf16 = device_seconds(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)),
-                                x, w[0])
     xf, wf = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
-    dense_fp8 = device_seconds(jax.jit(lambda a, b: (jax.lax.dot_general(
-        a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.5).astype(jnp.bfloat16)),
-        xf, wf[0])
-    for balanced in (True, False):
+    calls = {"dense_bf16": Call(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)),
+                                (x, w[0])),
+             "dense_fp8": Call(jax.jit(lambda a, b: (jax.lax.dot_general(
+                 a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.5
+                                                      ).astype(jnp.bfloat16)), (xf, wf[0]))}
+    run = jax.jit(lambda a, b, s, al: kernels.grouped_gemm(a, b, s, al, jnp.bfloat16))
+    ragged = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), s,
+                                                        preferred_element_type=jnp.bfloat16))
+    for tag, balanced in (("balanced", True), ("dirichlet", False)):
       sizes = _group_sizes(g, m, balanced)
-      tag = "balanced" if balanced else "dirichlet"
-
-      def ratio(op, seconds, base):
-        records.add({"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format",
-                     "value": base / seconds})
-
       if kernels.available():
-        run = jax.jit(lambda a, b, s, al: kernels.grouped_gemm(a, b, s, al, jnp.bfloat16))
-        ratio("grouped_bf16_jaxquant_kernel", device_seconds(run, x, w, sizes, alpha), dense_bf16)
-        ratio("grouped_fp8_jaxquant_kernel", device_seconds(run, xf, wf, sizes, alpha), dense_fp8)
-      else:
-        print(f"grouped kernel unavailable: {kernels.unavailable_reason()}")
+        calls[f"grouped_bf16_jaxquant_kernel,{tag}"] = Call(run, (x, w, sizes, alpha))
+        calls[f"grouped_fp8_jaxquant_kernel,{tag}"] = Call(run, (xf, wf, sizes, alpha))
       if with_ragged_dot:  # XLA's own grouped GEMM, the baseline to beat (slow to compile)
-        ragged = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), s,
-                                                            preferred_element_type=jnp.bfloat16))
-        ratio("grouped_bf16_lax_ragged_dot", device_seconds(ragged, x, w, sizes, reps=3, rounds=3), dense_bf16)
+        calls[f"grouped_bf16_lax_ragged_dot,{tag}"] = Call(ragged, (x, w, sizes))
+    samples = interleaved_seconds(calls)
+    for name, times in samples.items():
+      if name.startswith("grouped_"):
+        op, tag = name.split(",")
+        base = samples["dense_fp8" if "_fp8_" in op else "dense_bf16"]
+        value, lowest = speedup(base, times)
+        records.add({"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format", "value": value})
+        records.add({"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format_lowest_round",
+                     "value": lowest})
 
 
 def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
-  """Forward + backward of y = down(gelu(up(x))) under each recipe, vs bf16."""
+  """Forward + backward of y = down(gelu(up(x))) under each recipe, vs bf16 (timed in turns)."""
   kx, ku, kd = jax.random.split(jax.random.key(1), 3)
   x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
   up = (jax.random.normal(ku, (hidden, ffn), jnp.bfloat16) * hidden ** -0.5).astype(jnp.bfloat16)
@@ -196,12 +234,13 @@ def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
     return jax.jit(jax.grad(loss))
 
   shape = f"tokens={tokens},hidden={hidden},ffn={ffn}"
-  base = device_seconds(step_fn(jaxquant.recipes.bf16), (up, down), x, reps=5, rounds=3)
-  records.add({"op": "mlp_train_step_bf16", "shape": shape, "metric": "ms", "value": base * 1e3})
-  for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.fp8_block, jaxquant.recipes.mxfp8):
-    t = device_seconds(step_fn(recipe), (up, down), x, reps=5, rounds=3)
-    records.add({"op": f"mlp_train_step_{recipe.name}", "shape": shape,
-                 "metric": "speedup_vs_bf16", "value": base / t})
+  recipes = (jaxquant.recipes.bf16, jaxquant.recipes.fp8_current, jaxquant.recipes.fp8_block,
+             jaxquant.recipes.mxfp8)
+  samples = interleaved_seconds({f"mlp_train_step_{r.name}": Call(step_fn(r), ((up, down), x))
+                                 for r in recipes}, reps=5, rounds=8)
+  base = "mlp_train_step_bf16"
+  records.add({"op": base, "shape": shape, "metric": "ms", "value": statistics.median(samples[base]) * 1e3})
+  _add_speedups(records, shape, samples, base, "speedup_vs_bf16")
 
 
 def main():

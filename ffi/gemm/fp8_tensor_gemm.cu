@@ -18,6 +18,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "jaxquant/ffi_glue.h"
 
@@ -31,6 +32,8 @@ constexpr uint64_t kMaxWorkspaceBytes = uint64_t{32} << 20;
 constexpr uint64_t kWorkspaceAlignment = 256;
 // Algorithms the first call of a problem times, the rounds, and the runs per timing.
 constexpr int kCandidates = 8;
+// The strictest operand alignment cuBLASLt's preferences know (and their default).
+constexpr uint32_t kMaxOperandAlignment = 256;
 constexpr int kRounds = 3;
 constexpr int kTimedRuns = 3;
 
@@ -61,7 +64,18 @@ bool lt_type(ffi::DataType dtype, cudaDataType_t& out) {
   }
 }
 
-// What one problem runs with: the heuristic's first algorithm and the workspace it needs.
+// The largest power of two, up to kMaxOperandAlignment, that divides the buffer's address.
+// XLA promises less than cuBLASLt's default 256 bytes for its buffers (16 for entry
+// parameters), so the heuristic is told each pointer's real alignment: an algorithm
+// chosen for 256-byte pointers may fail on others.
+uint32_t alignment_of(const void* pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  uint32_t alignment = kMaxOperandAlignment;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// What one problem runs with: the chosen algorithm and the workspace it needs.
 struct Plan {
   cublasLtMatmulAlgo_t algo;
   size_t workspace_bytes;
@@ -76,7 +90,8 @@ struct Plan {
 // the CUDA context may be gone by then.
 class LtCache {
  public:
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int>;  // device, m, n, k, types
+  // device, m, n, k, the types of A, B and D, and the alignments of A, B and D
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, uint32_t, uint32_t, uint32_t>;
 
   static LtCache& instance() {
     static LtCache* cache = new LtCache();  // never destroyed: see above
@@ -250,7 +265,9 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllo
                                    raw_la, &beta, d->untyped_data(), raw_ld, d->untyped_data(),
                                    raw_ld, &p.algo, workspace, p.workspace_bytes, stream));
   };
-  const LtCache::Key key{device, m, n, k, ta, tb, td};
+  const uint32_t align_a = alignment_of(a.untyped_data()), align_b = alignment_of(b.untyped_data()),
+                 align_d = alignment_of(d->untyped_data());
+  const LtCache::Key key{device, m, n, k, ta, tb, td, align_a, align_b, align_d};
   Plan plan;
   if (!cache.find(key, plan)) {
     cublasLtMatmulPreference_t raw_pref;
@@ -260,6 +277,17 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllo
                              cublasLtMatmulPreferenceSetAttribute(
                                  raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                  &kMaxWorkspaceBytes, sizeof(kMaxWorkspaceBytes))));
+    // cuBLAS's A is our B and its B our A; C is D (beta = 0, same buffer).
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
+    for (const auto& [attribute, bytes] : alignments) {
+      JAXQUANT_LT_TRY(lt_error("setting an operand alignment",
+                               cublasLtMatmulPreferenceSetAttribute(raw_pref, attribute, &bytes,
+                                                                    sizeof(bytes))));
+    }
     cublasLtMatmulHeuristicResult_t candidates[kCandidates];
     int found = 0;
     JAXQUANT_LT_TRY(lt_error("querying the algorithm heuristic",

@@ -2,7 +2,7 @@
 
     fprop  y  = x · wᵀ     gemm(x rowwise,  w rowwise)
     dgrad  dx = dy · w     gemm(dy rowwise, w columnwise)
-    wgrad  dwᵀ = dyᵀ · x   gemm(dy columnwise, x columnwise)
+    wgrad  dw  = xᵀ · dy   gemm(x columnwise, dy columnwise)
 
 x is [M, K], the kernel [K, N] (Flax layout, so w = kernelᵀ is [N, K]), dy [M, N].
 The forward pass saves each operand's columnwise residual (`operands.backward_residual`),
@@ -119,7 +119,9 @@ def _dense_bwd(cfg, saved, cotangents):
   w_col = columnwise_operand(residuals["weight"], cfg.backward)
   x_col = columnwise_operand(residuals["input"], cfg.backward)
   dx = gemm(dy_ops["rowwise"], w_col, out_dtype=dy.dtype)
-  dkernel = gemm(dy_ops["columnwise"], x_col, out_dtype=cfg.kernel_dtype).T
+  # The kernel's gradient [K, N] comes out in its own layout (x first): the other order
+  # gives dwᵀ, whose transpose XLA can no longer fold into a GEMM kernel's bf16 output.
+  dkernel = gemm(x_col, dy_ops["columnwise"], out_dtype=cfg.kernel_dtype)
   dbias = None
   if cfg.bias_dtype is not None:
     dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(cfg.bias_dtype)

@@ -12,7 +12,7 @@ The three GEMMs of a linear layer and the usage each consumes (`GEMM_OPERANDS`):
 | ----- | ------------------- | ------------------ |
 | fprop | input rowwise       | weight rowwise     |
 | dgrad | grad_output rowwise | weight columnwise  |
-| wgrad | grad_output columnwise | input columnwise |
+| wgrad | input columnwise    | grad_output columnwise |
 
 With `backward="high_precision"` or `"dequantized"` the backward GEMMs take
 high-precision operands, so only the rowwise (forward) usages of input and weight are
@@ -37,7 +37,7 @@ from jaxquant.tensor import USAGES, QuantizedData, Usage
 GEMM_OPERANDS = {
     "fprop": (("input", "rowwise"), ("weight", "rowwise")),
     "dgrad": (("grad_output", "rowwise"), ("weight", "columnwise")),
-    "wgrad": (("grad_output", "columnwise"), ("input", "columnwise")),
+    "wgrad": (("input", "columnwise"), ("grad_output", "columnwise")),
 }
 
 

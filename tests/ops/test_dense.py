@@ -174,7 +174,7 @@ def test_roles_and_usages_recorded(monkeypatch):
   assert gemms == [  # fprop, dgrad, wgrad: operands (role, usage) in A, B order
       (("input", "rowwise"), ("weight", "rowwise")),
       (("grad_output", "rowwise"), ("weight", "columnwise")),
-      (("grad_output", "columnwise"), ("input", "columnwise")),
+      (("input", "columnwise"), ("grad_output", "columnwise")),  # dw [K, N] = xᵀ · dy
   ]
 
 
