@@ -5,10 +5,16 @@ dispatch overlaps the previous call's work and only the device's time is counted
 after every call instead adds the host's round trip to each sample: on the H100 with JAX
 0.11 about 0.3 ms, a third of an 8192^3 FP8 GEMM (notes/gemm.md).
 
-Ratios come from `interleaved_seconds`: the baseline and its contenders take turns within
-every round. Timed one after the other, a contender met other clocks than its baseline
-(the H100's power limit moves them over seconds; session 8 saw the first measurement of a
-process run lowest, and an MLP-step ratio read 1.20 in one process and 1.38 in the next).
+Ratios come from `interleaved_seconds`: the baseline and its contenders take turns,
+round after round, so that slow drift (temperature, over the seconds of a run) reaches them
+alike. Timed one after the other, a contender met other conditions than its baseline
+(session 8 saw the first measurement of a process run lowest, and an MLP-step ratio read
+1.20 in one process and 1.38 in the next). Within its turn each op first runs untimed for
+a while: the H100 sets its clocks from the power the running kernels draw, and an FP8 GEMM
+draws less than a bf16 one on the same shape, so a turn timed straight after another op's
+measures that op's clocks, not its own (session 9's first interleaved run, 20-call turns
+without warm-up: every 8192^3 ratio to bf16 5-20 % below the runs before; notes/gemm.md).
+A training run sits in one recipe's steady state, which the warm-up measures.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ def batched(fn, arg_sets) -> Call:
   return Call(many, (list(arg_sets),), len(arg_sets))
 
 
-def _round_seconds(call: Call, reps: int) -> float:
+def _timed(call: Call, reps: int) -> float:
+  """Seconds per op of `reps` back-to-back invocations, one wait at the end."""
   start = time.perf_counter()
   for _ in range(reps):
     out = call()
@@ -50,17 +57,27 @@ def _round_seconds(call: Call, reps: int) -> float:
   return (time.perf_counter() - start) / reps / call.count
 
 
-def interleaved_seconds(calls: Mapping[str, Call], *, reps: int = 20,
-                        rounds: int = 10) -> dict[str, list[float]]:
-  """Per-op device seconds of every call in every round: each round times the calls in turn,
-  `reps` back-to-back invocations each, so drift over the run reaches all of them alike."""
-  for call in calls.values():  # compile and warm up
-    jax.block_until_ready(call())
+def _turn_seconds(call: Call, reps: int, warmup_s: float) -> float:
+  """One turn: untimed runs for about warmup_s, then at least `reps` timed invocations,
+  more where they would take less than warmup_s."""
+  per_call, runs = _timed(call, 1) * call.count, 1
+  while runs * per_call < warmup_s:
+    batch = max(1, int(warmup_s / per_call / 4))
+    per_call = _timed(call, batch) * call.count
+    runs += batch
+  return _timed(call, max(reps, int(warmup_s / per_call)))
+
+
+def interleaved_seconds(calls: Mapping[str, Call], *, reps: int = 20, rounds: int = 8,
+                        warmup_s: float = 0.25) -> dict[str, list[float]]:
+  """Per-op device seconds of every call in every round: each round gives the calls a turn
+  in order, a warm-up of about warmup_s and then a timed run (`_turn_seconds`)."""
+  for call in calls.values():  # compile
     jax.block_until_ready(call())
   samples = {name: [] for name in calls}
   for _ in range(rounds):
     for name, call in calls.items():
-      samples[name].append(_round_seconds(call, reps))
+      samples[name].append(_turn_seconds(call, reps, warmup_s))
   return samples
 
 
