@@ -2,9 +2,9 @@
 // usage's block dim, or per 128x128 tile shared by both usages. Edge blocks may be
 // partial: the amax covers only real elements (the tile is zero-filled past the edge).
 //
-// Tile: 128 rows x (32 lanes x one 16-byte vector) columns, in dynamic shared memory
-// (64 KiB). A 128-element rowwise block spans 128 / kVec lanes; a columnwise block is one
-// thread's column of the tile.
+// Tile: 128 rows x (32 lanes x one 16-byte vector) columns, staged in dynamic shared
+// memory (64 KiB) for both usages. A 128-element rowwise block spans 128 / kVec lanes; a
+// columnwise block is one thread's column of the tile.
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
@@ -67,92 +67,94 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
   const int64_t col = k0 + lane * V;
   const int64_t row_blocks = (K + kBlock - 1) / kBlock, col_blocks = (M + kBlock - 1) / kBlock;
 
-  Vec16<T> v[kRowPasses];
-#pragma unroll
-  for (int p = 0; p < kRowPasses; ++p) {
-    const int64_t row = m0 + warp + p * kWarps;
-    v[p] = (row < M && col < K) ? load_vec(x + row * K + col) : zero_vec<T>();
-  }
-  const bool column_phase = out.col_data != nullptr || kTile2d;
-  if (column_phase) {
-#pragma unroll
-    for (int p = 0; p < kRowPasses; ++p) tile[warp + p * kWarps][lane] = v[p];
-  }
-
-  // 1x128 rowwise blocks, from registers.
-  if (!kTile2d && out.row_data != nullptr) {
-    constexpr int kLanesPerBlock = kBlock / V;
+  {
+    // Every load is issued before the first store to shared memory; the registers they
+    // fill are dead once the tile is staged. (Quantizing the 1x128 rows from these
+    // registers kept all of them live through the block reductions: 181 registers a
+    // thread, one CTA per SM, a third of the copy bandwidth; ncu, session 9.)
+    Vec16<T> v[kRowPasses];
 #pragma unroll
     for (int p = 0; p < kRowPasses; ++p) {
       const int64_t row = m0 + warp + p * kWarps;
-      float a = 0.0f;
-#pragma unroll
-      for (int i = 0; i < V; ++i) a = amax_combine(a, abs_bits(to_float(v[p].v[i])));
-      a = group_amax(a, kLanesPerBlock);
-      if (row >= M || col >= K) continue;
-      const BlockScale s = block_scale<T>(a, cfg);
-      store_row_codes(v[p], s.scale, cfg.element, out.row_data + row * K + col);
-      if (lane % kLanesPerBlock == 0) out.row_scale[row * row_blocks + col / kBlock] = s.scale_inv;
+      v[p] = (row < M && col < K) ? load_vec(x + row * K + col) : zero_vec<T>();
     }
+#pragma unroll
+    for (int p = 0; p < kRowPasses; ++p) tile[warp + p * kWarps][lane] = v[p];
   }
-  if (!column_phase) return;
   __syncthreads();
 
-  // Column phase: thread c owns tile column c (threads past TC only help reduce).
-  const int c = threadIdx.x;
-  const int64_t k = k0 + c;
-  const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
-  float a = 0.0f;
-  if (c < TC) {
-    for (int r = 0; r < kTileRows; ++r) a = amax_combine(a, abs_bits(to_float(column[r * TC])));
-  }
-  BlockScale s;
-  if constexpr (kTile2d) {
-    a = group_amax(a, 32);
-    if (lane == 0) warp_amax[warp] = a;
-    __syncthreads();
-    if (threadIdx.x < kTilesAcross) {
-      float t = 0.0f;
-      for (int w = 0; w < kBlock / 32; ++w) t = amax_combine(t, warp_amax[threadIdx.x * (kBlock / 32) + w]);
-      tile_scale[threadIdx.x] = block_scale<T>(t, cfg);
-      const int64_t kb = (k0 / kBlock) + threadIdx.x, mb = m0 / kBlock;
-      if (kb * kBlock < K) {
-        if (out.row_scale) out.row_scale[mb * row_blocks + kb] = tile_scale[threadIdx.x].scale_inv;
-        if (out.col_scale) out.col_scale[kb * col_blocks + mb] = tile_scale[threadIdx.x].scale_inv;
-      }
+  // Column phase (columnwise usage, and the 128x128 tile scales): thread c owns tile
+  // column c (threads past TC only help reduce).
+  if (out.col_data != nullptr || kTile2d) {
+    const int c = threadIdx.x;
+    const int64_t k = k0 + c;
+    const T* column = reinterpret_cast<const T*>(&tile[0][0]) + c;
+    float a = 0.0f;
+    if (c < TC) {
+      for (int r = 0; r < kTileRows; ++r) a = amax_combine(a, abs_bits(to_float(column[r * TC])));
     }
-    __syncthreads();
-    s = tile_scale[c < TC ? c / kBlock : 0];
-  } else {
-    s = block_scale<T>(a, cfg);
-  }
+    BlockScale s;
+    if constexpr (kTile2d) {
+      a = group_amax(a, 32);
+      if (lane == 0) warp_amax[warp] = a;
+      __syncthreads();
+      if (threadIdx.x < kTilesAcross) {
+        float t = 0.0f;
+        for (int w = 0; w < kBlock / 32; ++w) t = amax_combine(t, warp_amax[threadIdx.x * (kBlock / 32) + w]);
+        tile_scale[threadIdx.x] = block_scale<T>(t, cfg);
+        const int64_t kb = (k0 / kBlock) + threadIdx.x, mb = m0 / kBlock;
+        if (kb * kBlock < K) {
+          if (out.row_scale) out.row_scale[mb * row_blocks + kb] = tile_scale[threadIdx.x].scale_inv;
+          if (out.col_scale) out.col_scale[kb * col_blocks + mb] = tile_scale[threadIdx.x].scale_inv;
+        }
+      }
+      __syncthreads();
+      s = tile_scale[c < TC ? c / kBlock : 0];
+    } else {
+      s = block_scale<T>(a, cfg);
+    }
 
-  if (out.col_data != nullptr && c < TC && k < K) {
-    if (!kTile2d) out.col_scale[k * col_blocks + m0 / kBlock] = s.scale_inv;
-    for (int r0 = 0; r0 < kTileRows && m0 + r0 < M; r0 += 16) {
-      uint32_t codes[4];
+    if (out.col_data != nullptr && c < TC && k < K) {
+      if (!kTile2d) out.col_scale[k * col_blocks + m0 / kBlock] = s.scale_inv;
+      for (int r0 = 0; r0 < kTileRows && m0 + r0 < M; r0 += 16) {
+        uint32_t codes[4];
 #pragma unroll
-      for (int i = 0; i < 16; i += 4) {
-        codes[i / 4] =
-            fp8x2_code(to_float(column[(r0 + i) * TC]) * s.scale,
-                       to_float(column[(r0 + i + 1) * TC]) * s.scale, cfg.element) |
-            (fp8x2_code(to_float(column[(r0 + i + 2) * TC]) * s.scale,
-                        to_float(column[(r0 + i + 3) * TC]) * s.scale, cfg.element) << 16);
+        for (int i = 0; i < 16; i += 4) {
+          codes[i / 4] =
+              fp8x2_code(to_float(column[(r0 + i) * TC]) * s.scale,
+                         to_float(column[(r0 + i + 1) * TC]) * s.scale, cfg.element) |
+              (fp8x2_code(to_float(column[(r0 + i + 2) * TC]) * s.scale,
+                          to_float(column[(r0 + i + 3) * TC]) * s.scale, cfg.element) << 16);
+        }
+        *reinterpret_cast<uint4*>(out.col_data + k * M + m0 + r0) =
+            make_uint4(codes[0], codes[1], codes[2], codes[3]);
       }
-      *reinterpret_cast<uint4*>(out.col_data + k * M + m0 + r0) =
-          make_uint4(codes[0], codes[1], codes[2], codes[3]);
     }
   }
 
-  // 128x128 tiles: the rowwise usage with the tile scale, re-read from shared memory.
-  if (kTile2d && out.row_data != nullptr && col < K) {
-    const BlockScale rs = tile_scale[lane * V / kBlock];
+  // Rowwise usage, re-read from shared memory: a warp quantizes one tile row per pass,
+  // with its 1x128 block's scale (reduced over the block's lanes; the zero fill past K
+  // leaves it exact) or the 128x128 tile's.
+  if (out.row_data == nullptr) return;
+  constexpr int kLanesPerBlock = kBlock / V;
 #pragma unroll 4
-    for (int p = 0; p < kRowPasses; ++p) {
-      const int r = warp + p * kWarps;
-      if (m0 + r >= M) break;
-      store_row_codes(tile[r][lane], rs.scale, cfg.element, out.row_data + (m0 + r) * K + col);
+  for (int p = 0; p < kRowPasses; ++p) {
+    const int r = warp + p * kWarps;
+    if (m0 + r >= M) break;  // the same for the whole warp
+    const Vec16<T> w = tile[r][lane];
+    BlockScale rs;
+    if constexpr (kTile2d) {
+      rs = tile_scale[lane * V / kBlock];
+    } else {
+      float a = 0.0f;
+#pragma unroll
+      for (int i = 0; i < V; ++i) a = amax_combine(a, abs_bits(to_float(w.v[i])));
+      rs = block_scale<T>(group_amax(a, kLanesPerBlock), cfg);
     }
+    if (col >= K) continue;
+    const int64_t row = m0 + r;
+    store_row_codes(w, rs.scale, cfg.element, out.row_data + row * K + col);
+    if (!kTile2d && lane % kLanesPerBlock == 0) out.row_scale[row * row_blocks + col / kBlock] = rs.scale_inv;
   }
 }
 

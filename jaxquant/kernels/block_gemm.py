@@ -4,7 +4,10 @@ A [M, K] E4M3 with 1x128 blocks, B [N, K] E4M3 with 128x128 tiles (fprop, dgrad)
 blocks (wgrad); both in their stored layout, as `ops.gemm` passes them. The scales travel
 MN-major, `[ceil(K / 128), M]` and `[ceil(K / 128), N / b_block_rows]`: the layout of
 CUTLASS's Hopper blockwise mainloop (ffi/gemm/block_fp8_gemm.cuh), which sums each 128-deep
-k-tile on FP8 tensor cores and adds it, scaled, into an fp32 accumulator. Elsewhere the
+k-tile on FP8 tensor cores and adds it, scaled, into an fp32 accumulator. With B in 128x128
+tiles the handler first offers the problem to cuBLASLt's block-scaled FP8 GEMM (faster on
+the H100; same fp32 accumulation of scaled 128-deep partial sums) and keeps CUTLASS for
+what cuBLASLt does not take (no algorithm for the problem). Elsewhere the
 lowering is the reference: dequantize both operands, one fp32 dot. Under a sharded jit,
 A's rows (tokens) and B's rows (output features) stay on their devices when every shard
 holds whole blocks; a sharded K is gathered.
@@ -93,10 +96,13 @@ block_gemm_p = primitive.define(primitive.KernelSpec(
     sharding_rule=_sharding_rule))
 
 
-def unsupported_reason(n: int, k: int, b_block_rows: int, out_dtype) -> str | None:
-  """Why the kernel cannot run this problem, or None (TMA wants 16-byte aligned rows)."""
+def unsupported_reason(m: int, n: int, k: int, b_block_rows: int, out_dtype) -> str | None:
+  """Why the kernel cannot run this problem, or None (TMA wants 16-byte aligned rows, A's
+  MN-major scale rows [ceil(K/128), M] of fp32 included)."""
   if b_block_rows not in (1, BLOCK):
     return f"B's blocks must be 1x128 or 128x128, got {b_block_rows}x128"
+  if m % 4:
+    return f"M = {m} must be a multiple of 4 (A's scales are read as rows of M float32s)"
   return validate.gemm_shape_reason(n, k, out_dtype)
 
 
@@ -108,7 +114,7 @@ def block_fp8_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: ja
   for what, x in (("A", a), ("B", b)):
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.float8_e4m3fn):
       raise ValueError(f"block_fp8_gemm: {what} must be float8_e4m3fn, got {jnp.dtype(x.dtype).name}")
-  reason = unsupported_reason(n, k, b_block_rows, out_dtype)
+  reason = unsupported_reason(m, n, k, b_block_rows, out_dtype)
   if reason:
     raise ValueError(f"block_fp8_gemm: {reason}")
   kb = -(-k // BLOCK)

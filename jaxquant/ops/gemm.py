@@ -117,7 +117,8 @@ def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32
   n, k = b.stored_shape
   supported = (kernels.available() and a.format.element == b.format.element == "e4m3"
                and a.format.block == (1, 128) and b.format.block in ((1, 128), (128, 128))
-               and block_gemm.unsupported_reason(n, k, b.format.block[0], out_dtype) is None)
+               and block_gemm.unsupported_reason(a.stored_shape[0], n, k, b.format.block[0],
+                                                 out_dtype) is None)
   if not supported:
     return _gpu_emulated_gemm(a, b, out_dtype=out_dtype)
   return block_gemm.block_fp8_gemm(a.data, b.data, a.scale_inv, b.scale_inv,

@@ -1,6 +1,7 @@
 """The block FP8 GEMM primitive: its reference lowering against a NumPy oracle, its input
-checks, and (on a Hopper GPU) the CUTLASS kernel against the reference, directly and
-through `ops.gemm`."""
+checks, and (on a Hopper GPU) the kernel against the reference, directly and through
+`ops.gemm`: cuBLASLt's block-scaled GEMM for B in 128x128 tiles, the CUTLASS kernel for
+1x128 B blocks."""
 
 from __future__ import annotations
 
@@ -64,6 +65,24 @@ def test_rejects_bad_input():
     bg.block_fp8_gemm(a[:, :24], b[:, :24], sa[:, :1], sb[:, :1], b_block_rows=128)
   with pytest.raises(ValueError, match="N = 10 must be a multiple of 4 for a float32 output"):
     bg.block_fp8_gemm(a, b[:10], sa, sb, b_block_rows=128)
+  with pytest.raises(ValueError, match=r"M = 18 must be a multiple of 4 \(A's scales"):
+    bg.block_fp8_gemm(a[:2].repeat(9, axis=0), b, sa[:2].repeat(9, axis=0), sb, b_block_rows=128)
+
+
+@pytest.mark.parametrize("m,kernel_called", [(16, True), (18, False)])
+def test_gemm_dispatch_leaves_unaligned_rows_to_the_emulation(monkeypatch, m, kernel_called):
+  """ops.gemm asks the kernel only for problems it takes: 18 rows go to the emulation."""
+  calls = []
+  monkeypatch.setattr(kernels, "available", lambda: True)
+  monkeypatch.setattr(bg, "block_fp8_gemm", lambda *a, **kw: calls.append(a[0].shape) or jnp.zeros(
+      (a[0].shape[0], a[1].shape[0]), kw["out_dtype"]))
+  rng = np.random.default_rng(4)
+  a = reference.quantize(jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16),
+                         BlockFloat8Quantizer(block="1x128"), ("rowwise",)).rowwise
+  b = reference.quantize(jnp.asarray(rng.standard_normal((128, 256)), jnp.bfloat16),
+                         BlockFloat8Quantizer(block="128x128"), ("rowwise",)).rowwise
+  gemm_ops._block_fp8_gemm(a, b)
+  assert bool(calls) == kernel_called
 
 
 # ---- The CUDA kernel (Hopper only) ----

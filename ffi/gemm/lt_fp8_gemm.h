@@ -1,0 +1,40 @@
+// FP8 GEMMs through cuBLASLt, shared by the per-tensor handler (fp8_tensor_gemm.cu) and the
+// block FP8 handler (block_fp8_gemm.cu): D [m, n] = A [m, k] . B [n, k]^T with A and B FP8
+// codes in their stored (K-major) layout, each operand's decode scales applied inside the
+// GEMM, D bf16 or fp32 rounded once from the fp32 sums.
+#pragma once
+
+#include <cublasLt.h>
+
+#include <cstdint>
+
+#include "jaxquant/ffi_glue.h"
+
+namespace jaxquant {
+
+// One operand's decode scales, in the layout cuBLASLt's scale mode defines:
+// - SCALAR_32F: one float;
+// - VEC128_32F: a float per 128-deep k-block of each row, k-block-major ([ceil(k/128), rows],
+//   rows padded to a multiple of 4);
+// - BLK128x128_32F: a float per 128x128 tile, row-block-major ([ceil(rows/128),
+//   ceil(k/128) padded to a multiple of 4]).
+struct LtScales {
+  cublasLtMatmulMatrixScale_t mode;
+  const float* data;
+};
+
+struct LtOperand {
+  const void* data;
+  cudaDataType_t type;
+  LtScales scales;
+};
+
+// Runs the GEMM on `stream`. Returns false, having run nothing, when cuBLASLt has no
+// algorithm for the problem (the caller may take another kernel); an error when a call
+// fails. The algorithm is chosen on the problem's first call in the process (timed among
+// the heuristic's candidates) and kept with one cuBLASLt handle per device.
+ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+                               const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
+                               int64_t m, int64_t n, int64_t k);
+
+}  // namespace jaxquant
