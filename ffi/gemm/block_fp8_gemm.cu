@@ -1,8 +1,8 @@
 // The block FP8 GEMM's FFI handler: checks the buffers and dispatches on B's block shape
-// and the output dtype. B in 128x128 tiles (fprop, dgrad) goes to cuBLASLt's block-scaled
-// FP8 GEMM where it takes the problem (lt_fp8_gemm.h; on the H100 1.62x bf16 at 8192^3
-// against 1.44x for the CUTLASS kernel, notes/gemm.md); everything else, and 1x128 B
-// blocks (wgrad), to the CUTLASS instantiations in block_fp8_gemm_tiles.cu and
+// and the output dtype. Problems go to cuBLASLt's block-scaled FP8 GEMM where it takes
+// them (lt_fp8_gemm.h; on the H100 at 8192^3, against bf16: B in 128x128 tiles 1.59-1.61x,
+// 1x128 x 1x128 1.27x, against 1.44x and 1.09x for the CUTLASS kernel, notes/gemm.md);
+// what it declines to the CUTLASS instantiations in block_fp8_gemm_tiles.cu and
 // block_fp8_gemm_rows.cu (see block_fp8_gemm.cuh for the kernel).
 #include "block_fp8_gemm.cuh"
 #include "lt_fp8_gemm.h"
@@ -53,6 +53,19 @@ ffi::ErrorOr<bool> tiles_through_lt(cudaStream_t stream, int32_t device, ffi::Sc
   return lt_fp8_gemm(stream, device, scratch, lt_a, lt_b, d->untyped_data(), td, m, n, k);
 }
 
+// The cuBLASLt route for B in 1x128 blocks (wgrad): both operands' scales arrive in
+// VEC128's layout, [kb, rows], when the rows are multiples of 4.
+ffi::ErrorOr<bool> rows_through_lt(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+                                   ffi::AnyBuffer a, ffi::AnyBuffer b, const float* sfa,
+                                   const float* sfb, ffi::Result<ffi::AnyBuffer>& d, int64_t m,
+                                   int64_t n, int64_t k) {
+  if (m % 4 != 0 || n % 4 != 0) return false;
+  const cudaDataType_t td = d->element_type() == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  const LtOperand lt_a{a.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfa}};
+  const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfb}};
+  return lt_fp8_gemm(stream, device, scratch, lt_a, lt_b, d->untyped_data(), td, m, n, k);
+}
+
 ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
                           ffi::AnyBuffer b, ffi::Buffer<ffi::F32> sfa, ffi::Buffer<ffi::F32> sfb,
                           ffi::Result<ffi::AnyBuffer> d, int32_t b_block_rows) {
@@ -72,9 +85,9 @@ ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAlloc
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
   const bool out_ok = d->element_type() == ffi::DataType::BF16 || d->element_type() == ffi::DataType::F32;
-  if (b_block_rows == kBlock && out_ok) {
-    auto ran = tiles_through_lt(stream, device, scratch, a, b, sfa.typed_data(), sfb.typed_data(), d,
-                                m, n, k);
+  if ((b_block_rows == kBlock || b_block_rows == 1) && out_ok) {
+    auto ran = (b_block_rows == kBlock ? tiles_through_lt : rows_through_lt)(
+        stream, device, scratch, a, b, sfa.typed_data(), sfb.typed_data(), d, m, n, k);
     if (ran.has_error()) return ran.error();
     if (*ran) return ffi::Error::Success();
   }

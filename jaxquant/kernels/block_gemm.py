@@ -4,10 +4,10 @@ A [M, K] E4M3 with 1x128 blocks, B [N, K] E4M3 with 128x128 tiles (fprop, dgrad)
 blocks (wgrad); both in their stored layout, as `ops.gemm` passes them. The scales travel
 MN-major, `[ceil(K / 128), M]` and `[ceil(K / 128), N / b_block_rows]`: the layout of
 CUTLASS's Hopper blockwise mainloop (ffi/gemm/block_fp8_gemm.cuh), which sums each 128-deep
-k-tile on FP8 tensor cores and adds it, scaled, into an fp32 accumulator. With B in 128x128
-tiles the handler first offers the problem to cuBLASLt's block-scaled FP8 GEMM (faster on
-the H100; same fp32 accumulation of scaled 128-deep partial sums) and keeps CUTLASS for
-what cuBLASLt does not take (no algorithm for the problem). Elsewhere the
+k-tile on FP8 tensor cores and adds it, scaled, into an fp32 accumulator. The handler
+first offers the problem to cuBLASLt's block-scaled FP8 GEMM (faster on the H100; the same
+fp32 accumulation of scaled 128-deep partial sums) and keeps CUTLASS for what cuBLASLt
+does not take (no algorithm for the problem). Elsewhere the
 lowering is the reference: dequantize both operands, one fp32 dot. Under a sharded jit,
 A's rows (tokens) and B's rows (output features) stay on their devices when every shard
 holds whole blocks; a sharded K is gathered.

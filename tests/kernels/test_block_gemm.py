@@ -1,7 +1,7 @@
 """The block FP8 GEMM primitive: its reference lowering against a NumPy oracle, its input
 checks, and (on a Hopper GPU) the kernel against the reference, directly and through
-`ops.gemm`: cuBLASLt's block-scaled GEMM for B in 128x128 tiles, the CUTLASS kernel for
-1x128 B blocks."""
+`ops.gemm` (on the H100 cuBLASLt's block-scaled GEMM takes these problems; the CUTLASS
+kernel is the handler's fallback)."""
 
 from __future__ import annotations
 
