@@ -24,45 +24,36 @@ __global__ void tile_scales_for_lt(const float* __restrict__ mn_major, int64_t k
   out[i] = col < kb ? mn_major[col * nb + row] : 0.0f;
 }
 
-// The cuBLASLt route for B in 128x128 tiles: true when it ran, false when cuBLASLt has no
-// algorithm (or A's scale rows, [kb, m], are not padded as it wants: m % 4).
-ffi::ErrorOr<bool> tiles_through_lt(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
-                                    ffi::AnyBuffer a, ffi::AnyBuffer b, const float* sfa,
-                                    const float* sfb, ffi::Result<ffi::AnyBuffer>& d, int64_t m,
-                                    int64_t n, int64_t k) {
-  if (m % 4 != 0) return false;
-  const int64_t kb = (k + kBlock - 1) / kBlock, nb = (n + kBlock - 1) / kBlock;
-  const int64_t kb_padded = (kb + 3) / 4 * 4;
-  auto tiles = scratch.Allocate(sizeof(float) * nb * kb_padded, 16);
-  if (!tiles.has_value()) {
-    return ffi::Unexpected(ffi::Error::Internal("block_fp8_gemm: could not allocate B's scales"));
-  }
-  float* b_scales = static_cast<float*>(*tiles);
-  constexpr int kThreadsPerBlock = 256;
-  const int64_t count = nb * kb_padded;
-  tile_scales_for_lt<<<static_cast<unsigned>((count + kThreadsPerBlock - 1) / kThreadsPerBlock),
-                       kThreadsPerBlock, 0, stream>>>(sfb, kb, nb, kb_padded, b_scales);
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) {
-    return ffi::Unexpected(cuda_error("block_fp8_gemm: reordering B's scales", launched));
-  }
-  const cudaDataType_t td = d->element_type() == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
-  const LtOperand lt_a{a.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfa}};
-  const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3,
-                       {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, b_scales}};
-  return lt_fp8_gemm(stream, device, scratch, lt_a, lt_b, d->untyped_data(), td, m, n, k);
-}
-
-// The cuBLASLt route for B in 1x128 blocks (wgrad): both operands' scales arrive in
-// VEC128's layout, [kb, rows], when the rows are multiples of 4.
-ffi::ErrorOr<bool> rows_through_lt(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
-                                   ffi::AnyBuffer a, ffi::AnyBuffer b, const float* sfa,
-                                   const float* sfb, ffi::Result<ffi::AnyBuffer>& d, int64_t m,
-                                   int64_t n, int64_t k) {
+// The cuBLASLt route: true when it ran, false when cuBLASLt has no algorithm for the
+// problem. A's scales arrive in VEC128's layout, [kb, m] (m % 4 == 0, checked in Python);
+// so do B's 1x128 ones, [kb, n]; B's tile scales are reordered for BLK128x128.
+ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+                              ffi::AnyBuffer a, ffi::AnyBuffer b, const float* sfa, const float* sfb,
+                              ffi::Result<ffi::AnyBuffer>& d, int64_t m, int64_t n, int64_t k,
+                              int32_t b_block_rows) {
   if (m % 4 != 0 || n % 4 != 0) return false;
+  LtScales b_scales{CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfb};
+  if (b_block_rows == kBlock) {
+    const int64_t kb = (k + kBlock - 1) / kBlock, nb = (n + kBlock - 1) / kBlock;
+    const int64_t kb_padded = (kb + 3) / 4 * 4;
+    auto tiles = scratch.Allocate(sizeof(float) * nb * kb_padded, 16);
+    if (!tiles.has_value()) {
+      return ffi::Unexpected(ffi::Error::Internal("block_fp8_gemm: could not allocate B's scales"));
+    }
+    constexpr int kThreadsPerBlock = 256;
+    const int64_t count = nb * kb_padded;
+    tile_scales_for_lt<<<static_cast<unsigned>((count + kThreadsPerBlock - 1) / kThreadsPerBlock),
+                         kThreadsPerBlock, 0, stream>>>(sfb, kb, nb, kb_padded,
+                                                        static_cast<float*>(*tiles));
+    const cudaError_t launched = cudaGetLastError();
+    if (launched != cudaSuccess) {
+      return ffi::Unexpected(cuda_error("block_fp8_gemm: reordering B's scales", launched));
+    }
+    b_scales = {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, static_cast<const float*>(*tiles)};
+  }
   const cudaDataType_t td = d->element_type() == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
   const LtOperand lt_a{a.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfa}};
-  const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfb}};
+  const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3, b_scales};
   return lt_fp8_gemm(stream, device, scratch, lt_a, lt_b, d->untyped_data(), td, m, n, k);
 }
 
@@ -86,8 +77,8 @@ ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAlloc
   if (m == 0 || n == 0) return ffi::Error::Success();
   const bool out_ok = d->element_type() == ffi::DataType::BF16 || d->element_type() == ffi::DataType::F32;
   if ((b_block_rows == kBlock || b_block_rows == 1) && out_ok) {
-    auto ran = (b_block_rows == kBlock ? tiles_through_lt : rows_through_lt)(
-        stream, device, scratch, a, b, sfa.typed_data(), sfb.typed_data(), d, m, n, k);
+    auto ran = through_lt(stream, device, scratch, a, b, sfa.typed_data(), sfb.typed_data(), d, m,
+                          n, k, b_block_rows);
     if (ran.has_error()) return ran.error();
     if (*ran) return ffi::Error::Success();
   }
