@@ -142,4 +142,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantAmax, jaxquant::amax,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attrs<jaxquant::KernelConfig>());
+                                  .Attrs<jaxquant::KernelConfig>(),
+                              JAXQUANT_CMD_BUFFER_SAFE);

@@ -176,4 +176,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantDequantize, jaxquant::dequantize,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attrs<jaxquant::KernelConfig>());
+                                  .Attrs<jaxquant::KernelConfig>(),
+                              JAXQUANT_CMD_BUFFER_SAFE);

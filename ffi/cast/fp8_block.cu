@@ -213,4 +213,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8BlockCast, jaxquant::fp8_block_cast,
                                   .Arg<xla::ffi::AnyBuffer>()  // col amax (unused)
                                   .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
                                   .RemainingRets()
-                                  .Attrs<jaxquant::KernelConfig>());
+                                  .Attrs<jaxquant::KernelConfig>(),
+                              JAXQUANT_CMD_BUFFER_SAFE);

@@ -160,4 +160,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8TensorCast, jaxquant::fp8_tensor_cast,
                                   .Arg<xla::ffi::AnyBuffer>()  // col amax (the same, unused)
                                   .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
                                   .RemainingRets()
-                                  .Attrs<jaxquant::KernelConfig>());
+                                  .Attrs<jaxquant::KernelConfig>(),
+                              JAXQUANT_CMD_BUFFER_SAFE);

@@ -186,4 +186,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantMxfp8Cast, jaxquant::mxfp8_cast,
                                   .Arg<xla::ffi::AnyBuffer>()  // col amax (unused)
                                   .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
                                   .RemainingRets()
-                                  .Attrs<jaxquant::KernelConfig>());
+                                  .Attrs<jaxquant::KernelConfig>(),
+                              JAXQUANT_CMD_BUFFER_SAFE);

@@ -14,6 +14,7 @@ import pathlib
 from typing import Optional
 
 import jax
+from jaxlib import xla_client
 
 LIBRARY_NAME = "libjaxquant_ffi.so"
 # FFI target name -> exported handler symbol (ffi/include/jaxquant/handlers.h).
@@ -29,6 +30,15 @@ TARGETS = {
     "jaxquant_dequant_gemm": "JaxquantDequantGemm",
     "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
 }
+# Targets XLA may trace into its command buffers (CUDA graphs) along with the fusions around
+# them: the same kernels for the same attributes and shapes, no host synchronization, no
+# scratch memory. The GEMM targets take workspace from XLA's scratch allocator, which a
+# captured graph would keep after it is freed. The handlers report the same trait in their
+# FFI metadata (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE); tests/kernels/test_command_buffers.py
+# checks on the GPU that their kernels run from XLA's CUDA graphs.
+COMMAND_BUFFER_SAFE = frozenset({"jaxquant_amax", "jaxquant_fp8_tensor_cast",
+                                 "jaxquant_fp8_block_cast", "jaxquant_mxfp8_cast",
+                                 "jaxquant_nvfp4_cast", "jaxquant_dequantize"})
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
 
@@ -56,7 +66,10 @@ def load_error() -> Optional[str]:
       handler = getattr(lib, symbol)
     except AttributeError:
       return f"{path} lacks the handler {symbol}: it was built from other sources"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA")
+    traits = (xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+              if target in COMMAND_BUFFER_SAFE else xla_client.CustomCallTargetTraits.DEFAULT)
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA",
+                                traits=traits)
   return None
 
 

@@ -37,6 +37,15 @@ struct KernelConfig {
   int32_t block_scales_only;  // dequantize: leave the outer scale (NVFP4 S_dec) out
 };
 
+// Traits of the cast, amax and dequantize handlers: for the same attributes and buffer
+// shapes they launch the same kernels, never synchronize with the host and take no scratch
+// memory, so XLA may trace them into its command buffers (CUDA graphs) with the fusions
+// around them. The GEMM handlers take workspace from XLA's scratch allocator (freed when
+// the call returns, so a captured graph would keep a dangling address) and cuBLASLt's
+// first call of a problem times its candidates on the host: they stay outside.
+#define JAXQUANT_CMD_BUFFER_SAFE \
+  { ::xla::ffi::Traits::kCmdBufferCompatible }
+
 enum Family : int32_t { kFp8Tensor = 0, kFp8Block = 1, kMxfp8 = 2, kNvfp4 = 3 };
 
 inline ffi::Error cuda_error(const char* what, cudaError_t err) {

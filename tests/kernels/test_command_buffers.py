@@ -1,0 +1,94 @@
+"""The cast, amax and dequantize kernels inside XLA's command buffers (CUDA graphs).
+
+Those targets are registered as command-buffer compatible (kernels/library.py), so XLA
+may trace them into a CUDA graph once and replay it. Command buffers are a backend
+option read when the GPU backend starts, so the checks run in a fresh process whose
+XLA_FLAGS put every fusion and custom call into one: a profile of a call must show every
+jaxquant kernel launched from the command buffer's CUDA graph, and the results of several
+calls with fresh inputs (new buffers: the graph is updated and replayed) must equal the
+reference's bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxquant import kernels
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
+]
+
+HERE = pathlib.Path(__file__).parent
+FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+CHILD = r'''
+import functools, glob, gzip, json, os, tempfile
+import jax, jax.numpy as jnp
+from jaxquant.ops import quantize as ops
+from kernel_cases import QUANTIZERS, assert_same_bits, random_input
+
+CPU = jax.devices("cpu")[0]
+
+
+# The jaxquant kernels of one profiled call that did not run from a CUDA graph (a graph's
+# kernel events carry its id, and the command buffer as their HLO op).
+def kernels_outside_graphs(f, args):
+  for _ in range(3):  # XLA records the graph over the first executions
+    jax.block_until_ready(f("kernel", *args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      jax.block_until_ready(f("kernel", *args))
+    path, = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+    events = json.load(gzip.open(path))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  ours = [e for e in events if e.get("ph") == "X" and "jaxquant::" in str(e.get("name"))]
+  assert ours, "the trace holds no jaxquant kernel"
+  return sorted({e["name"] for e in ours if "cuda_graph_id" not in e.get("args", {})
+                 or not e["args"].get("hlo_op", "").startswith("command_buffer")})
+
+
+def check(label, fn, make_args):
+  f = jax.jit(fn, static_argnums=0)
+  outside = kernels_outside_graphs(f, make_args(0))
+  assert not outside, f"{label}: launched outside a command buffer: {outside}"
+  for seed in range(3):
+    args = make_args(seed)
+    got = f("kernel", *args)
+    want = f("reference", *jax.device_put(args, CPU))
+    assert_same_bits(got, want, f"{label} seed {seed}")
+
+
+def quantize(impl, x, key, *, q):
+  # A fusion before and after the cast, so the graph holds more than the custom calls.
+  qt = ops.quantize(x * 2, q, key=key, implementation=impl)
+  return qt, ops.dequantize(qt, "rowwise", jnp.float32, implementation=impl) + 1
+
+
+for name in NAMES:
+  check(name, functools.partial(quantize, q=QUANTIZERS[name]),
+        lambda seed: (random_input(seed, (512, 1024), jnp.bfloat16), jax.random.key(seed)))
+  print(name, "ok", flush=True)
+'''
+
+# Every cast family (amax, dequantize and the RHT, 16x16 and per-token variants included).
+# Stochastic rounding is left out: its bits are not the reference's (test_kernels_gpu
+# checks it statistically).
+NAMES = ["fp8_e4m3", "block_1x128", "block_128x128", "mxfp8_e4m3", "nvfp4", "nvfp4_16x16",
+         "nvfp4_rht", "nvfp4_per_token_rht", "hybrid_mxfp8_nvfp4"]
+
+
+def test_casts_replay_from_command_buffers():
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAGS}".strip(),
+             PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+  child = f"NAMES = {NAMES!r}\n{CHILD}"
+  run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
+                       timeout=600)
+  assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
+  assert run.stdout.split() == [w for name in NAMES for w in (name, "ok")]
