@@ -54,7 +54,7 @@ ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, ffi::ScratchA
   const cudaDataType_t td = d->element_type() == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
   const LtOperand lt_a{a.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfa}};
   const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3, b_scales};
-  return lt_fp8_gemm(stream, device, scratch, lt_a, lt_b, d->untyped_data(), td, m, n, k);
+  return lt_fp8_gemm(stream, device, &scratch, lt_a, lt_b, d->untyped_data(), td, m, n, k);
 }
 
 ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,

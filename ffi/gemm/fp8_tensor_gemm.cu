@@ -23,7 +23,7 @@ bool lt_type(ffi::DataType dtype, cudaDataType_t& out) {
   }
 }
 
-ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
                            ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> sa,
                            ffi::Buffer<ffi::F32> sb, ffi::Result<ffi::AnyBuffer> d) {
   int64_t m, k, n, kb;
@@ -44,7 +44,10 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllo
   if (m == 0 || n == 0) return ffi::Error::Success();
   const LtOperand lt_a{a.untyped_data(), ta, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sa.typed_data()}};
   const LtOperand lt_b{b.untyped_data(), tb, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sb.typed_data()}};
-  auto ran = lt_fp8_gemm(stream, device, scratch, lt_a, lt_b, d->untyped_data(), td, m, n, k);
+  // No workspace: the algorithms that need none are as fast for per-tensor scales
+  // (lt_fp8_gemm.cu), and the handler stays safe to trace into XLA's command buffers.
+  auto ran = lt_fp8_gemm(stream, device, /*scratch=*/nullptr, lt_a, lt_b, d->untyped_data(), td,
+                         m, n, k);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
     return ffi::Error::Internal("fp8_tensor_gemm: cuBLASLt has no algorithm for M=" +
@@ -61,9 +64,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8TensorGemm, jaxquant::fp8_tensor_gemm,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              JAXQUANT_CMD_BUFFER_SAFE);

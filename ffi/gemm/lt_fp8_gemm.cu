@@ -15,8 +15,11 @@
 namespace jaxquant {
 namespace {
 
-// The most workspace an algorithm may ask for: NVIDIA's recommendation for Hopper, where
-// split-K algorithms keep partial sums in it. Only what the chosen one needs is allocated.
+// The most workspace an algorithm may ask for when the caller has scratch memory: NVIDIA's
+// recommendation for Hopper, where split-K algorithms keep partial sums in it. Only what
+// the chosen one needs is allocated. Without scratch only algorithms that need none are
+// candidates (H100, E4M3: the same tiles and times at 8192^3, 4096x16384x16384 and
+// 16x8192x8192; only split-K candidates drop out, none of them the fastest).
 constexpr uint64_t kMaxWorkspaceBytes = uint64_t{32} << 20;
 // cuBLASLt wants a 256-byte aligned workspace; XLA's scratch allocator promises 16 bytes.
 constexpr uint64_t kWorkspaceAlignment = 256;
@@ -70,10 +73,10 @@ struct Plan {
 // the CUDA context may be gone by then.
 class LtCache {
  public:
-  // device, m, n, k, the types of A, B and D, the scale modes of A and B, and the
-  // alignments of A, B and D
+  // device, m, n, k, the types of A, B and D, the scale modes of A and B, the alignments of
+  // A, B and D, and whether workspace may be used
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, uint32_t, uint32_t,
-                         uint32_t>;
+                         uint32_t, bool>;
 
   static LtCache& instance() {
     static LtCache* cache = new LtCache();  // never destroyed: see above
@@ -122,9 +125,13 @@ ffi::Error set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribu
 
 // Workspace from XLA's scratch allocator (freed after the call, in stream order), aligned
 // up to what cuBLASLt wants; null when none is needed.
-ffi::ErrorOr<void*> allocate_workspace(ffi::ScratchAllocator& scratch, size_t bytes) {
+ffi::ErrorOr<void*> allocate_workspace(ffi::ScratchAllocator* scratch, size_t bytes) {
   if (bytes == 0) return static_cast<void*>(nullptr);
-  auto memory = scratch.Allocate(bytes + kWorkspaceAlignment, 16);
+  if (scratch == nullptr) {  // the preference allowed none: cuBLASLt broke its promise
+    return ffi::Unexpected(ffi::Error::Internal("cuBLASLt FP8 GEMM: an algorithm asked for " +
+                                                std::to_string(bytes) + " bytes of workspace"));
+  }
+  auto memory = scratch->Allocate(bytes + kWorkspaceAlignment, 16);
   if (!memory.has_value()) {
     return ffi::Unexpected(ffi::Error::Internal("cuBLASLt FP8 GEMM: could not allocate " +
                                                 std::to_string(bytes) + " bytes of workspace"));
@@ -139,7 +146,7 @@ ffi::ErrorOr<void*> allocate_workspace(ffi::ScratchAllocator& scratch, size_t by
 // is not always the fastest (8192^3 E4M3 on the H100: 0.81 ms, the next seven 0.86-1.10).
 // The host waits for these runs, once; the call's real run follows with the winner.
 template <typename Run>
-ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, ffi::ScratchAllocator* scratch,
                                      const cublasLtMatmulHeuristicResult_t* candidates, int found,
                                      Run&& run) {
   Plan best{candidates[0].algo, candidates[0].workspaceSize};
@@ -198,7 +205,7 @@ ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, ffi::ScratchAllocator&
 
 }  // namespace
 
-ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator* scratch,
                                const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
                                int64_t m, int64_t n, int64_t k) {
   LtCache& cache = LtCache::instance();
@@ -237,16 +244,17 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::Scratch
   const uint32_t align_a = alignment_of(a.data), align_b = alignment_of(b.data),
                  align_d = alignment_of(d);
   const LtCache::Key key{device, m, n, k, a.type, b.type, td, a.scales.mode, b.scales.mode,
-                         align_a, align_b, align_d};
+                         align_a, align_b, align_d, scratch != nullptr};
   Plan plan;
   if (!cache.find(key, plan)) {
+    const uint64_t max_workspace = scratch != nullptr ? kMaxWorkspaceBytes : 0;
     cublasLtMatmulPreference_t raw_pref;
     JAXQUANT_LT_UNEXPECTED(lt_error("creating the preference", cublasLtMatmulPreferenceCreate(&raw_pref)));
     Preference pref(raw_pref);
     JAXQUANT_LT_UNEXPECTED(lt_error("setting the workspace size",
                                     cublasLtMatmulPreferenceSetAttribute(
                                         raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                        &kMaxWorkspaceBytes, sizeof(kMaxWorkspaceBytes))));
+                                        &max_workspace, sizeof(max_workspace))));
     // cuBLAS's A is our B and its B our A; C is D (beta = 0, same buffer).
     const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b},
@@ -267,12 +275,23 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::Scratch
       return false;
     }
     JAXQUANT_LT_UNEXPECTED(lt_error("querying the algorithm heuristic", status));
-    auto fastest = fastest_candidate(stream, scratch, candidates, found, [&](const Plan& p, void* ws) {
-      return run(*handle, p, ws);
-    });
-    if (fastest.has_error()) return ffi::Unexpected(fastest.error());
-    plan = *fastest;
-    cache.insert(key, plan);
+    // While XLA captures the stream into a CUDA graph nothing may wait for the device: the
+    // heuristic's first choice runs, untimed and not kept, so a later direct call still
+    // times the candidates. (XLA runs a graph's first executions directly: the timing
+    // normally happens then.)
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    JAXQUANT_LT_UNEXPECTED(cuda_error("cuBLASLt FP8 GEMM: querying stream capture",
+                                      cudaStreamIsCapturing(stream, &capture)));
+    if (capture != cudaStreamCaptureStatusNone) {
+      plan = Plan{candidates[0].algo, candidates[0].workspaceSize};
+    } else {
+      auto fastest = fastest_candidate(stream, scratch, candidates, found, [&](const Plan& p, void* ws) {
+        return run(*handle, p, ws);
+      });
+      if (fastest.has_error()) return ffi::Unexpected(fastest.error());
+      plan = *fastest;
+      cache.insert(key, plan);
+    }
   }
   auto workspace = allocate_workspace(scratch, plan.workspace_bytes);
   if (workspace.has_error()) return ffi::Unexpected(workspace.error());

@@ -32,8 +32,10 @@ struct LtOperand {
 // Runs the GEMM on `stream`. Returns false, having run nothing, when cuBLASLt has no
 // algorithm for the problem (the caller may take another kernel); an error when a call
 // fails. The algorithm is chosen on the problem's first call in the process (timed among
-// the heuristic's candidates) and kept with one cuBLASLt handle per device.
-ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+// the heuristic's candidates) and kept with one cuBLASLt handle per device. With `scratch`
+// null only algorithms that need no workspace are candidates, and the call touches no
+// memory but its operands: a handler may then be traced into XLA's command buffers.
+ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator* scratch,
                                const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
                                int64_t m, int64_t n, int64_t k);
 

@@ -31,14 +31,16 @@ TARGETS = {
     "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
 }
 # Targets XLA may trace into its command buffers (CUDA graphs) along with the fusions around
-# them: the same kernels for the same attributes and shapes, no host synchronization, no
-# scratch memory. The GEMM targets take workspace from XLA's scratch allocator, which a
-# captured graph would keep after it is freed. The handlers report the same trait in their
-# FFI metadata (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE); tests/kernels/test_command_buffers.py
-# checks on the GPU that their kernels run from XLA's CUDA graphs.
+# them: the same kernels for the same attributes and shapes, no host synchronization while
+# captured, no scratch memory. The other GEMM targets take memory from XLA's scratch
+# allocator, which a captured graph would keep after it is freed. The handlers report the
+# same trait in their FFI metadata (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE);
+# tests/kernels/test_command_buffers.py checks on the GPU that their kernels run from
+# XLA's CUDA graphs.
 COMMAND_BUFFER_SAFE = frozenset({"jaxquant_amax", "jaxquant_fp8_tensor_cast",
                                  "jaxquant_fp8_block_cast", "jaxquant_mxfp8_cast",
-                                 "jaxquant_nvfp4_cast", "jaxquant_dequantize"})
+                                 "jaxquant_nvfp4_cast", "jaxquant_dequantize",
+                                 "jaxquant_fp8_tensor_gemm"})
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
 

@@ -1,4 +1,4 @@
-"""The cast, amax and dequantize kernels inside XLA's command buffers (CUDA graphs).
+"""The cast, amax, dequantize and per-tensor FP8 GEMM kernels inside XLA's command buffers.
 
 Those targets are registered as command-buffer compatible (kernels/library.py), so XLA
 may trace them into a CUDA graph once and replay it. Command buffers are a backend
@@ -6,7 +6,8 @@ option read when the GPU backend starts, so the checks run in a fresh process wh
 XLA_FLAGS put every fusion and custom call into one: a profile of a call must show every
 jaxquant kernel launched from the command buffer's CUDA graph, and the results of several
 calls with fresh inputs (new buffers: the graph is updated and replayed) must equal the
-reference's bit for bit.
+reference's bit for bit (the GEMM's within the FP8 tensor cores' tolerance), and a replayed
+call the first call's.
 """
 
 from __future__ import annotations
@@ -30,16 +31,21 @@ FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_
 
 CHILD = r'''
 import functools, glob, gzip, json, os, tempfile
-import jax, jax.numpy as jnp
-from jaxquant.ops import quantize as ops
-from kernel_cases import QUANTIZERS, assert_same_bits, random_input
+import jax, jax.numpy as jnp, numpy as np
+from jaxquant.ops import gemm as gemm_ops, quantize as ops
+from kernel_cases import (FP8_MMA_TOLERANCE, QUANTIZERS, assert_same_bits, random_input,
+                          relative_error)
 
 CPU = jax.devices("cpu")[0]
+# Kernel names: ours, and cuBLASLt's Hopper GEMMs (the per-tensor FP8 GEMM).
+OURS = ("jaxquant::", "nvjet")
 
 
 # The jaxquant kernels of one profiled call that did not run from a CUDA graph (a graph's
-# kernel events carry its id, and the command buffer as their HLO op).
+# kernel events carry its id, and the command buffer as their HLO op), and the call's
+# results before the graph was recorded.
 def kernels_outside_graphs(f, args):
+  first = f("kernel", *args)
   for _ in range(3):  # XLA records the graph over the first executions
     jax.block_until_ready(f("kernel", *args))
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -48,21 +54,21 @@ def kernels_outside_graphs(f, args):
     path, = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
     events = json.load(gzip.open(path))
   events = events["traceEvents"] if isinstance(events, dict) else events
-  ours = [e for e in events if e.get("ph") == "X" and "jaxquant::" in str(e.get("name"))]
+  ours = [e for e in events
+          if e.get("ph") == "X" and any(part in str(e.get("name")) for part in OURS)]
   assert ours, "the trace holds no jaxquant kernel"
-  return sorted({e["name"] for e in ours if "cuda_graph_id" not in e.get("args", {})
-                 or not e["args"].get("hlo_op", "").startswith("command_buffer")})
+  return first, sorted({e["name"] for e in ours if "cuda_graph_id" not in e.get("args", {})
+                        or not e["args"].get("hlo_op", "").startswith("command_buffer")})
 
 
-def check(label, fn, make_args):
+def check(label, fn, make_args, compare=assert_same_bits):
   f = jax.jit(fn, static_argnums=0)
-  outside = kernels_outside_graphs(f, make_args(0))
+  first, outside = kernels_outside_graphs(f, make_args(0))
   assert not outside, f"{label}: launched outside a command buffer: {outside}"
+  assert_same_bits(f("kernel", *make_args(0)), first, f"{label}: replayed vs first call")
   for seed in range(3):
     args = make_args(seed)
-    got = f("kernel", *args)
-    want = f("reference", *jax.device_put(args, CPU))
-    assert_same_bits(got, want, f"{label} seed {seed}")
+    compare(f("kernel", *args), f("reference", *jax.device_put(args, CPU)), f"{label} seed {seed}")
 
 
 def quantize(impl, x, key, *, q):
@@ -71,10 +77,26 @@ def quantize(impl, x, key, *, q):
   return qt, ops.dequantize(qt, "rowwise", jnp.float32, implementation=impl) + 1
 
 
+def fp8_gemm(impl, x, w):
+  q = QUANTIZERS["fp8_e4m3"]
+  a, b = (ops.quantize(t, q, ("rowwise",), implementation=impl).rowwise for t in (x, w))
+  return gemm_ops.gemm(a, b, out_dtype=jnp.float32, implementation=impl) + 1
+
+
+def within_fp8_tolerance(got, want, what):
+  error = relative_error(got, np.asarray(want, np.float64))
+  assert error <= FP8_MMA_TOLERANCE, f"{what}: relative error {error:.3g}"
+
+
 for name in NAMES:
   check(name, functools.partial(quantize, q=QUANTIZERS[name]),
         lambda seed: (random_input(seed, (512, 1024), jnp.bfloat16), jax.random.key(seed)))
   print(name, "ok", flush=True)
+check("fp8_tensor_gemm", fp8_gemm,
+      lambda seed: (random_input(seed, (256, 512), jnp.bfloat16),
+                     random_input(seed + 7, (384, 512), jnp.bfloat16)),
+      compare=within_fp8_tolerance)
+print("fp8_tensor_gemm ok", flush=True)
 '''
 
 # Every cast family (amax, dequantize and the RHT, 16x16 and per-token variants included).
@@ -91,4 +113,4 @@ def test_casts_replay_from_command_buffers():
   run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
                        timeout=600)
   assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
-  assert run.stdout.split() == [w for name in NAMES for w in (name, "ok")]
+  assert run.stdout.split() == [w for name in NAMES + ["fp8_tensor_gemm"] for w in (name, "ok")]

@@ -37,12 +37,12 @@ struct KernelConfig {
   int32_t block_scales_only;  // dequantize: leave the outer scale (NVFP4 S_dec) out
 };
 
-// Traits of the cast, amax and dequantize handlers: for the same attributes and buffer
-// shapes they launch the same kernels, never synchronize with the host and take no scratch
-// memory, so XLA may trace them into its command buffers (CUDA graphs) with the fusions
-// around them. The GEMM handlers take workspace from XLA's scratch allocator (freed when
-// the call returns, so a captured graph would keep a dangling address) and cuBLASLt's
-// first call of a problem times its candidates on the host: they stay outside.
+// Traits of the handlers that, for the same attributes and buffer shapes, launch the same
+// kernels, never synchronize with the host while XLA captures them, and take no scratch
+// memory: the casts, amax, dequantize and the per-tensor FP8 GEMM (lt_fp8_gemm.h). XLA may
+// trace them into its command buffers (CUDA graphs) with the fusions around them. The
+// other GEMM handlers take memory from XLA's scratch allocator, which is freed when the
+// call returns (a captured graph would keep the address): they stay outside.
 #define JAXQUANT_CMD_BUFFER_SAFE \
   { ::xla::ffi::Traits::kCmdBufferCompatible }
 
