@@ -95,6 +95,7 @@ def main():
       # (op name, quantizer, usages, mode): mode "cast" gives the kernel its amaxes,
       # "quantize" includes the amax pass (the input is then read twice by the kernels).
       ("fp8_tensor_cast_transpose", DelayedFloat8Quantizer(), BOTH, "cast"),
+      ("fp8_tensor_cast_row", DelayedFloat8Quantizer(), ("rowwise",), "cast"),
       ("fp8_current_amax_cast_transpose", Float8Quantizer(), BOTH, "quantize"),
       ("mxfp8_row_col", MXFP8Quantizer(), BOTH, "cast"),
       ("mxfp8_row", MXFP8Quantizer(), ("rowwise",), "cast"),

@@ -29,24 +29,81 @@ __device__ __forceinline__ uint32_t fp8x4_scaled(float a, float b, float c, floa
                     : fp8x4_code_no_nan(a * scale, b * scale, c * scale, d * scale, kElement);
 }
 
+// The tensor's scale from the amax or the given (delayed) scale, and whether a product can
+// be NaN with no NaN input: a delayed scale may be any float, and 0 or inf times a scale
+// that is not finite and positive is NaN. The first thread stores scale_inv.
+struct TensorScale {
+  float scale;
+  bool may_make_nan;
+};
+
+template <typename T, int32_t kElement>
+__device__ __forceinline__ TensorScale tensor_scale(const float* amax_or_scale,
+                                                    const KernelConfig& cfg,
+                                                    const Fp8TensorOut& out) {
+  const float scale = cfg.given_scale ? *amax_or_scale
+                                      : fp8_scale_from_amax<T>(*amax_or_scale,
+                                                               element_max(kElement),
+                                                               cfg.eps, cfg.pow2_scales);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const float scale_inv = 1.0f / scale;
+    if (out.row_scale_inv) *out.row_scale_inv = scale_inv;
+    if (out.col_scale_inv) *out.col_scale_inv = scale_inv;
+  }
+  return {scale, !(scale > 0.0f && scale <= kFltMax)};
+}
+
+// The codes of one 16-byte vector of a row, stored at dst.
+template <typename T, int32_t kElement>
+__device__ __forceinline__ void store_row_vector(const Vec16<T>& v, const TensorScale& s,
+                                                 uint8_t* dst) {
+  constexpr int V = kVec<T>;
+  const bool nan = s.may_make_nan || isnan(chunk_amax(v, 1));
+  uint32_t codes[V / 4];
+#pragma unroll
+  for (int j = 0; j < V; j += 4) {
+    codes[j / 4] = fp8x4_scaled<kElement>(element_float(v, j), element_float(v, j + 1),
+                                          element_float(v, j + 2), element_float(v, j + 3),
+                                          s.scale, nan);
+  }
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = codes[0];
+  }
+}
+
+// The rowwise usage alone keeps x's layout: a tensor of 16-byte vectors in, of codes out,
+// with no tile to stage. Grid-stride from the start (the amax pass read the tensor from
+// its end, so the first reads find it in L2), four vectors in flight per thread.
+template <typename T, int32_t kElement>
+__global__ __launch_bounds__(kThreads) void fp8_tensor_rows_kernel(
+    const T* __restrict__ x, const float* __restrict__ amax_or_scale, int64_t vectors,
+    KernelConfig cfg, Fp8TensorOut out) {
+  constexpr int V = kVec<T>;
+  const TensorScale s = tensor_scale<T, kElement>(amax_or_scale, cfg, out);
+  const Vec16<T>* xv = reinterpret_cast<const Vec16<T>*>(x);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (; i + 3 * stride < vectors; i += 4 * stride) {
+    Vec16<T> v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = xv[i + j * stride];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      store_row_vector<T, kElement>(v[j], s, out.row_data + (i + j * stride) * V);
+    }
+  }
+  for (; i < vectors; i += stride) store_row_vector<T, kElement>(xv[i], s, out.row_data + i * V);
+}
+
 template <typename T, int32_t kElement>
 __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_kernel(
     const T* __restrict__ x, const float* __restrict__ amax_or_scale, int64_t M, int64_t K,
     KernelConfig cfg, Fp8TensorOut out) {
   constexpr int V = kVec<T>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float scale = cfg.given_scale ? *amax_or_scale
-                                      : fp8_scale_from_amax<T>(*amax_or_scale,
-                                                               element_max(kElement),
-                                                               cfg.eps, cfg.pow2_scales);
-  // A NaN product needs the NaN rewrite: from a NaN input, or (a delayed scale being any
-  // float) from 0 or inf times a scale that is not finite and positive.
-  const bool scale_may_make_nan = !(scale > 0.0f && scale <= kFltMax);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const float scale_inv = 1.0f / scale;
-    if (out.row_scale_inv) *out.row_scale_inv = scale_inv;
-    if (out.col_scale_inv) *out.col_scale_inv = scale_inv;
-  }
+  const TensorScale s = tensor_scale<T, kElement>(amax_or_scale, cfg, out);
 
   auto cast_tile = [&](const CastTile<T>& tile, TileOrigin o) {
     if (out.row_data != nullptr) {
@@ -56,21 +113,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
         const int r = row_pass_row(i);
         const int64_t m = o.m0 + r, k = o.k0 + q * V;
         if (m >= M || k >= K) continue;
-        const Vec16<T> v = tile.at(r, q);
-        const bool nan = scale_may_make_nan || isnan(chunk_amax(v, 1));
-        uint32_t codes[V / 4];
-#pragma unroll
-        for (int j = 0; j < V; j += 4) {
-          codes[j / 4] = fp8x4_scaled<kElement>(element_float(v, j), element_float(v, j + 1),
-                                                element_float(v, j + 2), element_float(v, j + 3),
-                                                scale, nan);
-        }
-        uint8_t* dst = out.row_data + m * K + k;
-        if constexpr (V == 8) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
-        } else {
-          *reinterpret_cast<uint32_t*>(dst) = codes[0];
-        }
+        store_row_vector<T, kElement>(tile.at(r, q), s, out.row_data + m * K + k);
       }
     }
     // Columnwise: lane l writes 4 codes (rows 4l .. 4l+3) of each transposed row k.
@@ -79,7 +122,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
       Vec16<T> c[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) c[j] = tile.at(4 * lane + j, warp);
-      const bool nan = scale_may_make_nan ||
+      const bool nan = s.may_make_nan ||
                        isnan(amax_combine(amax_combine(chunk_amax(c[0], 1), chunk_amax(c[1], 1)),
                                           amax_combine(chunk_amax(c[2], 1), chunk_amax(c[3], 1))));
       // One branch per lane and tile, not per store.
@@ -89,7 +132,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
         for (int e = 0; e < V; ++e, data += M) {
           *reinterpret_cast<uint32_t*>(data) = fp8x4_scaled<kElement>(
               element_float(c[0], e), element_float(c[1], e), element_float(c[2], e),
-              element_float(c[3], e), scale, decltype(may_be_nan)::value);
+              element_float(c[3], e), s.scale, decltype(may_be_nan)::value);
         }
       };
       if (nan) {
@@ -133,6 +176,19 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
+    if (out.col_data == nullptr && out.row_data != nullptr) {
+      // An empty tensor still gets its scale_inv: one CTA that touches no element.
+      const int64_t vectors = M * K / kVec<T>;
+      // Enough CTAs to fill the GPU several times over, no more (132 SMs on an H100).
+      const int64_t ctas = std::max<int64_t>(
+          1, std::min<int64_t>((vectors + kThreads - 1) / kThreads, 132 * 8));
+      auto rows = cfg.element == kE4M3 ? fp8_tensor_rows_kernel<T, kE4M3>
+                                       : fp8_tensor_rows_kernel<T, kE5M2>;
+      rows<<<ctas, kThreads, 0, stream>>>(reinterpret_cast<const T*>(x.untyped_data()),
+                                          reinterpret_cast<const float*>(amax_or_scale.untyped_data()),
+                                          vectors, cfg, out);
+      return cuda_status("fp8_tensor_cast");
+    }
     // An empty tensor still gets its scale_inv: one CTA that touches no element.
     auto launch = [&](auto kernel) {
       constexpr size_t smem = kCastStageBytes<T, kStages>;

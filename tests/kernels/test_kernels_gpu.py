@@ -85,13 +85,31 @@ def test_leading_dims_flattened():
   assert_same_bits(got, want, "mxfp8 3-D input")
 
 
-def test_delayed_scaling_bit_exact():
+@pytest.mark.parametrize("usages", [("rowwise", "columnwise"), ("rowwise",)], ids="+".join)
+def test_delayed_scaling_bit_exact(usages):
   x = random_input(5, (512, 1024), jnp.bfloat16)
   state = scaling.DelayedScalingState(jnp.zeros((16,), jnp.float32), jnp.float32(3.0))
-  f = jax.jit(lambda x, s, impl: ops.quantize(x, DELAYED, state=s, implementation=impl),
+  f = jax.jit(lambda x, s, impl: ops.quantize(x, DELAYED, usages, state=s, implementation=impl),
               static_argnums=2)
   want = reference_on_cpu(lambda x, s: f(x, s, "reference"), x, state)
-  assert_same_bits(f(x, state, "kernel"), want, "delayed")
+  assert_same_bits(f(x, state, "kernel"), want, f"delayed {usages}")
+
+
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_one_usage_bit_exact(name, usage):
+  """One usage alone takes other kernel paths (the FP8 per-tensor rowwise cast streams
+  16-byte vectors without staging a tile)."""
+  f = jax.jit(lambda x, key, impl: ops.quantize(x, QUANTIZERS[name], (usage,), key=key,
+                                                implementation=impl), static_argnums=2)
+  inputs = [random_input(7, (256, 1056), jnp.bfloat16), random_input(8, (1024, 768), jnp.float32),
+            random_input(9, (128, 512), jnp.float16),
+            edge_input((256, 512), jnp.bfloat16, nan=False, inf=True),
+            edge_input((256, 512), jnp.bfloat16, nan=True, inf=False)]
+  key = jax.random.key(0)
+  for i, x in enumerate(inputs):
+    want = reference_on_cpu(lambda x, key: f(x, key, "reference"), x, key)
+    assert_same_bits(f(x, key, "kernel"), want, f"{name} {usage} input {i}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
