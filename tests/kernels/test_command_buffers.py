@@ -106,7 +106,7 @@ NAMES = ["fp8_e4m3", "block_1x128", "block_128x128", "mxfp8_e4m3", "nvfp4", "nvf
          "nvfp4_rht", "nvfp4_per_token_rht", "hybrid_mxfp8_nvfp4"]
 
 
-def test_casts_replay_from_command_buffers():
+def test_kernels_replay_from_command_buffers():
   env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAGS}".strip(),
              PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
   child = f"NAMES = {NAMES!r}\n{CHILD}"
