@@ -126,9 +126,7 @@ ffi::Error amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffe
       amax_row_kernel<T><<<(M + kWarps - 1) / kWarps, kThreads, 0, stream>>>(xp, M, K, out);
     } else {
       const int64_t vectors = M * K / kVec<T>;
-      // Enough CTAs to fill the GPU several times over, no more (132 SMs on an H100).
-      const int64_t ctas = std::min<int64_t>((vectors + kThreads - 1) / kThreads, 132 * 8);
-      amax_tensor_kernel<T><<<ctas, kThreads, 0, stream>>>(xp, vectors, out);
+      amax_tensor_kernel<T><<<streaming_ctas(vectors), kThreads, 0, stream>>>(xp, vectors, out);
     }
     return cuda_status("amax");
   });

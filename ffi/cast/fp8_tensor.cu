@@ -176,20 +176,16 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
+    // An empty tensor still gets its scale_inv: one CTA that touches no element.
     if (out.col_data == nullptr && out.row_data != nullptr) {
-      // An empty tensor still gets its scale_inv: one CTA that touches no element.
       const int64_t vectors = M * K / kVec<T>;
-      // Enough CTAs to fill the GPU several times over, no more (132 SMs on an H100).
-      const int64_t ctas = std::max<int64_t>(
-          1, std::min<int64_t>((vectors + kThreads - 1) / kThreads, 132 * 8));
       auto rows = cfg.element == kE4M3 ? fp8_tensor_rows_kernel<T, kE4M3>
                                        : fp8_tensor_rows_kernel<T, kE5M2>;
-      rows<<<ctas, kThreads, 0, stream>>>(reinterpret_cast<const T*>(x.untyped_data()),
-                                          reinterpret_cast<const float*>(amax_or_scale.untyped_data()),
-                                          vectors, cfg, out);
+      rows<<<streaming_ctas(vectors), kThreads, 0, stream>>>(
+          reinterpret_cast<const T*>(x.untyped_data()),
+          reinterpret_cast<const float*>(amax_or_scale.untyped_data()), vectors, cfg, out);
       return cuda_status("fp8_tensor_cast");
     }
-    // An empty tensor still gets its scale_inv: one CTA that touches no element.
     auto launch = [&](auto kernel) {
       constexpr size_t smem = kCastStageBytes<T, kStages>;
       CastPlan plan{};

@@ -24,6 +24,14 @@ struct alignas(16) Vec16 {
   T v[kVec<T>];
 };
 
+// CTAs of kThreads for a grid-stride pass over `vectors` 16-byte vectors: enough to fill
+// the GPU several times over (132 SMs on an H100), no more; at least one, so that a kernel
+// with per-call outputs besides the vectors (a scale) runs on an empty tensor too.
+inline int64_t streaming_ctas(int64_t vectors) {
+  const int64_t wanted = (vectors + kThreads - 1) / kThreads;
+  return wanted < 1 ? 1 : (wanted < 132 * 8 ? wanted : 132 * 8);
+}
+
 template <typename T>
 __device__ __forceinline__ Vec16<T> load_vec(const T* p) {
   return *reinterpret_cast<const Vec16<T>*>(p);
