@@ -1,6 +1,8 @@
 // The grouped GEMM's FFI handler: checks the buffers and dispatches on the operand and
 // output dtypes to the instantiations compiled in grouped_gemm_<pair>.cu (see
 // grouped_gemm.cuh for the kernel).
+#include <algorithm>
+
 #include "grouped_gemm.cuh"
 
 JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::bf16, jaxquant::grouped_gemm_detail::bf16)
@@ -29,9 +31,9 @@ ffi::Error dispatch_grouped(ffi::DataType ta, ffi::DataType tb, ffi::DataType td
                  "than E5M2 x E5M2");
 }
 
-ffi::Error grouped_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
-                        ffi::AnyBuffer b, ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::F32> alpha,
-                        ffi::Result<ffi::AnyBuffer> d) {
+ffi::Error grouped_gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                        ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::F32> alpha,
+                        ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace) {
   const auto da = a.dimensions(), db = b.dimensions(), dd = d->dimensions();
   if (da.size() != 2 || db.size() != 3 || dd.size() != 2) {
     return invalid("grouped_gemm: expects A [M, K], B [G, N, K] and D [M, N]");
@@ -45,22 +47,47 @@ ffi::Error grouped_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   return dispatch_grouped(a.element_type(), b.element_type(), d->element_type(),
                           [&](auto ea, auto eb, auto ed) {
     return run_grouped<decltype(ea), decltype(eb), decltype(ed)>(
-        stream, scratch, a.untyped_data(), b.untyped_data(), sizes.typed_data(),
+        stream, workspace->untyped_data(), workspace->size_bytes(), a.untyped_data(),
+        b.untyped_data(), sizes.typed_data(),
         alpha.typed_data(), d->untyped_data(), static_cast<int32_t>(g), static_cast<int32_t>(m),
         static_cast<int32_t>(n), static_cast<int32_t>(k));
   });
+}
+
+// The largest workspace any instantiation needs for num_groups groups on this device.
+int64_t largest_workspace_bytes(int32_t num_groups) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return -1;
+  size_t most = 0;
+  auto take = [&](auto ea, auto eb) {
+    using TA = decltype(ea);
+    using TB = decltype(eb);
+    most = std::max({most, workspace_bytes<TA, TB, bf16>(num_groups, device),
+                     workspace_bytes<TA, TB, float>(num_groups, device)});
+  };
+  take(bf16{}, bf16{});
+  take(e4m3{}, e4m3{});
+  take(e4m3{}, e5m2{});
+  take(e5m2{}, e4m3{});
+  return static_cast<int64_t>(most);
 }
 
 }  // namespace
 }  // namespace grouped_gemm_detail
 }  // namespace jaxquant
 
+int64_t JaxquantGroupedGemmWorkspaceBytes(int32_t num_groups) {
+  if (num_groups < 0) return -1;
+  return jaxquant::grouped_gemm_detail::largest_workspace_bytes(num_groups);
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantGroupedGemm, jaxquant::grouped_gemm_detail::grouped_gemm,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>()   // D
+                                  .Ret<xla::ffi::AnyBuffer>(),  // workspace
+                              JAXQUANT_CMD_BUFFER_SAFE);

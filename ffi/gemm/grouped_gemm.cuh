@@ -5,9 +5,11 @@
 // Rows are contiguous per group (group g owns the sizes[g] rows after those of groups < g;
 // sizes are clipped at M like reference.grouped.group_layout); rows past the last group
 // are written as zeros. One CUTLASS Hopper pointer-array kernel (TMA, warp-specialized,
-// persistent) runs every group: a one-thread setup kernel turns the sizes into the
-// per-group problem shapes and pointers in scratch memory, so nothing waits on the host
-// and the call is the same work under a CUDA graph.
+// persistent) runs every group: a setup kernel turns the sizes into the per-group problem
+// shapes and pointers in the call's workspace, so nothing waits on the host and the call
+// is the same work under a CUDA graph. The workspace is a result buffer that XLA allocates
+// with the call (`workspace_bytes` says how large), not scratch memory, so XLA may capture
+// the call into its command buffers.
 //
 // Operands: bf16 x bf16 (the exact-in-bf16 emulation of MXFP8 / NVFP4 / block FP8 and
 // unquantized bf16), and per-tensor FP8 with any E4M3/E5M2 pair on FP8 tensor cores.
@@ -78,7 +80,7 @@ struct GroupedGemm {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
 
-  // The per-group arrays the kernel reads, carved from one scratch allocation.
+  // The per-group arrays the kernel reads, carved from the front of the workspace.
   struct Groups {
     GroupShape* shapes;
     const TA** a;
@@ -165,35 +167,54 @@ __global__ void zero_unused_rows(TD* d, const int32_t* rows_used, int64_t m, int
   }
 }
 
-template <typename TA, typename TB, typename TD>
-ffi::Error run_grouped(cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* a,
-                       const void* b, const int32_t* sizes, const float* alpha, void* d,
-                       int32_t num_groups, int32_t m, int32_t n, int32_t k) {
-  using Config = GroupedGemm<TA, TB, TD>;
-  using Gemm = typename Config::Gemm;
-  int device = 0;
-  if (auto err = cuda_error("cudaGetDevice", cudaGetDevice(&device)); err.failure()) return err;
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = device;
-  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-
+// The CUTLASS arguments known before the group shapes: the group count, the SM count
+// (the persistent kernel keeps one set of TMA descriptors per SM in its workspace) and alpha.
+template <typename Gemm>
+typename Gemm::Arguments host_arguments(int32_t num_groups, int32_t device, const float* alpha) {
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.hw_info = hw;
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
   // The group count is known; the shapes are not, so none are given on the host.
   args.problem_shape = {num_groups, nullptr, nullptr};
   auto& fusion = args.epilogue.thread;
   fusion.alpha_ptr = alpha;  // alpha[g]: the group index is the batch coordinate
   fusion.dAlpha = {_0{}, _0{}, 1};
   fusion.beta = 0.0f;
-  const size_t cutlass_bytes = Gemm::get_workspace_size(args);
+  return args;
+}
 
-  auto groups_mem = scratch.Allocate(Config::groups_bytes(num_groups), 16);
-  auto cutlass_mem = scratch.Allocate(cutlass_bytes > 0 ? cutlass_bytes : 16, 16);
-  if (!groups_mem.has_value() || !cutlass_mem.has_value()) {
-    return ffi::Error::Internal("grouped_gemm: could not allocate scratch memory");
+// Bytes of workspace one call needs: the per-group arrays, then CUTLASS's workspace
+// (256-byte aligned, as CUTLASS wants its TMA descriptors).
+constexpr size_t kCutlassAlignment = 256;
+
+template <typename TA, typename TB, typename TD>
+size_t workspace_bytes(int32_t num_groups, int32_t device) {
+  using Config = GroupedGemm<TA, TB, TD>;
+  const auto args = host_arguments<typename Config::Gemm>(num_groups, device, nullptr);
+  return Config::groups_bytes(num_groups) + kCutlassAlignment +
+         Config::Gemm::get_workspace_size(args);
+}
+
+template <typename TA, typename TB, typename TD>
+ffi::Error run_grouped(cudaStream_t stream, void* workspace, size_t workspace_size, const void* a,
+                       const void* b, const int32_t* sizes, const float* alpha, void* d,
+                       int32_t num_groups, int32_t m, int32_t n, int32_t k) {
+  using Config = GroupedGemm<TA, TB, TD>;
+  using Gemm = typename Config::Gemm;
+  int device = 0;
+  if (auto err = cuda_error("cudaGetDevice", cudaGetDevice(&device)); err.failure()) return err;
+  auto args = host_arguments<Gemm>(num_groups, device, alpha);
+  const size_t needed = workspace_bytes<TA, TB, TD>(num_groups, device);
+  if (workspace_size < needed) {  // Python sized it with jaxquant_grouped_gemm_workspace_bytes
+    return invalid("grouped_gemm: the workspace holds " + std::to_string(workspace_size) +
+                   " bytes, the kernel needs " + std::to_string(needed));
   }
-  const auto groups = Config::carve(*groups_mem, num_groups);
+  const auto groups = Config::carve(workspace, num_groups);
+  const uintptr_t cutlass_start = reinterpret_cast<uintptr_t>(workspace) +
+                                  Config::groups_bytes(num_groups) + kCutlassAlignment - 1;
+  void* cutlass_workspace =
+      reinterpret_cast<void*>(cutlass_start & ~uintptr_t{kCutlassAlignment - 1});
   setup_groups<Config><<<1, kSetupThreads, 0, stream>>>(sizes, num_groups, m, n, k,
                                               static_cast<const TA*>(a), static_cast<const TB*>(b),
                                               static_cast<TD*>(d), groups);
@@ -211,7 +232,7 @@ ffi::Error run_grouped(cudaStream_t stream, ffi::ScratchAllocator& scratch, cons
     return invalid("grouped_gemm: CUTLASS cannot run this problem (N and K must be multiples "
                    "of 16 bytes' worth of elements)");
   }
-  if (gemm.initialize(args, *cutlass_mem, stream) != cutlass::Status::kSuccess) {
+  if (gemm.initialize(args, cutlass_workspace, stream) != cutlass::Status::kSuccess) {
     return ffi::Error::Internal("grouped_gemm: CUTLASS initialization failed");
   }
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
@@ -228,14 +249,16 @@ using e5m2 = cutlass::float_e5m2_t;
 }  // namespace grouped_gemm_detail
 }  // namespace jaxquant
 
-// Declares (PREFIX = extern) or defines (PREFIX empty) run_grouped for one (A, B) pair and
-// both output types.
+// Declares (PREFIX = extern) or defines (PREFIX empty) run_grouped and workspace_bytes for
+// one (A, B) pair and both output types.
 #define JAXQUANT_GROUPED_GEMM_ARGS                                                            \
-  cudaStream_t, xla::ffi::ScratchAllocator&, const void*, const void*, const int32_t*,       \
-      const float*, void*, int32_t, int32_t, int32_t, int32_t
-#define JAXQUANT_GROUPED_GEMM_PAIR(PREFIX, TA, TB)                                            \
-  PREFIX template xla::ffi::Error                                                             \
-  jaxquant::grouped_gemm_detail::run_grouped<TA, TB, cutlass::bfloat16_t>(                    \
+  cudaStream_t, void*, size_t, const void*, const void*, const int32_t*, const float*, void*,  \
+      int32_t, int32_t, int32_t, int32_t
+#define JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, TD)                                         \
+  PREFIX template xla::ffi::Error jaxquant::grouped_gemm_detail::run_grouped<TA, TB, TD>(     \
       JAXQUANT_GROUPED_GEMM_ARGS);                                                            \
-  PREFIX template xla::ffi::Error jaxquant::grouped_gemm_detail::run_grouped<TA, TB, float>(  \
-      JAXQUANT_GROUPED_GEMM_ARGS);
+  PREFIX template size_t jaxquant::grouped_gemm_detail::workspace_bytes<TA, TB, TD>(int32_t,  \
+                                                                                    int32_t);
+#define JAXQUANT_GROUPED_GEMM_PAIR(PREFIX, TA, TB)                                            \
+  JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, cutlass::bfloat16_t)                              \
+  JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, float)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.core import ShapedArray
 
-from jaxquant.kernels import primitive, sharding, validate
+from jaxquant.kernels import library, primitive, sharding, validate
 from jaxquant.reference.grouped import group_layout
 
 _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -53,10 +53,14 @@ def _reference(a, b, group_sizes, alpha, *, config):
 _partition, _sharding_rule = sharding.kept_whole(4)
 
 
+def _workspace_bytes(config, a, b, group_sizes, alpha):
+  return library.grouped_gemm_workspace_bytes(b.shape[0])
+
+
 grouped_gemm_p = primitive.define(primitive.KernelSpec(
     name="jaxquant_grouped_gemm", ffi_target=lambda config: "jaxquant_grouped_gemm",
     abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule))
+    sharding_rule=_sharding_rule, workspace_bytes=_workspace_bytes))
 
 
 def unsupported_reason(a_dtype, b_dtype, k: int, n: int, out_dtype) -> str | None:

@@ -30,9 +30,12 @@ TARGETS = {
     "jaxquant_dequant_gemm": "JaxquantDequantGemm",
     "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
 }
+# Plain C functions the lowerings call (handlers.h).
+QUERIES = ("JaxquantGroupedGemmWorkspaceBytes",)
 # Targets XLA may trace into its command buffers (CUDA graphs) along with the fusions around
 # them: the same kernels for the same attributes and shapes, no host synchronization while
-# captured, no scratch memory. The other GEMM targets take memory from XLA's scratch
+# captured, no scratch memory (the grouped GEMM's workspace is a result buffer XLA allocates
+# with the call). The block FP8 and fused-dequantize GEMMs take memory from XLA's scratch
 # allocator, which a captured graph would keep after it is freed. The handlers report the
 # same trait in their FFI metadata (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE);
 # tests/kernels/test_command_buffers.py checks on the GPU that their kernels run from
@@ -40,7 +43,7 @@ TARGETS = {
 COMMAND_BUFFER_SAFE = frozenset({"jaxquant_amax", "jaxquant_fp8_tensor_cast",
                                  "jaxquant_fp8_block_cast", "jaxquant_mxfp8_cast",
                                  "jaxquant_nvfp4_cast", "jaxquant_dequantize",
-                                 "jaxquant_fp8_tensor_gemm"})
+                                 "jaxquant_fp8_tensor_gemm", "jaxquant_grouped_gemm"})
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
 
@@ -52,27 +55,48 @@ def library_path() -> pathlib.Path:
 
 
 @functools.cache
-def load_error() -> Optional[str]:
-  """Loads and registers the library once; returns why that failed, or None."""
+def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+  """(the library, None) once it is loaded and its targets registered; (None, why not)."""
   path = library_path()
   if not path.exists():
-    return (f"the CUDA library is not installed ({path} is missing): jaxquant was built "
-            "without a CUDA compiler or with JAXQUANT_BUILD_CUDA=0; reinstall with nvcc on "
-            "the PATH")
+    return None, (f"the CUDA library is not installed ({path} is missing): jaxquant was built "
+                  "without a CUDA compiler or with JAXQUANT_BUILD_CUDA=0; reinstall with nvcc "
+                  "on the PATH")
   try:
     lib = ctypes.CDLL(str(path))
   except OSError as e:
-    return f"could not load {path}: {e}"
+    return None, f"could not load {path}: {e}"
+  missing = [s for s in (*TARGETS.values(), *QUERIES) if not hasattr(lib, s)]
+  if missing:
+    return None, f"{path} lacks {', '.join(missing)}: it was built from other sources"
   for target, symbol in TARGETS.items():
-    try:
-      handler = getattr(lib, symbol)
-    except AttributeError:
-      return f"{path} lacks the handler {symbol}: it was built from other sources"
+    handler = getattr(lib, symbol)
     traits = (xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
               if target in COMMAND_BUFFER_SAFE else xla_client.CustomCallTargetTraits.DEFAULT)
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA",
                                 traits=traits)
-  return None
+  return lib, None
+
+
+def load_error() -> Optional[str]:
+  """Loads and registers the library once; returns why that failed, or None."""
+  return _load()[1]
+
+
+def grouped_gemm_workspace_bytes(num_groups: int) -> int:
+  """Bytes of workspace the grouped GEMM needs for num_groups groups on this machine's GPU
+  (its per-group arrays and CUTLASS's per-SM TMA descriptors): the size of the workspace
+  result that its lowering adds to the FFI call (kernels/grouped.py)."""
+  lib, error = _load()
+  if error:
+    raise RuntimeError(f"jaxquant_grouped_gemm: {error}")
+  query = lib.JaxquantGroupedGemmWorkspaceBytes
+  query.argtypes, query.restype = [ctypes.c_int32], ctypes.c_int64
+  size = query(num_groups)
+  if size < 0:
+    raise RuntimeError(f"jaxquant_grouped_gemm: could not size the workspace of {num_groups} "
+                       "groups: the CUDA device could not be queried")
+  return size
 
 
 @functools.cache

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from jax._src import dispatch
+from jax._src.core import ShapedArray
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -46,6 +47,7 @@ class KernelSpec:
   reference: Callable
   partition: Callable
   sharding_rule: Callable
+  workspace_bytes: Optional[Callable] = None
 
 
 def _cuda_lowering(spec: KernelSpec):
@@ -54,7 +56,12 @@ def _cuda_lowering(spec: KernelSpec):
     if error:
       raise RuntimeError(f"{spec.name}: cannot lower to the CUDA kernel: {error}")
     ffi = jax.ffi.ffi_lowering(spec.ffi_target(config))
-    return ffi(ctx, *args, **config.ffi_attributes())
+    if spec.workspace_bytes is None:
+      return ffi(ctx, *args, **config.ffi_attributes())
+    # The workspace is the call's last result, which nothing reads after it.
+    size = spec.workspace_bytes(config, *ctx.avals_in)
+    with_workspace = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((size,), jnp.uint8)])
+    return ffi(with_workspace, *args, **config.ffi_attributes())[:-1]
 
   return lower
 

@@ -1,4 +1,5 @@
-"""The cast, amax, dequantize and per-tensor FP8 GEMM kernels inside XLA's command buffers.
+"""The cast, amax, dequantize, per-tensor FP8 GEMM and grouped GEMM kernels inside XLA's
+command buffers.
 
 Those targets are registered as command-buffer compatible (kernels/library.py), so XLA
 may trace them into a CUDA graph once and replay it. Command buffers are a backend
@@ -6,8 +7,9 @@ option read when the GPU backend starts, so the checks run in a fresh process wh
 XLA_FLAGS put every fusion and custom call into one: a profile of a call must show every
 jaxquant kernel launched from the command buffer's CUDA graph, and the results of several
 calls with fresh inputs (new buffers: the graph is updated and replayed) must equal the
-reference's bit for bit (the GEMM's within the FP8 tensor cores' tolerance), and a replayed
-call the first call's.
+reference's bit for bit (the GEMMs' within their tensor cores' tolerance), and a replayed
+call the first call's. The grouped GEMM's group sizes change from call to call: the graph
+reads them on the device.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_
 CHILD = r'''
 import functools, glob, gzip, json, os, tempfile
 import jax, jax.numpy as jnp, numpy as np
+from jaxquant.kernels import grouped as grouped_kernel
 from jaxquant.ops import gemm as gemm_ops, quantize as ops
-from kernel_cases import (FP8_MMA_TOLERANCE, QUANTIZERS, assert_same_bits, random_input,
-                          relative_error)
+from kernel_cases import (BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, QUANTIZERS, assert_same_bits,
+                          random_input, relative_error)
 
 CPU = jax.devices("cpu")[0]
-# Kernel names: ours, and cuBLASLt's Hopper GEMMs (the per-tensor FP8 GEMM).
-OURS = ("jaxquant::", "nvjet")
+# Kernel names: ours, cuBLASLt's Hopper GEMMs (the per-tensor FP8 GEMM) and CUTLASS's (the
+# grouped GEMM).
+OURS = ("jaxquant::", "nvjet", "cutlass::")
 
 
 # The jaxquant kernels of one profiled call that did not run from a CUDA graph (a graph's
@@ -82,9 +86,27 @@ def fp8_gemm(impl, x, w):
   return gemm_ops.gemm(a, b, out_dtype=jnp.float32, implementation=impl) + 1
 
 
-def within_fp8_tolerance(got, want, what):
-  error = relative_error(got, np.asarray(want, np.float64))
-  assert error <= FP8_MMA_TOLERANCE, f"{what}: relative error {error:.3g}"
+def within(tolerance):
+  def compare(got, want, what):
+    error = relative_error(got, np.asarray(want, np.float64))
+    assert error <= tolerance, f"{what}: relative error {error:.3g}"
+  return compare
+
+
+def grouped_gemm(impl, a, b, sizes, alpha):  # the CPU lowering is the reference
+  return grouped_kernel.grouped_gemm(a, b, sizes, alpha, out_dtype=jnp.float32) + 1
+
+
+def grouped_args(dtype):
+  def make(seed):  # 512 rows in 4 groups, one of them empty, the last rows in none
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(0, 480, 16), 3))
+    sizes = np.diff(np.concatenate([[0], cuts, [480]])).astype(np.int32)
+    sizes[seed % 4] = 0
+    ka, kb = jax.random.split(jax.random.key(seed))  # magnitudes that E4M3 holds
+    a = (jax.random.normal(ka, (512, 256)) * 4).astype(dtype)
+    b = (jax.random.normal(kb, (4, 128, 256)) * 4).astype(dtype)
+    return a, b, jnp.asarray(sizes), jnp.linspace(0.5, 2.0, 4, dtype=jnp.float32)
+  return make
 
 
 for name in NAMES:
@@ -94,8 +116,12 @@ for name in NAMES:
 check("fp8_tensor_gemm", fp8_gemm,
       lambda seed: (random_input(seed, (256, 512), jnp.bfloat16),
                      random_input(seed + 7, (384, 512), jnp.bfloat16)),
-      compare=within_fp8_tolerance)
+      compare=within(FP8_MMA_TOLERANCE))
 print("fp8_tensor_gemm ok", flush=True)
+for dtype, tolerance in ((jnp.bfloat16, BF16_MMA_TOLERANCE), (jnp.float8_e4m3fn, FP8_MMA_TOLERANCE)):
+  check(f"grouped_gemm {jnp.dtype(dtype).name}", grouped_gemm, grouped_args(dtype),
+        compare=within(tolerance))
+  print(f"grouped_gemm_{jnp.dtype(dtype).name} ok", flush=True)
 '''
 
 # Every cast family (amax, dequantize and the RHT, 16x16 and per-token variants included).
@@ -112,4 +138,5 @@ def test_kernels_replay_from_command_buffers():
   run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
                        timeout=600)
   assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
-  assert run.stdout.split() == [w for name in NAMES + ["fp8_tensor_gemm"] for w in (name, "ok")]
+  done = NAMES + ["fp8_tensor_gemm", "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn"]
+  assert run.stdout.split() == [w for name in done for w in (name, "ok")]

@@ -5,6 +5,8 @@
 // rounding, else an unread scalar; kernels/cast.py).
 #pragma once
 
+#include <cstdint>
+
 #include "xla/ffi/api/c_api.h"
 
 #define JAXQUANT_HANDLER(name) \
@@ -22,3 +24,9 @@ JAXQUANT_HANDLER(JaxquantDequantGemm);
 JAXQUANT_HANDLER(JaxquantFp8TensorGemm);
 
 #undef JAXQUANT_HANDLER
+
+// Bytes of the workspace result the grouped GEMM needs for this many groups on the current
+// device (Python sizes the buffer with it when lowering; kernels/grouped.py); -1 when the
+// device cannot be queried.
+extern "C" __attribute__((visibility("default"))) int64_t JaxquantGroupedGemmWorkspaceBytes(
+    int32_t num_groups);
