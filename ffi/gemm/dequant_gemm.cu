@@ -15,9 +15,13 @@
 // slots {2t+8, 2t+9} the elements 4s+2, 4s+3; A and B use the same assignment, so every
 // product pairs the same k. A (re-read by every CTA, so mostly from L2) is decoded once per
 // CTA into shared memory; B's codes are decoded just before their MMA. Partial sums go to
-// fp32 scratch; a second kernel adds the splits
+// the call's fp32 workspace (a result buffer XLA allocates with the call, sized by
+// JaxquantDequantGemmWorkspaceBytes); a second kernel adds the splits
 // in order and applies the epilogue, D = sum * (S_dec_A[m] * S_dec_B[n]) (NVFP4's decode
 // scale from its global amax, per tensor or per row; 1 for MXFP8), as the reference does.
+#include <optional>
+#include <type_traits>
+
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/numerics.cuh"
 
@@ -299,45 +303,64 @@ __global__ void reduce_kernel(const float* __restrict__ partial, int splits, int
 struct Problem {
   Operand a, b;
   int64_t k;
-  cudaStream_t stream;
 };
 
-// Splits K so that the grid fills the GPU once (resident CTAs, from the occupancy of this
-// instantiation), launches the main kernel into fp32 scratch and returns the split count.
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// Calls f(Int<EA>{}, Int<EB>{}, Int<kMTiles>{}) for the instantiation that runs this
+// problem; f(std::nullopt) when an element code is none of E4M3, E5M2, E2M1.
+template <typename F>
+auto with_kernel(int32_t a_element, int32_t b_element, int64_t m, F&& f) {
+  auto rows = [&](auto ea, auto eb) { return m <= 16 ? f(ea, eb, Int<1>{}) : f(ea, eb, Int<2>{}); };
+  auto b = [&](auto ea) {
+    switch (b_element) {
+      case kE4M3: return rows(ea, Int<kE4M3>{});
+      case kE5M2: return rows(ea, Int<kE5M2>{});
+      case kE2M1: return rows(ea, Int<kE2M1>{});
+      default: return f(std::nullopt);
+    }
+  };
+  switch (a_element) {
+    case kE4M3: return b(Int<kE4M3>{});
+    case kE5M2: return b(Int<kE5M2>{});
+    case kE2M1: return b(Int<kE2M1>{});
+    default: return f(std::nullopt);
+  }
+}
+
+// K is split so that the grid fills the GPU once (resident CTAs, from the occupancy of the
+// instantiation); each split writes its own fp32 [M, N] partial sums to the workspace.
+struct Splits {
+  int64_t count, chunks_each;
+};
+
 template <int EA, int EB, int kMTiles>
-ffi::ErrorOr<int64_t> run_main(const Problem& p, ffi::ScratchAllocator& scratch, float*& partial) {
-  auto kernel = dequant_gemm_kernel<EA, EB, kMTiles>;
+ffi::ErrorOr<Splits> plan_splits(int64_t n, int64_t k) {
+  const int64_t chunks = k / kChunk;
+  if (chunks == 0) return Splits{1, 0};  // K = 0: one zeroed partial
   int device = 0, sms = 0, per_sm = 0;
   if (auto e = cuda_error("dequant_gemm: device", cudaGetDevice(&device)); e.failure()) return ffi::Unexpected(e);
   if (auto e = cuda_error("dequant_gemm: SM count", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)); e.failure()) return ffi::Unexpected(e);
-  if (auto e = cuda_error("dequant_gemm: occupancy", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0)); e.failure()) return ffi::Unexpected(e);
-  const int64_t ctas = (p.b.rows + kCtaRows - 1) / kCtaRows, chunks = p.k / kChunk;
+  if (auto e = cuda_error("dequant_gemm: occupancy", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dequant_gemm_kernel<EA, EB, kMTiles>, kThreads, 0)); e.failure()) return ffi::Unexpected(e);
+  const int64_t ctas = (n + kCtaRows - 1) / kCtaRows;
   const int64_t want = std::min<int64_t>(std::max<int64_t>(int64_t{sms} * std::max(per_sm, 1) / ctas, 1), chunks);
-  const int64_t chunks_per_split = (chunks + want - 1) / want;
-  const int64_t splits = (chunks + chunks_per_split - 1) / chunks_per_split;
-  auto mem = scratch.Allocate(static_cast<size_t>(splits * p.a.rows * p.b.rows) * sizeof(float), 16);
-  if (!mem.has_value()) return ffi::Unexpected(ffi::Error::Internal("dequant_gemm: could not allocate scratch memory"));
-  partial = static_cast<float*>(*mem);
-  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(splits));
-  kernel<<<grid, kThreads, 0, p.stream>>>(p.a, p.b, p.k, chunks_per_split, partial);
-  if (auto e = cuda_status("dequant_gemm"); e.failure()) return ffi::Unexpected(e);
-  return splits;
+  const int64_t chunks_each = (chunks + want - 1) / want;
+  return Splits{(chunks + chunks_each - 1) / chunks_each, chunks_each};
 }
 
-template <int EA, int EB>
-ffi::ErrorOr<int64_t> run_rows(const Problem& p, ffi::ScratchAllocator& scratch, float*& partial) {
-  if (p.a.rows <= 16) return run_main<EA, EB, 1>(p, scratch, partial);
-  return run_main<EA, EB, 2>(p, scratch, partial);
+ffi::ErrorOr<Splits> splits_for(int64_t m, int64_t n, int64_t k, int32_t a_element, int32_t b_element) {
+  return with_kernel(a_element, b_element, m, [&](auto... tags) -> ffi::ErrorOr<Splits> {
+    if constexpr (sizeof...(tags) == 1) {
+      return ffi::Unexpected(invalid("dequant_gemm: elements must be e4m3, e5m2 or e2m1"));
+    } else {
+      return plan_splits<decltype(tags)::value...>(n, k);
+    }
+  });
 }
 
-template <int EA>
-ffi::ErrorOr<int64_t> run_b(int32_t eb, const Problem& p, ffi::ScratchAllocator& scratch, float*& partial) {
-  switch (eb) {
-    case kE4M3: return run_rows<EA, kE4M3>(p, scratch, partial);
-    case kE5M2: return run_rows<EA, kE5M2>(p, scratch, partial);
-    case kE2M1: return run_rows<EA, kE2M1>(p, scratch, partial);
-    default: return ffi::Unexpected(invalid("dequant_gemm: B's element must be e4m3, e5m2 or e2m1"));
-  }
+int64_t workspace_bytes(int64_t m, int64_t n, const Splits& splits) {
+  return splits.count * m * n * static_cast<int64_t>(sizeof(float));
 }
 
 // Checks one operand's buffers against [rows, K] of `element` with its block scales.
@@ -359,11 +382,11 @@ ffi::Error check_operand(const char* name, const ffi::AnyBuffer& data, const ffi
   return ffi::Error::Success();
 }
 
-ffi::Error dequant_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
-                        ffi::AnyBuffer a_scale, ffi::AnyBuffer a_outer, ffi::AnyBuffer b_data,
-                        ffi::AnyBuffer b_scale, ffi::AnyBuffer b_outer, ffi::Result<ffi::AnyBuffer> d,
-                        int32_t a_element, int32_t b_element, int32_t a_scale_row_shift,
-                        int32_t b_scale_row_shift) {
+ffi::Error dequant_gemm(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuffer a_scale,
+                        ffi::AnyBuffer a_outer, ffi::AnyBuffer b_data, ffi::AnyBuffer b_scale,
+                        ffi::AnyBuffer b_outer, ffi::Result<ffi::AnyBuffer> d,
+                        ffi::Result<ffi::AnyBuffer> workspace, int32_t a_element, int32_t b_element,
+                        int32_t a_scale_row_shift, int32_t b_scale_row_shift) {
   int64_t m, n, ka, kb;
   if (auto e = check_operand("A", a_data, a_scale, a_outer, a_element, a_scale_row_shift, m, ka); e.failure()) return e;
   if (auto e = check_operand("B", b_data, b_scale, b_outer, b_element, b_scale_row_shift, n, kb); e.failure()) return e;
@@ -374,40 +397,43 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   const int64_t k = ka;
   if (m > kMaxRows || k % kChunk) return invalid("dequant_gemm: needs M <= 32 and K a multiple of 128");
   if (m == 0 || n == 0) return ffi::Error::Success();
-
-  float* partial = nullptr;
-  int64_t splits = 1;
-  if (k == 0) {
-    auto mem = scratch.Allocate(static_cast<size_t>(m * n) * sizeof(float), 16);
-    if (!mem.has_value()) return ffi::Error::Internal("dequant_gemm: could not allocate scratch memory");
-    partial = static_cast<float*>(*mem);
-    if (auto e = cuda_error("dequant_gemm: zero", cudaMemsetAsync(partial, 0, m * n * sizeof(float), stream)); e.failure()) return e;
+  const auto splits = splits_for(m, n, k, a_element, b_element);
+  if (!splits.has_value()) return splits.error();
+  const int64_t needed = workspace_bytes(m, n, *splits);
+  if (workspace->size_bytes() < static_cast<size_t>(needed)) {  // sized by Python's query
+    return invalid("dequant_gemm: the workspace holds " + std::to_string(workspace->size_bytes()) +
+                   " bytes, the kernel needs " + std::to_string(needed));
+  }
+  auto* partial = static_cast<float*>(workspace->untyped_data());
+  if (splits->chunks_each == 0) {
+    if (auto e = cuda_error("dequant_gemm: zero", cudaMemsetAsync(partial, 0, needed, stream)); e.failure()) return e;
   } else {
     const Problem p{{static_cast<const uint8_t*>(a_data.untyped_data()), static_cast<const uint8_t*>(a_scale.untyped_data()), m, a_scale_row_shift},
                     {static_cast<const uint8_t*>(b_data.untyped_data()), static_cast<const uint8_t*>(b_scale.untyped_data()), n, b_scale_row_shift},
-                    k, stream};
-    ffi::ErrorOr<int64_t> ran = ffi::Unexpected(invalid("dequant_gemm: A's element must be e4m3, e5m2 or e2m1"));
-    switch (a_element) {
-      case kE4M3: ran = run_b<kE4M3>(b_element, p, scratch, partial); break;
-      case kE5M2: ran = run_b<kE5M2>(b_element, p, scratch, partial); break;
-      case kE2M1: ran = run_b<kE2M1>(b_element, p, scratch, partial); break;
-      default: break;
-    }
-    if (!ran.has_value()) return ran.error();
-    splits = *ran;
+                    k};
+    const dim3 grid(static_cast<unsigned>((n + kCtaRows - 1) / kCtaRows), static_cast<unsigned>(splits->count));
+    with_kernel(a_element, b_element, m, [&](auto... tags) {
+      if constexpr (sizeof...(tags) == 3) {
+        dequant_gemm_kernel<decltype(tags)::value...><<<grid, kThreads, 0, stream>>>(
+            p.a, p.b, p.k, splits->chunks_each, partial);
+      }
+      return 0;
+    });
+    if (auto e = cuda_status("dequant_gemm"); e.failure()) return e;
   }
   const dim3 grid(static_cast<unsigned>((n + 255) / 256), static_cast<unsigned>(m));
   const Outer ao{static_cast<const float*>(a_outer.untyped_data()), a_element == kE2M1,
                  a_outer.element_count() == static_cast<size_t>(m) && m > 1};
   const Outer bo{static_cast<const float*>(b_outer.untyped_data()), b_element == kE2M1,
                  b_outer.element_count() == static_cast<size_t>(n) && n > 1};
+  const int count = static_cast<int>(splits->count);
   switch (d->element_type()) {
     case ffi::DataType::BF16:
-      reduce_kernel<<<grid, 256, 0, stream>>>(partial, static_cast<int>(splits), m, n, ao, bo,
+      reduce_kernel<<<grid, 256, 0, stream>>>(partial, count, m, n, ao, bo,
                                               static_cast<__nv_bfloat16*>(d->untyped_data()));
       break;
     case ffi::DataType::F32:
-      reduce_kernel<<<grid, 256, 0, stream>>>(partial, static_cast<int>(splits), m, n, ao, bo,
+      reduce_kernel<<<grid, 256, 0, stream>>>(partial, count, m, n, ao, bo,
                                               static_cast<float*>(d->untyped_data()));
       break;
     default: return invalid("dequant_gemm: the output dtype must be bfloat16 or float32");
@@ -419,18 +445,27 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 }  // namespace dequant_gemm_detail
 }  // namespace jaxquant
 
+int64_t JaxquantDequantGemmWorkspaceBytes(int64_t m, int64_t n, int64_t k, int32_t a_element,
+                                          int32_t b_element) {
+  using namespace jaxquant::dequant_gemm_detail;
+  if (m <= 0 || n <= 0 || k < 0) return 0;
+  const auto splits = splits_for(m, n, k, a_element, b_element);
+  return splits.has_value() ? workspace_bytes(m, n, *splits) : -1;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantDequantGemm, jaxquant::dequant_gemm_detail::dequant_gemm,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()  // A codes
                                   .Arg<xla::ffi::AnyBuffer>()  // A block scales
                                   .Arg<xla::ffi::AnyBuffer>()  // A's NVFP4 global amax: [] or [M]
                                   .Arg<xla::ffi::AnyBuffer>()  // B codes
                                   .Arg<xla::ffi::AnyBuffer>()  // B block scales
                                   .Arg<xla::ffi::AnyBuffer>()  // B's NVFP4 global amax: [] or [N]
-                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()  // D
+                                  .Ret<xla::ffi::AnyBuffer>()  // workspace: fp32 partial sums
                                   .Attr<int32_t>("a_element")
                                   .Attr<int32_t>("b_element")
                                   .Attr<int32_t>("a_scale_row_shift")
-                                  .Attr<int32_t>("b_scale_row_shift"));
+                                  .Attr<int32_t>("b_scale_row_shift"),
+                              JAXQUANT_CMD_BUFFER_SAFE);

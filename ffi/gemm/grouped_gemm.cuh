@@ -206,7 +206,7 @@ ffi::Error run_grouped(cudaStream_t stream, void* workspace, size_t workspace_si
   if (auto err = cuda_error("cudaGetDevice", cudaGetDevice(&device)); err.failure()) return err;
   auto args = host_arguments<Gemm>(num_groups, device, alpha);
   const size_t needed = workspace_bytes<TA, TB, TD>(num_groups, device);
-  if (workspace_size < needed) {  // Python sized it with jaxquant_grouped_gemm_workspace_bytes
+  if (workspace_size < needed) {  // sized by JaxquantGroupedGemmWorkspaceBytes
     return invalid("grouped_gemm: the workspace holds " + std::to_string(workspace_size) +
                    " bytes, the kernel needs " + std::to_string(needed));
   }

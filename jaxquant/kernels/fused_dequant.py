@@ -22,7 +22,7 @@ import numpy as np
 from jax._src.core import ShapedArray
 
 from jaxquant.formats import Family, Format
-from jaxquant.kernels import primitive, sharding, validate
+from jaxquant.kernels import library, primitive, sharding, validate
 from jaxquant.kernels.config import ELEMENT_CODES
 from jaxquant.reference import mxfp8, nvfp4
 from jaxquant.tensor import QuantizedData
@@ -99,10 +99,17 @@ def _partition(config, mesh, arg_shapes, result_shape):
   return arg_specs, [sharding.pspec((), n_axes)], lambda kernel, *shards: kernel(*shards)
 
 
+def _workspace_bytes(config, a, sa, amax_a, b, sb, amax_b):
+  (m, k), n = _rows_k(a, config.a_format), b.shape[0]
+  attrs = config.ffi_attributes()
+  return library.workspace_bytes("jaxquant_dequant_gemm", m, n, k, int(attrs["a_element"]),
+                                 int(attrs["b_element"]))
+
+
 dequant_gemm_p = primitive.define(primitive.KernelSpec(
     name="jaxquant_dequant_gemm", ffi_target=lambda config: "jaxquant_dequant_gemm",
     abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule))
+    sharding_rule=_sharding_rule, workspace_bytes=_workspace_bytes))
 
 
 def unsupported_reason(a: QuantizedData, b: QuantizedData, out_dtype) -> str | None:

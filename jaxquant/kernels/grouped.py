@@ -54,7 +54,7 @@ _partition, _sharding_rule = sharding.kept_whole(4)
 
 
 def _workspace_bytes(config, a, b, group_sizes, alpha):
-  return library.grouped_gemm_workspace_bytes(b.shape[0])
+  return library.workspace_bytes("jaxquant_grouped_gemm", b.shape[0])
 
 
 grouped_gemm_p = primitive.define(primitive.KernelSpec(

@@ -30,12 +30,17 @@ TARGETS = {
     "jaxquant_dequant_gemm": "JaxquantDequantGemm",
     "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
 }
-# Plain C functions the lowerings call (handlers.h).
-QUERIES = ("JaxquantGroupedGemmWorkspaceBytes",)
+# Plain C functions that size a target's workspace, the result buffer its lowering adds
+# (primitive.KernelSpec.workspace_bytes; handlers.h): target -> (symbol, argument types).
+WORKSPACE_QUERIES = {
+    "jaxquant_grouped_gemm": ("JaxquantGroupedGemmWorkspaceBytes", (ctypes.c_int32,)),
+    "jaxquant_dequant_gemm": ("JaxquantDequantGemmWorkspaceBytes",
+                              (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2),
+}
 # Targets XLA may trace into its command buffers (CUDA graphs) along with the fusions around
 # them: the same kernels for the same attributes and shapes, no host synchronization while
-# captured, no scratch memory (the grouped GEMM's workspace is a result buffer XLA allocates
-# with the call). The block FP8 and fused-dequantize GEMMs take memory from XLA's scratch
+# captured, no scratch memory (the grouped and fused-dequantize GEMMs' workspaces are result
+# buffers XLA allocates with the call). The block FP8 GEMM takes memory from XLA's scratch
 # allocator, which a captured graph would keep after it is freed. The handlers report the
 # same trait in their FFI metadata (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE);
 # tests/kernels/test_command_buffers.py checks on the GPU that their kernels run from
@@ -43,7 +48,8 @@ QUERIES = ("JaxquantGroupedGemmWorkspaceBytes",)
 COMMAND_BUFFER_SAFE = frozenset({"jaxquant_amax", "jaxquant_fp8_tensor_cast",
                                  "jaxquant_fp8_block_cast", "jaxquant_mxfp8_cast",
                                  "jaxquant_nvfp4_cast", "jaxquant_dequantize",
-                                 "jaxquant_fp8_tensor_gemm", "jaxquant_grouped_gemm"})
+                                 "jaxquant_fp8_tensor_gemm", "jaxquant_grouped_gemm",
+                                 "jaxquant_dequant_gemm"})
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
 
@@ -66,9 +72,13 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib = ctypes.CDLL(str(path))
   except OSError as e:
     return None, f"could not load {path}: {e}"
-  missing = [s for s in (*TARGETS.values(), *QUERIES) if not hasattr(lib, s)]
+  queries = [symbol for symbol, _ in WORKSPACE_QUERIES.values()]
+  missing = [s for s in (*TARGETS.values(), *queries) if not hasattr(lib, s)]
   if missing:
     return None, f"{path} lacks {', '.join(missing)}: it was built from other sources"
+  for symbol, argtypes in WORKSPACE_QUERIES.values():
+    query = getattr(lib, symbol)
+    query.argtypes, query.restype = list(argtypes), ctypes.c_int64
   for target, symbol in TARGETS.items():
     handler = getattr(lib, symbol)
     traits = (xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
@@ -83,19 +93,17 @@ def load_error() -> Optional[str]:
   return _load()[1]
 
 
-def grouped_gemm_workspace_bytes(num_groups: int) -> int:
-  """Bytes of workspace the grouped GEMM needs for num_groups groups on this machine's GPU
-  (its per-group arrays and CUTLASS's per-SM TMA descriptors): the size of the workspace
-  result that its lowering adds to the FFI call (kernels/grouped.py)."""
+def workspace_bytes(target: str, *dims: int) -> int:
+  """Bytes of workspace `target`'s handler needs for a problem of these dims on this
+  machine's GPU (the grouped GEMM's per-group arrays and TMA descriptors, the fused-dequantize
+  GEMM's split-K partial sums): the size of the result buffer its lowering adds."""
   lib, error = _load()
   if error:
-    raise RuntimeError(f"jaxquant_grouped_gemm: {error}")
-  query = lib.JaxquantGroupedGemmWorkspaceBytes
-  query.argtypes, query.restype = [ctypes.c_int32], ctypes.c_int64
-  size = query(num_groups)
+    raise RuntimeError(f"{target}: {error}")
+  size = getattr(lib, WORKSPACE_QUERIES[target][0])(*dims)
   if size < 0:
-    raise RuntimeError(f"jaxquant_grouped_gemm: could not size the workspace of {num_groups} "
-                       "groups: the CUDA device could not be queried")
+    raise RuntimeError(f"{target}: could not size the workspace for dims {dims}: the CUDA "
+                       "device could not be queried")
   return size
 
 

@@ -1,5 +1,5 @@
-"""The cast, amax, dequantize, per-tensor FP8 GEMM and grouped GEMM kernels inside XLA's
-command buffers.
+"""The cast, amax and dequantize kernels and the per-tensor FP8, grouped and
+fused-dequantize GEMMs inside XLA's command buffers.
 
 Those targets are registered as command-buffer compatible (kernels/library.py), so XLA
 may trace them into a CUDA graph once and replay it. Command buffers are a backend
@@ -34,7 +34,7 @@ FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_
 CHILD = r'''
 import functools, glob, gzip, json, os, tempfile
 import jax, jax.numpy as jnp, numpy as np
-from jaxquant.kernels import grouped as grouped_kernel
+from jaxquant.kernels import fused_dequant, grouped as grouped_kernel
 from jaxquant.ops import gemm as gemm_ops, quantize as ops
 from kernel_cases import (BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, QUANTIZERS, assert_same_bits,
                           random_input, relative_error)
@@ -93,6 +93,12 @@ def within(tolerance):
   return compare
 
 
+def dequant_gemm(impl, x, w):  # MXFP8 x NVFP4, 32 rows: the fused-dequantize kernel
+  a = ops.quantize(x, QUANTIZERS["mxfp8_e4m3"], ("rowwise",), implementation=impl).rowwise
+  b = ops.quantize(w, QUANTIZERS["nvfp4"], ("rowwise",), implementation=impl).rowwise
+  return fused_dequant.dequant_gemm(a, b, out_dtype=jnp.float32) + 1
+
+
 def grouped_gemm(impl, a, b, sizes, alpha):  # the CPU lowering is the reference
   return grouped_kernel.grouped_gemm(a, b, sizes, alpha, out_dtype=jnp.float32) + 1
 
@@ -122,6 +128,11 @@ for dtype, tolerance in ((jnp.bfloat16, BF16_MMA_TOLERANCE), (jnp.float8_e4m3fn,
   check(f"grouped_gemm {jnp.dtype(dtype).name}", grouped_gemm, grouped_args(dtype),
         compare=within(tolerance))
   print(f"grouped_gemm_{jnp.dtype(dtype).name} ok", flush=True)
+check("dequant_gemm", dequant_gemm,
+      lambda seed: (random_input(seed, (32, 1024), jnp.bfloat16),
+                     random_input(seed + 5, (768, 1024), jnp.bfloat16)),
+      compare=within(BF16_MMA_TOLERANCE))
+print("dequant_gemm ok", flush=True)
 '''
 
 # Every cast family (amax, dequantize and the RHT, 16x16 and per-token variants included).
@@ -138,5 +149,6 @@ def test_kernels_replay_from_command_buffers():
   run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
                        timeout=600)
   assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
-  done = NAMES + ["fp8_tensor_gemm", "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn"]
+  done = NAMES + ["fp8_tensor_gemm", "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn",
+                  "dequant_gemm"]
   assert run.stdout.split() == [w for name in done for w in (name, "ok")]

@@ -39,11 +39,11 @@ struct KernelConfig {
 
 // Traits of the handlers that, for the same attributes and buffer shapes, launch the same
 // kernels, never synchronize with the host while XLA captures them, and take no scratch
-// memory: the casts, amax, dequantize, the per-tensor FP8 GEMM (lt_fp8_gemm.h) and the
-// grouped GEMM (its workspace is a result buffer). XLA may trace them into its command
-// buffers (CUDA graphs) with the fusions around them. The block FP8 and fused-dequantize
-// GEMMs take memory from XLA's scratch allocator, which is freed when the call returns (a
-// captured graph would keep the address): they stay outside.
+// memory: the casts, amax, dequantize, the per-tensor FP8 GEMM (lt_fp8_gemm.h), and the
+// grouped and fused-dequantize GEMMs (their workspace is a result buffer). XLA may trace
+// them into its command buffers (CUDA graphs) with the fusions around them. The block FP8
+// GEMM takes memory from XLA's scratch allocator, which is freed when the call returns (a
+// captured graph would keep the address): it stays outside.
 #define JAXQUANT_CMD_BUFFER_SAFE \
   { ::xla::ffi::Traits::kCmdBufferCompatible }
 

@@ -30,3 +30,9 @@ JAXQUANT_HANDLER(JaxquantFp8TensorGemm);
 // device cannot be queried.
 extern "C" __attribute__((visibility("default"))) int64_t JaxquantGroupedGemmWorkspaceBytes(
     int32_t num_groups);
+
+// Bytes of the workspace result the fused-dequantize GEMM needs for A [M, K] x B [N, K] with
+// these element codes on the current device (kernels/fused_dequant.py); -1 when the device
+// cannot be queried or an element code is unknown.
+extern "C" __attribute__((visibility("default"))) int64_t JaxquantDequantGemmWorkspaceBytes(
+    int64_t m, int64_t n, int64_t k, int32_t a_element, int32_t b_element);
