@@ -3,7 +3,11 @@
 // them (lt_fp8_gemm.h; on the H100 at 8192^3, against bf16: B in 128x128 tiles 1.59-1.61x,
 // 1x128 x 1x128 1.27x, against 1.44x and 1.09x for the CUTLASS kernel, notes/gemm.md);
 // what it declines to the CUTLASS instantiations in block_fp8_gemm_tiles.cu and
-// block_fp8_gemm_rows.cu (see block_fp8_gemm.cuh for the kernel).
+// block_fp8_gemm_rows.cu (see block_fp8_gemm.cuh for the kernel). The call's workspace is a
+// result buffer XLA allocates with it (JaxquantBlockFp8GemmWorkspaceBytes sizes it), so XLA
+// may capture the call into its command buffers.
+#include <algorithm>
+
 #include "block_fp8_gemm.cuh"
 #include "lt_fp8_gemm.h"
 
@@ -24,10 +28,39 @@ __global__ void tile_scales_for_lt(const float* __restrict__ mn_major, int64_t k
   out[i] = col < kb ? mn_major[col * nb + row] : 0.0f;
 }
 
+constexpr size_t kAlignment = 256;
+
+size_t round_up(size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+// The workspace: B's tile scales in cuBLASLt's layout (128x128 blocks only), then the GEMM's
+// own workspace (cuBLASLt's or, where cuBLASLt declines, CUTLASS's), each 256-byte aligned.
+struct WorkspaceLayout {
+  int64_t kb_padded;    // k-blocks of a tile-scale row, padded to 4
+  size_t tiles_bytes;   // 0 for 1x128 blocks
+  size_t gemm_bytes;
+  size_t total() const { return kAlignment + tiles_bytes + gemm_bytes; }
+};
+
+WorkspaceLayout workspace_layout(int64_t m, int64_t n, int64_t k, int32_t b_block_rows, bool f32_out,
+                                 int device) {
+  const int64_t kb = (k + kBlock - 1) / kBlock, nb = (n + kBlock - 1) / kBlock;
+  const int64_t kb_padded = (kb + 3) / 4 * 4;
+  const size_t tiles = b_block_rows == kBlock ? round_up(sizeof(float) * nb * kb_padded) : 0;
+  auto cutlass_bytes = [&](auto out) {
+    using TD = decltype(out);
+    const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+    return b_block_rows == 1 ? cutlass_workspace_bytes<1, TD>(mi, ni, ki, device)
+                             : cutlass_workspace_bytes<kBlock, TD>(mi, ni, ki, device);
+  };
+  const size_t cutlass = f32_out ? cutlass_bytes(float{}) : cutlass_bytes(cutlass::bfloat16_t{});
+  return {kb_padded, tiles, std::max(kLtWorkspaceBytes, round_up(cutlass))};
+}
+
 // The cuBLASLt route: true when it ran, false when cuBLASLt has no algorithm for the
 // problem. A's scales arrive in VEC128's layout, [kb, m] (m % 4 == 0, checked in Python);
-// so do B's 1x128 ones, [kb, n]; B's tile scales are reordered for BLK128x128.
-ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, ffi::ScratchAllocator& scratch,
+// so do B's 1x128 ones, [kb, n]; B's tile scales are reordered for BLK128x128 into `tiles`.
+ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, float* tiles,
+                              const Workspace& gemm_workspace, const WorkspaceLayout& layout,
                               ffi::AnyBuffer a, ffi::AnyBuffer b, const float* sfa, const float* sfb,
                               ffi::Result<ffi::AnyBuffer>& d, int64_t m, int64_t n, int64_t k,
                               int32_t b_block_rows) {
@@ -35,31 +68,26 @@ ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, ffi::ScratchA
   LtScales b_scales{CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfb};
   if (b_block_rows == kBlock) {
     const int64_t kb = (k + kBlock - 1) / kBlock, nb = (n + kBlock - 1) / kBlock;
-    const int64_t kb_padded = (kb + 3) / 4 * 4;
-    auto tiles = scratch.Allocate(sizeof(float) * nb * kb_padded, 16);
-    if (!tiles.has_value()) {
-      return ffi::Unexpected(ffi::Error::Internal("block_fp8_gemm: could not allocate B's scales"));
-    }
     constexpr int kThreadsPerBlock = 256;
-    const int64_t count = nb * kb_padded;
+    const int64_t count = nb * layout.kb_padded;
     tile_scales_for_lt<<<static_cast<unsigned>((count + kThreadsPerBlock - 1) / kThreadsPerBlock),
-                         kThreadsPerBlock, 0, stream>>>(sfb, kb, nb, kb_padded,
-                                                        static_cast<float*>(*tiles));
+                         kThreadsPerBlock, 0, stream>>>(sfb, kb, nb, layout.kb_padded, tiles);
     const cudaError_t launched = cudaGetLastError();
     if (launched != cudaSuccess) {
       return ffi::Unexpected(cuda_error("block_fp8_gemm: reordering B's scales", launched));
     }
-    b_scales = {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, static_cast<const float*>(*tiles)};
+    b_scales = {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, tiles};
   }
   const cudaDataType_t td = d->element_type() == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
   const LtOperand lt_a{a.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfa}};
   const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3, b_scales};
-  return lt_fp8_gemm(stream, device, &scratch, lt_a, lt_b, d->untyped_data(), td, m, n, k);
+  return lt_fp8_gemm(stream, device, gemm_workspace, lt_a, lt_b, d->untyped_data(), td, m, n, k);
 }
 
-ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
-                          ffi::AnyBuffer b, ffi::Buffer<ffi::F32> sfa, ffi::Buffer<ffi::F32> sfb,
-                          ffi::Result<ffi::AnyBuffer> d, int32_t b_block_rows) {
+ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                          ffi::Buffer<ffi::F32> sfa, ffi::Buffer<ffi::F32> sfb,
+                          ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace,
+                          int32_t b_block_rows) {
   const auto da = a.dimensions(), db = b.dimensions(), dd = d->dimensions();
   if (da.size() != 2 || db.size() != 2 || dd.size() != 2) {
     return invalid("block_fp8_gemm: expects A [M, K], B [N, K] and D [M, N]");
@@ -75,39 +103,60 @@ ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAlloc
     return invalid("block_fp8_gemm: operands must be float8_e4m3fn");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
-  const bool out_ok = d->element_type() == ffi::DataType::BF16 || d->element_type() == ffi::DataType::F32;
-  if ((b_block_rows == kBlock || b_block_rows == 1) && out_ok) {
-    auto ran = through_lt(stream, device, scratch, a, b, sfa.typed_data(), sfb.typed_data(), d, m,
-                          n, k, b_block_rows);
-    if (ran.has_error()) return ran.error();
-    if (*ran) return ffi::Error::Success();
+  const bool f32_out = d->element_type() == ffi::DataType::F32;
+  if (!f32_out && d->element_type() != ffi::DataType::BF16) {
+    return invalid("block_fp8_gemm: the output dtype must be bfloat16 or float32");
   }
+  if (b_block_rows != 1 && b_block_rows != kBlock) {
+    return invalid("block_fp8_gemm: B's blocks must be 1x128 or 128x128");
+  }
+  const auto layout = workspace_layout(m, n, k, b_block_rows, f32_out, device);
+  if (workspace->size_bytes() < layout.total()) {  // sized by JaxquantBlockFp8GemmWorkspaceBytes
+    return invalid("block_fp8_gemm: the workspace holds " + std::to_string(workspace->size_bytes()) +
+                   " bytes, the GEMM needs " + std::to_string(layout.total()));
+  }
+  const auto base = round_up(reinterpret_cast<uintptr_t>(workspace->untyped_data()));
+  auto* tiles = reinterpret_cast<float*>(base);
+  const Workspace gemm_workspace{reinterpret_cast<void*>(base + layout.tiles_bytes), layout.gemm_bytes};
+  auto ran = through_lt(stream, device, tiles, gemm_workspace, layout, a, b, sfa.typed_data(),
+                        sfb.typed_data(), d, m, n, k, b_block_rows);
+  if (ran.has_error()) return ran.error();
+  if (*ran) return ffi::Error::Success();
   auto launch = [&](auto out) -> ffi::Error {
     using TD = decltype(out);
-    const auto args = std::make_tuple(stream, std::ref(scratch), a.untyped_data(), b.untyped_data(),
+    const auto args = std::make_tuple(stream, gemm_workspace.data, gemm_workspace.bytes,
+                                      a.untyped_data(), b.untyped_data(),
                                       sfa.typed_data(), sfb.typed_data(), d->untyped_data(),
                                       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k));
-    if (b_block_rows == 1) return std::apply(run_block_fp8<1, TD>, args);
-    if (b_block_rows == kBlock) return std::apply(run_block_fp8<kBlock, TD>, args);
-    return invalid("block_fp8_gemm: B's blocks must be 1x128 or 128x128");
+    return b_block_rows == 1 ? std::apply(run_block_fp8<1, TD>, args)
+                             : std::apply(run_block_fp8<kBlock, TD>, args);
   };
-  if (d->element_type() == ffi::DataType::BF16) return launch(cutlass::bfloat16_t{});
-  if (d->element_type() == ffi::DataType::F32) return launch(float{});
-  return invalid("block_fp8_gemm: the output dtype must be bfloat16 or float32");
+  return f32_out ? launch(float{}) : launch(cutlass::bfloat16_t{});
 }
 
 }  // namespace
 }  // namespace block_fp8_gemm_detail
 }  // namespace jaxquant
 
+int64_t JaxquantBlockFp8GemmWorkspaceBytes(int64_t m, int64_t n, int64_t k, int32_t b_block_rows,
+                                           int32_t f32_out) {
+  using namespace jaxquant::block_fp8_gemm_detail;
+  int device = 0;
+  if ((b_block_rows != 1 && b_block_rows != kBlock) || cudaGetDevice(&device) != cudaSuccess) {
+    return -1;
+  }
+  return static_cast<int64_t>(workspace_layout(m, n, k, b_block_rows, f32_out != 0, device).total());
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantBlockFp8Gemm, jaxquant::block_fp8_gemm_detail::block_fp8_gemm,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int32_t>("b_block_rows"));
+                                  .Ret<xla::ffi::AnyBuffer>()  // D
+                                  .Ret<xla::ffi::AnyBuffer>()  // workspace
+                                  .Attr<int32_t>("b_block_rows"),
+                              JAXQUANT_CMD_BUFFER_SAFE);

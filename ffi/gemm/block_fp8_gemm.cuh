@@ -66,14 +66,13 @@ struct BlockFp8Gemm {
 };
 
 template <int BlockRowsB, typename TD>
-ffi::Error run_block_fp8(cudaStream_t stream, ffi::ScratchAllocator& scratch, const void* a,
-                         const void* b, const float* sfa, const float* sfb, void* d, int m, int n,
-                         int k) {
+typename BlockFp8Gemm<BlockRowsB, TD>::Gemm::Arguments arguments(
+    const void* a, const void* b, const float* sfa, const float* sfb, void* d, int m, int n, int k,
+    int device) {
   using Config = BlockFp8Gemm<BlockRowsB, TD>;
-  using Gemm = typename Config::Gemm;
   using Kernel = typename Config::Kernel;
   const auto problem = make_shape(m, n, k, 1);
-  typename Gemm::Arguments args{
+  typename Config::Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
       {static_cast<const typename Config::E4M3*>(a),
@@ -86,22 +85,35 @@ ffi::Error run_block_fp8(cudaStream_t stream, ffi::ScratchAllocator& scratch, co
        static_cast<TD*>(d), cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1})}};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  int device = 0;
-  if (auto err = cuda_error("cudaGetDevice", cudaGetDevice(&device)); err.failure()) return err;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  return args;
+}
 
+// Bytes of workspace the CUTLASS kernel needs for this problem on `device`.
+template <int BlockRowsB, typename TD>
+size_t cutlass_workspace_bytes(int m, int n, int k, int device) {
+  return BlockFp8Gemm<BlockRowsB, TD>::Gemm::get_workspace_size(
+      arguments<BlockRowsB, TD>(nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, device));
+}
+
+template <int BlockRowsB, typename TD>
+ffi::Error run_block_fp8(cudaStream_t stream, void* workspace, size_t workspace_size, const void* a,
+                         const void* b, const float* sfa, const float* sfb, void* d, int m, int n,
+                         int k) {
+  using Gemm = typename BlockFp8Gemm<BlockRowsB, TD>::Gemm;
+  int device = 0;
+  if (auto err = cuda_error("cudaGetDevice", cudaGetDevice(&device)); err.failure()) return err;
+  const auto args = arguments<BlockRowsB, TD>(a, b, sfa, sfb, d, m, n, k, device);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return invalid("block_fp8_gemm: CUTLASS cannot run this problem (K must be a multiple of "
                    "16 and N of 16 bytes' worth of output elements)");
   }
-  const size_t workspace_bytes = Gemm::get_workspace_size(args);
-  auto workspace = scratch.Allocate(workspace_bytes > 0 ? workspace_bytes : 16, 16);
-  if (!workspace.has_value()) {
-    return ffi::Error::Internal("block_fp8_gemm: could not allocate scratch memory");
+  if (Gemm::get_workspace_size(args) > workspace_size) {  // sized by the handler's query
+    return ffi::Error::Internal("block_fp8_gemm: the workspace is too small for CUTLASS");
   }
-  if (gemm.initialize(args, *workspace, stream) != cutlass::Status::kSuccess) {
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
     return ffi::Error::Internal("block_fp8_gemm: CUTLASS initialization failed");
   }
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
@@ -113,15 +125,16 @@ ffi::Error run_block_fp8(cudaStream_t stream, ffi::ScratchAllocator& scratch, co
 }  // namespace block_fp8_gemm_detail
 }  // namespace jaxquant
 
-// Declares (PREFIX = extern) or defines (PREFIX empty) run_block_fp8 for one B block shape
-// and both output types.
+// Declares (PREFIX = extern) or defines (PREFIX empty) run_block_fp8 and
+// cutlass_workspace_bytes for one B block shape and both output types.
 #define JAXQUANT_BLOCK_FP8_GEMM_ARGS                                                          \
-  cudaStream_t, xla::ffi::ScratchAllocator&, const void*, const void*, const float*,         \
-      const float*, void*, int, int, int
+  cudaStream_t, void*, size_t, const void*, const void*, const float*, const float*, void*,    \
+      int, int, int
+#define JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, TD)                                 \
+  PREFIX template xla::ffi::Error                                                             \
+  jaxquant::block_fp8_gemm_detail::run_block_fp8<BLOCK_ROWS_B, TD>(JAXQUANT_BLOCK_FP8_GEMM_ARGS); \
+  PREFIX template size_t                                                                      \
+  jaxquant::block_fp8_gemm_detail::cutlass_workspace_bytes<BLOCK_ROWS_B, TD>(int, int, int, int);
 #define JAXQUANT_BLOCK_FP8_GEMM_INSTANCES(PREFIX, BLOCK_ROWS_B)                               \
-  PREFIX template xla::ffi::Error                                                             \
-  jaxquant::block_fp8_gemm_detail::run_block_fp8<BLOCK_ROWS_B, cutlass::bfloat16_t>(          \
-      JAXQUANT_BLOCK_FP8_GEMM_ARGS);                                                          \
-  PREFIX template xla::ffi::Error                                                             \
-  jaxquant::block_fp8_gemm_detail::run_block_fp8<BLOCK_ROWS_B, float>(                        \
-      JAXQUANT_BLOCK_FP8_GEMM_ARGS);
+  JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, cutlass::bfloat16_t)                      \
+  JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, float)

@@ -46,7 +46,7 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
   const LtOperand lt_b{b.untyped_data(), tb, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sb.typed_data()}};
   // No workspace: the algorithms that need none are as fast for per-tensor scales
   // (lt_fp8_gemm.cu), and the handler stays safe to trace into XLA's command buffers.
-  auto ran = lt_fp8_gemm(stream, device, /*scratch=*/nullptr, lt_a, lt_b, d->untyped_data(), td,
+  auto ran = lt_fp8_gemm(stream, device, Workspace{}, lt_a, lt_b, d->untyped_data(), td,
                          m, n, k);
   if (ran.has_error()) return ran.error();
   if (!*ran) {

@@ -15,13 +15,10 @@
 namespace jaxquant {
 namespace {
 
-// The most workspace an algorithm may ask for when the caller has scratch memory: NVIDIA's
-// recommendation for Hopper, where split-K algorithms keep partial sums in it. Only what
-// the chosen one needs is allocated. Without scratch only algorithms that need none are
-// candidates (H100, E4M3: the same tiles and times at 8192^3, 4096x16384x16384 and
-// 16x8192x8192; only split-K candidates drop out, none of them the fastest).
-constexpr uint64_t kMaxWorkspaceBytes = uint64_t{32} << 20;
-// cuBLASLt wants a 256-byte aligned workspace; XLA's scratch allocator promises 16 bytes.
+// cuBLASLt wants a 256-byte aligned workspace; the caller's buffer may be less aligned.
+// Without workspace only algorithms that need none are candidates (H100, E4M3 per-tensor:
+// the same tiles and times at 8192^3, 4096x16384x16384 and 16x8192x8192; only split-K
+// candidates drop out, none of them the fastest).
 constexpr uint64_t kWorkspaceAlignment = 256;
 // Algorithms the first call of a problem times, the rounds, and the runs per timing.
 constexpr int kCandidates = 8;
@@ -74,9 +71,9 @@ struct Plan {
 class LtCache {
  public:
   // device, m, n, k, the types of A, B and D, the scale modes of A and B, the alignments of
-  // A, B and D, and whether workspace may be used
+  // A, B and D, and the most workspace an algorithm may use
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, uint32_t, uint32_t,
-                         uint32_t, bool>;
+                         uint32_t, uint64_t>;
 
   static LtCache& instance() {
     static LtCache* cache = new LtCache();  // never destroyed: see above
@@ -123,20 +120,21 @@ ffi::Error set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribu
                   cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
 }
 
-// Workspace from XLA's scratch allocator (freed after the call, in stream order), aligned
-// up to what cuBLASLt wants; null when none is needed.
-ffi::ErrorOr<void*> allocate_workspace(ffi::ScratchAllocator* scratch, size_t bytes) {
+// The most workspace an algorithm may use in the caller's buffer, once aligned.
+uint64_t usable_bytes(const Workspace& workspace) {
+  return workspace.bytes > kWorkspaceAlignment ? workspace.bytes - kWorkspaceAlignment : 0;
+}
+
+// `bytes` of the caller's workspace, aligned up to what cuBLASLt wants; null when none is
+// needed.
+ffi::ErrorOr<void*> workspace_for(const Workspace& workspace, size_t bytes) {
   if (bytes == 0) return static_cast<void*>(nullptr);
-  if (scratch == nullptr) {  // the preference allowed none: cuBLASLt broke its promise
-    return ffi::Unexpected(ffi::Error::Internal("cuBLASLt FP8 GEMM: an algorithm asked for " +
-                                                std::to_string(bytes) + " bytes of workspace"));
+  if (bytes > usable_bytes(workspace)) {  // the preference's limit: cuBLASLt broke its promise
+    return ffi::Unexpected(ffi::Error::Internal(
+        "cuBLASLt FP8 GEMM: an algorithm asked for " + std::to_string(bytes) +
+        " bytes of workspace, more than the " + std::to_string(usable_bytes(workspace)) + " given"));
   }
-  auto memory = scratch->Allocate(bytes + kWorkspaceAlignment, 16);
-  if (!memory.has_value()) {
-    return ffi::Unexpected(ffi::Error::Internal("cuBLASLt FP8 GEMM: could not allocate " +
-                                                std::to_string(bytes) + " bytes of workspace"));
-  }
-  const auto address = reinterpret_cast<uintptr_t>(*memory);
+  const auto address = reinterpret_cast<uintptr_t>(workspace.data);
   return reinterpret_cast<void*>((address + kWorkspaceAlignment - 1) / kWorkspaceAlignment *
                                  kWorkspaceAlignment);
 }
@@ -146,14 +144,14 @@ ffi::ErrorOr<void*> allocate_workspace(ffi::ScratchAllocator* scratch, size_t by
 // is not always the fastest (8192^3 E4M3 on the H100: 0.81 ms, the next seven 0.86-1.10).
 // The host waits for these runs, once; the call's real run follows with the winner.
 template <typename Run>
-ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, ffi::ScratchAllocator* scratch,
+ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, const Workspace& workspace_given,
                                      const cublasLtMatmulHeuristicResult_t* candidates, int found,
                                      Run&& run) {
   Plan best{candidates[0].algo, candidates[0].workspaceSize};
   if (found == 1) return best;
   size_t most = 0;
   for (int i = 0; i < found; ++i) most = std::max(most, candidates[i].workspaceSize);
-  auto workspace = allocate_workspace(scratch, most);
+  auto workspace = workspace_for(workspace_given, most);
   if (workspace.has_error()) return ffi::Unexpected(workspace.error());
   cudaEvent_t start, stop;
   if (cudaEventCreate(&start) != cudaSuccess) return best;
@@ -205,7 +203,7 @@ ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, ffi::ScratchAllocator*
 
 }  // namespace
 
-ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator* scratch,
+ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Workspace& workspace,
                                const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
                                int64_t m, int64_t n, int64_t k) {
   LtCache& cache = LtCache::instance();
@@ -244,10 +242,10 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::Scratch
   const uint32_t align_a = alignment_of(a.data), align_b = alignment_of(b.data),
                  align_d = alignment_of(d);
   const LtCache::Key key{device, m, n, k, a.type, b.type, td, a.scales.mode, b.scales.mode,
-                         align_a, align_b, align_d, scratch != nullptr};
+                         align_a, align_b, align_d, usable_bytes(workspace)};
   Plan plan;
   if (!cache.find(key, plan)) {
-    const uint64_t max_workspace = scratch != nullptr ? kMaxWorkspaceBytes : 0;
+    const uint64_t max_workspace = usable_bytes(workspace);
     cublasLtMatmulPreference_t raw_pref;
     JAXQUANT_LT_UNEXPECTED(lt_error("creating the preference", cublasLtMatmulPreferenceCreate(&raw_pref)));
     Preference pref(raw_pref);
@@ -285,7 +283,7 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::Scratch
     if (capture != cudaStreamCaptureStatusNone) {
       plan = Plan{candidates[0].algo, candidates[0].workspaceSize};
     } else {
-      auto fastest = fastest_candidate(stream, scratch, candidates, found, [&](const Plan& p, void* ws) {
+      auto fastest = fastest_candidate(stream, workspace, candidates, found, [&](const Plan& p, void* ws) {
         return run(*handle, p, ws);
       });
       if (fastest.has_error()) return ffi::Unexpected(fastest.error());
@@ -293,9 +291,9 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::Scratch
       cache.insert(key, plan);
     }
   }
-  auto workspace = allocate_workspace(scratch, plan.workspace_bytes);
-  if (workspace.has_error()) return ffi::Unexpected(workspace.error());
-  JAXQUANT_LT_UNEXPECTED(run(*handle, plan, *workspace));
+  auto plan_workspace = workspace_for(workspace, plan.workspace_bytes);
+  if (plan_workspace.has_error()) return ffi::Unexpected(plan_workspace.error());
+  JAXQUANT_LT_UNEXPECTED(run(*handle, plan, *plan_workspace));
   return true;
 }
 

@@ -29,13 +29,23 @@ struct LtOperand {
   LtScales scales;
 };
 
+// Device memory a call may use, from a result buffer XLA allocates with the call (empty:
+// none). kLtWorkspaceBytes lets cuBLASLt consider every algorithm: NVIDIA's recommendation
+// for Hopper (split-K algorithms keep partial sums in it) plus room to align it to the 256
+// bytes cuBLASLt wants.
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+constexpr size_t kLtWorkspaceBytes = (size_t{32} << 20) + 256;
+
 // Runs the GEMM on `stream`. Returns false, having run nothing, when cuBLASLt has no
 // algorithm for the problem (the caller may take another kernel); an error when a call
 // fails. The algorithm is chosen on the problem's first call in the process (timed among
-// the heuristic's candidates) and kept with one cuBLASLt handle per device. With `scratch`
-// null only algorithms that need no workspace are candidates, and the call touches no
-// memory but its operands: a handler may then be traced into XLA's command buffers.
-ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, ffi::ScratchAllocator* scratch,
+// the heuristic's candidates) and kept with one cuBLASLt handle per device. Candidates use
+// at most the workspace given (none with an empty one). The call touches no memory but its
+// operands and the workspace: a handler may be traced into XLA's command buffers.
+ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Workspace& workspace,
                                const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
                                int64_t m, int64_t n, int64_t k);
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.core import ShapedArray
 
-from jaxquant.kernels import primitive, sharding, validate
+from jaxquant.kernels import library, primitive, sharding, validate
 
 BLOCK = 128
 
@@ -90,10 +90,17 @@ def _partition(config, mesh, arg_shapes, result_shape):
   return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
 
 
+def _workspace_bytes(config, a, b, sfa, sfb):
+  """B's tile scales in cuBLASLt's layout and cuBLASLt's (or CUTLASS's) own workspace."""
+  (m, k), n = a.shape, b.shape[0]
+  f32_out = int(jnp.dtype(config.out_dtype) == jnp.float32)
+  return library.workspace_bytes("jaxquant_block_fp8_gemm", m, n, k, config.b_block_rows, f32_out)
+
+
 block_gemm_p = primitive.define(primitive.KernelSpec(
     name="jaxquant_block_fp8_gemm", ffi_target=lambda config: "jaxquant_block_fp8_gemm",
     abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule))
+    sharding_rule=_sharding_rule, workspace_bytes=_workspace_bytes))
 
 
 def unsupported_reason(m: int, n: int, k: int, b_block_rows: int, out_dtype) -> str | None:

@@ -36,20 +36,9 @@ WORKSPACE_QUERIES = {
     "jaxquant_grouped_gemm": ("JaxquantGroupedGemmWorkspaceBytes", (ctypes.c_int32,)),
     "jaxquant_dequant_gemm": ("JaxquantDequantGemmWorkspaceBytes",
                               (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2),
+    "jaxquant_block_fp8_gemm": ("JaxquantBlockFp8GemmWorkspaceBytes",
+                                (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2),
 }
-# Targets XLA may trace into its command buffers (CUDA graphs) along with the fusions around
-# them: the same kernels for the same attributes and shapes, no host synchronization while
-# captured, no scratch memory (the grouped and fused-dequantize GEMMs' workspaces are result
-# buffers XLA allocates with the call). The block FP8 GEMM takes memory from XLA's scratch
-# allocator, which a captured graph would keep after it is freed. The handlers report the
-# same trait in their FFI metadata (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE);
-# tests/kernels/test_command_buffers.py checks on the GPU that their kernels run from
-# XLA's CUDA graphs.
-COMMAND_BUFFER_SAFE = frozenset({"jaxquant_amax", "jaxquant_fp8_tensor_cast",
-                                 "jaxquant_fp8_block_cast", "jaxquant_mxfp8_cast",
-                                 "jaxquant_nvfp4_cast", "jaxquant_dequantize",
-                                 "jaxquant_fp8_tensor_gemm", "jaxquant_grouped_gemm",
-                                 "jaxquant_dequant_gemm"})
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
 
@@ -80,11 +69,17 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     query = getattr(lib, symbol)
     query.argtypes, query.restype = list(argtypes), ctypes.c_int64
   for target, symbol in TARGETS.items():
-    handler = getattr(lib, symbol)
-    traits = (xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
-              if target in COMMAND_BUFFER_SAFE else xla_client.CustomCallTargetTraits.DEFAULT)
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA",
-                                traits=traits)
+    # Every target may be traced into XLA's command buffers (CUDA graphs) along with the
+    # fusions around it: the same kernels for the same attributes and shapes, no host
+    # synchronization while captured, and no scratch memory (XLA's scratch allocator frees
+    # its memory when the call returns, a captured graph would keep the address): the GEMMs
+    # that need workspace take it as one more result buffer, which XLA allocates with the
+    # call (WORKSPACE_QUERIES). The handlers report the same trait in their FFI metadata
+    # (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE); tests/kernels/test_command_buffers.py checks
+    # on the GPU that their kernels run from XLA's CUDA graphs.
+    jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA",
+        traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
   return lib, None
 
 
@@ -96,7 +91,8 @@ def load_error() -> Optional[str]:
 def workspace_bytes(target: str, *dims: int) -> int:
   """Bytes of workspace `target`'s handler needs for a problem of these dims on this
   machine's GPU (the grouped GEMM's per-group arrays and TMA descriptors, the fused-dequantize
-  GEMM's split-K partial sums): the size of the result buffer its lowering adds."""
+  GEMM's split-K partial sums, the block FP8 GEMM's reordered tile scales and cuBLASLt's or
+  CUTLASS's workspace): the size of the result buffer its lowering adds."""
   lib, error = _load()
   if error:
     raise RuntimeError(f"{target}: {error}")

@@ -1,7 +1,7 @@
-"""The cast, amax and dequantize kernels and the per-tensor FP8, grouped and
+"""The cast, amax and dequantize kernels and the per-tensor FP8, block FP8, grouped and
 fused-dequantize GEMMs inside XLA's command buffers.
 
-Those targets are registered as command-buffer compatible (kernels/library.py), so XLA
+Every target is registered as command-buffer compatible (kernels/library.py), so XLA
 may trace them into a CUDA graph once and replay it. Command buffers are a backend
 option read when the GPU backend starts, so the checks run in a fresh process whose
 XLA_FLAGS put every fusion and custom call into one: a profile of a call must show every
@@ -80,9 +80,9 @@ def quantize(impl, x, key, *, q):
   return qt, ops.dequantize(qt, "rowwise", jnp.float32, implementation=impl) + 1
 
 
-def fp8_gemm(impl, x, w):
-  q = QUANTIZERS["fp8_e4m3"]
-  a, b = (ops.quantize(t, q, ("rowwise",), implementation=impl).rowwise for t in (x, w))
+def fp8_gemm(impl, x, w, *, x_quantizer="fp8_e4m3", w_quantizer="fp8_e4m3"):
+  a, b = (ops.quantize(t, QUANTIZERS[q], ("rowwise",), implementation=impl).rowwise
+          for t, q in ((x, x_quantizer), (w, w_quantizer)))
   return gemm_ops.gemm(a, b, out_dtype=jnp.float32, implementation=impl) + 1
 
 
@@ -119,11 +119,15 @@ for name in NAMES:
   check(name, functools.partial(quantize, q=QUANTIZERS[name]),
         lambda seed: (random_input(seed, (512, 1024), jnp.bfloat16), jax.random.key(seed)))
   print(name, "ok", flush=True)
-check("fp8_tensor_gemm", fp8_gemm,
-      lambda seed: (random_input(seed, (256, 512), jnp.bfloat16),
-                     random_input(seed + 7, (384, 512), jnp.bfloat16)),
-      compare=within(FP8_MMA_TOLERANCE))
+gemm_args = lambda seed: (random_input(seed, (256, 512), jnp.bfloat16),
+                          random_input(seed + 7, (384, 512), jnp.bfloat16))
+check("fp8_tensor_gemm", fp8_gemm, gemm_args, compare=within(FP8_MMA_TOLERANCE))
 print("fp8_tensor_gemm ok", flush=True)
+for w_blocks in ("block_128x128", "block_1x128"):  # fprop / dgrad and wgrad block shapes
+  check(f"block_fp8_gemm {w_blocks}",
+        functools.partial(fp8_gemm, x_quantizer="block_1x128", w_quantizer=w_blocks),
+        gemm_args, compare=within(FP8_MMA_TOLERANCE))
+  print(f"block_fp8_gemm_{w_blocks} ok", flush=True)
 for dtype, tolerance in ((jnp.bfloat16, BF16_MMA_TOLERANCE), (jnp.float8_e4m3fn, FP8_MMA_TOLERANCE)):
   check(f"grouped_gemm {jnp.dtype(dtype).name}", grouped_gemm, grouped_args(dtype),
         compare=within(tolerance))
@@ -149,6 +153,6 @@ def test_kernels_replay_from_command_buffers():
   run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
                        timeout=600)
   assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
-  done = NAMES + ["fp8_tensor_gemm", "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn",
-                  "dequant_gemm"]
+  done = NAMES + ["fp8_tensor_gemm", "block_fp8_gemm_block_128x128", "block_fp8_gemm_block_1x128",
+                  "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn", "dequant_gemm"]
   assert run.stdout.split() == [w for name in done for w in (name, "ok")]

@@ -37,13 +37,11 @@ struct KernelConfig {
   int32_t block_scales_only;  // dequantize: leave the outer scale (NVFP4 S_dec) out
 };
 
-// Traits of the handlers that, for the same attributes and buffer shapes, launch the same
-// kernels, never synchronize with the host while XLA captures them, and take no scratch
-// memory: the casts, amax, dequantize, the per-tensor FP8 GEMM (lt_fp8_gemm.h), and the
-// grouped and fused-dequantize GEMMs (their workspace is a result buffer). XLA may trace
-// them into its command buffers (CUDA graphs) with the fusions around them. The block FP8
-// GEMM takes memory from XLA's scratch allocator, which is freed when the call returns (a
-// captured graph would keep the address): it stays outside.
+// Traits of every handler: for the same attributes and buffer shapes it launches the same
+// kernels, never synchronizes with the host while XLA captures it, and takes no scratch
+// memory (freed when the call returns, while a captured graph would keep the address): the
+// GEMMs that need workspace take it as a result buffer that XLA allocates with the call.
+// XLA may trace them into its command buffers (CUDA graphs) with the fusions around them.
 #define JAXQUANT_CMD_BUFFER_SAFE \
   { ::xla::ffi::Traits::kCmdBufferCompatible }
 

@@ -36,3 +36,9 @@ extern "C" __attribute__((visibility("default"))) int64_t JaxquantGroupedGemmWor
 // cannot be queried or an element code is unknown.
 extern "C" __attribute__((visibility("default"))) int64_t JaxquantDequantGemmWorkspaceBytes(
     int64_t m, int64_t n, int64_t k, int32_t a_element, int32_t b_element);
+
+// Bytes of the workspace result the block FP8 GEMM needs for A [M, K] x B [N, K] with B in
+// 1x128 or 128x128 blocks and a bf16 (f32_out = 0) or fp32 output, on the current device
+// (kernels/block_gemm.py); -1 when the device cannot be queried or the blocks are neither.
+extern "C" __attribute__((visibility("default"))) int64_t JaxquantBlockFp8GemmWorkspaceBytes(
+    int64_t m, int64_t n, int64_t k, int32_t b_block_rows, int32_t f32_out);
