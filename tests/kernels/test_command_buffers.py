@@ -45,9 +45,10 @@ CPU = jax.devices("cpu")[0]
 OURS = ("jaxquant::", "nvjet", "cutlass::")
 
 
-# The jaxquant kernels of one profiled call that did not run from a CUDA graph (a graph's
-# kernel events carry its id, and the command buffer as their HLO op).
-def kernels_outside_graphs(f, args):
+# (in graphs, outside graphs): the names of the jaxquant kernels of one profiled call that
+# ran from a CUDA graph and that did not (a graph's kernel events carry its id, and the
+# command buffer as their HLO op).
+def kernels_by_launch(f, args):
   for _ in range(3):  # XLA records the graph over the first executions
     jax.block_until_ready(f("kernel", *args))
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -59,15 +60,20 @@ def kernels_outside_graphs(f, args):
   ours = [e for e in events
           if e.get("ph") == "X" and any(part in str(e.get("name")) for part in OURS)]
   assert ours, "the trace holds no jaxquant kernel"
-  return sorted({e["name"] for e in ours if "cuda_graph_id" not in e.get("args", {})
-                 or not e["args"].get("hlo_op", "").startswith("command_buffer")})
+  in_graph = lambda e: ("cuda_graph_id" in e.get("args", {})
+                        and e["args"].get("hlo_op", "").startswith("command_buffer"))
+  return ({e["name"] for e in ours if in_graph(e)},
+          sorted({e["name"] for e in ours if not in_graph(e)}))
 
 
-def check(label, fn, make_args, compare=assert_same_bits):
+def check(label, fn, make_args, compare=assert_same_bits, gemm_kernel=None):
+  """`gemm_kernel`: part of the name of the GEMM kernel that must run from the graph."""
   f = jax.jit(fn, static_argnums=0)
   first = f("kernel", *make_args(0))  # before XLA records the graph
-  outside = kernels_outside_graphs(f, make_args(0))
+  inside, outside = kernels_by_launch(f, make_args(0))
   assert not outside, f"{label}: launched outside a command buffer: {outside}"
+  if gemm_kernel:
+    assert any(gemm_kernel in name for name in inside), f"{label}: no {gemm_kernel} kernel in {inside}"
   assert_same_bits(f("kernel", *make_args(0)), first, f"{label}: replayed vs first call")
   for seed in range(3):
     args = make_args(seed)
@@ -121,21 +127,22 @@ for name in NAMES:
   print(name, "ok", flush=True)
 gemm_args = lambda seed: (random_input(seed, (256, 512), jnp.bfloat16),
                           random_input(seed + 7, (384, 512), jnp.bfloat16))
-check("fp8_tensor_gemm", fp8_gemm, gemm_args, compare=within(FP8_MMA_TOLERANCE))
+check("fp8_tensor_gemm", fp8_gemm, gemm_args, compare=within(FP8_MMA_TOLERANCE),
+      gemm_kernel="nvjet")
 print("fp8_tensor_gemm ok", flush=True)
 for w_blocks in ("block_128x128", "block_1x128"):  # fprop / dgrad and wgrad block shapes
   check(f"block_fp8_gemm {w_blocks}",
         functools.partial(fp8_gemm, x_quantizer="block_1x128", w_quantizer=w_blocks),
-        gemm_args, compare=within(FP8_MMA_TOLERANCE))
+        gemm_args, compare=within(FP8_MMA_TOLERANCE), gemm_kernel="nvjet")
   print(f"block_fp8_gemm_{w_blocks} ok", flush=True)
 for dtype, tolerance in ((jnp.bfloat16, BF16_MMA_TOLERANCE), (jnp.float8_e4m3fn, FP8_MMA_TOLERANCE)):
   check(f"grouped_gemm {jnp.dtype(dtype).name}", grouped_gemm, grouped_args(dtype),
-        compare=within(tolerance))
+        compare=within(tolerance), gemm_kernel="cutlass::")
   print(f"grouped_gemm_{jnp.dtype(dtype).name} ok", flush=True)
 check("dequant_gemm", dequant_gemm,
       lambda seed: (random_input(seed, (32, 1024), jnp.bfloat16),
                      random_input(seed + 5, (768, 1024), jnp.bfloat16)),
-      compare=within(BF16_MMA_TOLERANCE))
+      compare=within(BF16_MMA_TOLERANCE), gemm_kernel="dequant_gemm_kernel")
 print("dequant_gemm ok", flush=True)
 '''
 
