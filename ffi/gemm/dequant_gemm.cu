@@ -413,7 +413,7 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuff
                     k};
     const dim3 grid(static_cast<unsigned>((n + kCtaRows - 1) / kCtaRows), static_cast<unsigned>(splits->count));
     with_kernel(a_element, b_element, m, [&](auto... tags) {
-      if constexpr (sizeof...(tags) == 3) {
+      if constexpr (sizeof...(tags) == 3) {  // (splits_for refused unknown elements)
         dequant_gemm_kernel<decltype(tags)::value...><<<grid, kThreads, 0, stream>>>(
             p.a, p.b, p.k, splits->chunks_each, partial);
       }
@@ -448,7 +448,7 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuff
 int64_t JaxquantDequantGemmWorkspaceBytes(int64_t m, int64_t n, int64_t k, int32_t a_element,
                                           int32_t b_element) {
   using namespace jaxquant::dequant_gemm_detail;
-  if (m <= 0 || n <= 0 || k < 0) return 0;
+  if (m <= 0 || n <= 0 || k < 0) return 0;  // the handler returns before touching its workspace
   const auto splits = splits_for(m, n, k, a_element, b_element);
   return splits.has_value() ? workspace_bytes(m, n, *splits) : -1;
 }

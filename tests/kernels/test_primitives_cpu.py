@@ -217,3 +217,22 @@ def test_availability_is_explained():
   if kernels.available():
     pytest.skip("kernels available here")
   assert isinstance(kernels.unavailable_reason(), str) and kernels.unavailable_reason()
+
+
+def test_cuda_lowering_adds_the_workspace_result(monkeypatch):
+  """A kernel with a workspace lowers, for CUDA, to an FFI call with one more uint8 result of
+  the size its query gives (XLA allocates it with the call); the primitive's results are
+  unchanged. Lowered here without a GPU: the library's load and query are stood in for."""
+  from jaxquant.kernels import grouped, library
+  queries = []
+  monkeypatch.setattr(library, "load_error", lambda: None)
+  monkeypatch.setattr(library, "workspace_bytes",
+                      lambda target, *dims: queries.append((target, dims)) or 1000 + dims[0])
+  a, b = jnp.zeros((64, 32), jnp.bfloat16), jnp.zeros((3, 16, 32), jnp.bfloat16)
+  sizes, alpha = jnp.zeros((3,), jnp.int32), jnp.ones((3,), jnp.float32)
+  fn = jax.jit(lambda *args: grouped.grouped_gemm(*args, out_dtype=jnp.float32))
+  text = fn.trace(a, b, sizes, alpha).lower(lowering_platforms=("cuda",)).as_text()
+  call, = [line for line in text.splitlines() if "@jaxquant_grouped_gemm" in line]
+  assert call.endswith("-> (tensor<64x16xf32>, tensor<1003xui8>)"), call
+  assert queries == [("jaxquant_grouped_gemm", (3,))]
+  assert jax.eval_shape(fn, a, b, sizes, alpha).shape == (64, 16)
