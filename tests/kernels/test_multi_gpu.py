@@ -20,8 +20,10 @@ from jax.sharding import PartitionSpec as P
 import jaxquant
 from jaxquant import kernels, reference
 from jaxquant.ops import gemm as gemm_ops
-from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
-from kernel_cases import assert_same_bits, random_input, relative_error
+from jaxquant.kernels import grouped
+from jaxquant.quantizers import BlockFloat8Quantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
+from kernel_cases import (BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, assert_same_bits, random_input,
+                          relative_error)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,6 +85,47 @@ def test_dequantize_first_gemm_takes_shards(mesh, spec_a, spec_b):
   place = lambda qd, spec: jax.tree.map(lambda t: jax.device_put(t, NamedSharding(mesh, spec)), qd)
   got = np.asarray(f(place(a, spec_a), place(b, spec_b)), np.float64)
   assert relative_error(got, want) <= 1e-5
+
+
+def _quantized(seed, shape, quantizer):
+  return reference.quantize(random_input(seed, shape, jnp.bfloat16), quantizer, ("rowwise",)).rowwise
+
+
+# The GEMMs whose workspace is a result buffer sized when the call is lowered: under a
+# sharded jit it is sized for each device's shard.
+WORKSPACE_GEMMS = {
+    "block_fp8": (lambda: (_quantized(7, (1024, 2048), BlockFloat8Quantizer(block="1x128")),
+                           _quantized(8, (512, 2048), BlockFloat8Quantizer(block="128x128"))),
+                  FP8_MMA_TOLERANCE),
+    "fused_dequant_m32": (lambda: (_quantized(9, (32, 2048), MXFP8Quantizer()),
+                                   _quantized(10, (1024, 2048), NVFP4Quantizer())),
+                          BF16_MMA_TOLERANCE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKSPACE_GEMMS))
+@pytest.mark.parametrize("spec_a,spec_b", [(P("d", None), P()), (P(), P("d", None))],
+                         ids=["data_parallel", "weight_rows"])
+def test_gemm_with_workspace_takes_shards(mesh, name, spec_a, spec_b):
+  make, tolerance = WORKSPACE_GEMMS[name]
+  a, b = make()
+  f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
+  want = np.asarray(f(a, b), np.float64)
+  place = lambda qd, spec: jax.tree.map(
+      lambda t: jax.device_put(t, NamedSharding(mesh, spec if t.ndim == 2 else P())), qd)
+  got = np.asarray(f(place(a, spec_a), place(b, spec_b)), np.float64)
+  assert relative_error(got, want) <= tolerance
+
+
+def test_grouped_gemm_with_sharded_tokens(mesh):
+  """The grouped kernel is kept whole under a sharded jit (its operands are gathered)."""
+  a = random_input(11, (1024, 256), jnp.bfloat16)
+  b = random_input(12, (4 * 256, 256), jnp.bfloat16).reshape(4, 256, 256)
+  sizes, alpha = jnp.asarray([300, 0, 500, 200], jnp.int32), jnp.ones((4,), jnp.float32)
+  f = jax.jit(lambda a: grouped.grouped_gemm(a, b, sizes, alpha))
+  want = np.asarray(f(a), np.float64)
+  got = np.asarray(f(jax.device_put(a, NamedSharding(mesh, P("d", None)))), np.float64)
+  assert relative_error(got, want) <= BF16_MMA_TOLERANCE
 
 
 @pytest.mark.parametrize("recipe", [jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8],
