@@ -28,24 +28,21 @@ __global__ void tile_scales_for_lt(const float* __restrict__ mn_major, int64_t k
   out[i] = col < kb ? mn_major[col * nb + row] : 0.0f;
 }
 
-constexpr size_t kAlignment = 256;
-
-size_t round_up(size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
-
 // The workspace: B's tile scales in cuBLASLt's layout (128x128 blocks only), then the GEMM's
-// own workspace (cuBLASLt's or, where cuBLASLt declines, CUTLASS's), each 256-byte aligned.
+// own workspace (cuBLASLt's or, where cuBLASLt declines, CUTLASS's), each from an aligned
+// start.
 struct WorkspaceLayout {
   int64_t kb_padded;    // k-blocks of a tile-scale row, padded to 4
   size_t tiles_bytes;   // 0 for 1x128 blocks
   size_t gemm_bytes;
-  size_t total() const { return kAlignment + tiles_bytes + gemm_bytes; }
+  size_t total() const { return kWorkspaceAlignment + tiles_bytes + gemm_bytes; }
 };
 
 WorkspaceLayout workspace_layout(int64_t m, int64_t n, int64_t k, int32_t b_block_rows, bool f32_out,
                                  int device) {
   const int64_t kb = (k + kBlock - 1) / kBlock, nb = (n + kBlock - 1) / kBlock;
   const int64_t kb_padded = (kb + 3) / 4 * 4;
-  const size_t tiles = b_block_rows == kBlock ? round_up(sizeof(float) * nb * kb_padded) : 0;
+  const size_t tiles = b_block_rows == kBlock ? align_up(sizeof(float) * nb * kb_padded) : 0;
   auto cutlass_bytes = [&](auto out) {
     using TD = decltype(out);
     const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
@@ -53,7 +50,7 @@ WorkspaceLayout workspace_layout(int64_t m, int64_t n, int64_t k, int32_t b_bloc
                              : cutlass_workspace_bytes<kBlock, TD>(mi, ni, ki, device);
   };
   const size_t cutlass = f32_out ? cutlass_bytes(float{}) : cutlass_bytes(cutlass::bfloat16_t{});
-  return {kb_padded, tiles, std::max(kLtWorkspaceBytes, round_up(cutlass))};
+  return {kb_padded, tiles, std::max(kLtWorkspaceBytes, align_up(cutlass))};
 }
 
 // The cuBLASLt route: true when it ran, false when cuBLASLt has no algorithm for the
@@ -111,21 +108,18 @@ ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
     return invalid("block_fp8_gemm: B's blocks must be 1x128 or 128x128");
   }
   const auto layout = workspace_layout(m, n, k, b_block_rows, f32_out, device);
-  if (workspace->size_bytes() < layout.total()) {  // sized by JaxquantBlockFp8GemmWorkspaceBytes
-    return invalid("block_fp8_gemm: the workspace holds " + std::to_string(workspace->size_bytes()) +
-                   " bytes, the GEMM needs " + std::to_string(layout.total()));
-  }
-  const auto base = round_up(reinterpret_cast<uintptr_t>(workspace->untyped_data()));
-  auto* tiles = reinterpret_cast<float*>(base);
-  const Workspace gemm_workspace{reinterpret_cast<void*>(base + layout.tiles_bytes), layout.gemm_bytes};
+  const Workspace given{workspace->untyped_data(), workspace->size_bytes()};
+  if (auto err = check_workspace("block_fp8_gemm", given, layout.total()); err.failure()) return err;
+  auto* tiles = static_cast<float*>(given.after(0).data);
+  const Workspace gemm_workspace = given.after(layout.tiles_bytes);
   auto ran = through_lt(stream, device, tiles, gemm_workspace, layout, a, b, sfa.typed_data(),
                         sfb.typed_data(), d, m, n, k, b_block_rows);
   if (ran.has_error()) return ran.error();
   if (*ran) return ffi::Error::Success();
   auto launch = [&](auto out) -> ffi::Error {
     using TD = decltype(out);
-    const auto args = std::make_tuple(stream, gemm_workspace.data, gemm_workspace.bytes,
-                                      a.untyped_data(), b.untyped_data(),
+    const auto args = std::make_tuple(stream, std::cref(gemm_workspace), a.untyped_data(),
+                                      b.untyped_data(),
                                       sfa.typed_data(), sfb.typed_data(), d->untyped_data(),
                                       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k));
     return b_block_rows == 1 ? std::apply(run_block_fp8<1, TD>, args)

@@ -98,7 +98,7 @@ size_t cutlass_workspace_bytes(int m, int n, int k, int device) {
 }
 
 template <int BlockRowsB, typename TD>
-ffi::Error run_block_fp8(cudaStream_t stream, void* workspace, size_t workspace_size, const void* a,
+ffi::Error run_block_fp8(cudaStream_t stream, const Workspace& workspace, const void* a,
                          const void* b, const float* sfa, const float* sfb, void* d, int m, int n,
                          int k) {
   using Gemm = typename BlockFp8Gemm<BlockRowsB, TD>::Gemm;
@@ -110,10 +110,9 @@ ffi::Error run_block_fp8(cudaStream_t stream, void* workspace, size_t workspace_
     return invalid("block_fp8_gemm: CUTLASS cannot run this problem (K must be a multiple of "
                    "16 and N of 16 bytes' worth of output elements)");
   }
-  if (Gemm::get_workspace_size(args) > workspace_size) {  // sized by the handler's query
-    return ffi::Error::Internal("block_fp8_gemm: the workspace is too small for CUTLASS");
-  }
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+  const auto err = check_workspace("block_fp8_gemm (CUTLASS)", workspace, Gemm::get_workspace_size(args));
+  if (err.failure()) return err;
+  if (gemm.initialize(args, workspace.data, stream) != cutlass::Status::kSuccess) {
     return ffi::Error::Internal("block_fp8_gemm: CUTLASS initialization failed");
   }
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
@@ -128,8 +127,8 @@ ffi::Error run_block_fp8(cudaStream_t stream, void* workspace, size_t workspace_
 // Declares (PREFIX = extern) or defines (PREFIX empty) run_block_fp8 and
 // cutlass_workspace_bytes for one B block shape and both output types.
 #define JAXQUANT_BLOCK_FP8_GEMM_ARGS                                                          \
-  cudaStream_t, void*, size_t, const void*, const void*, const float*, const float*, void*,    \
-      int, int, int
+  cudaStream_t, const jaxquant::Workspace&, const void*, const void*, const float*,            \
+      const float*, void*, int, int, int
 #define JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, TD)                                 \
   PREFIX template xla::ffi::Error                                                             \
   jaxquant::block_fp8_gemm_detail::run_block_fp8<BLOCK_ROWS_B, TD>(JAXQUANT_BLOCK_FP8_GEMM_ARGS); \

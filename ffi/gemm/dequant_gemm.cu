@@ -400,10 +400,8 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuff
   const auto splits = splits_for(m, n, k, a_element, b_element);
   if (!splits.has_value()) return splits.error();
   const int64_t needed = workspace_bytes(m, n, *splits);
-  if (workspace->size_bytes() < static_cast<size_t>(needed)) {  // sized by Python's query
-    return invalid("dequant_gemm: the workspace holds " + std::to_string(workspace->size_bytes()) +
-                   " bytes, the kernel needs " + std::to_string(needed));
-  }
+  const Workspace given{workspace->untyped_data(), workspace->size_bytes()};
+  if (auto e = check_workspace("dequant_gemm", given, needed); e.failure()) return e;
   auto* partial = static_cast<float*>(workspace->untyped_data());
   if (splits->chunks_each == 0) {
     if (auto e = cuda_error("dequant_gemm: zero", cudaMemsetAsync(partial, 0, needed, stream)); e.failure()) return e;

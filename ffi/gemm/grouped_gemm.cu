@@ -47,9 +47,8 @@ ffi::Error grouped_gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   return dispatch_grouped(a.element_type(), b.element_type(), d->element_type(),
                           [&](auto ea, auto eb, auto ed) {
     return run_grouped<decltype(ea), decltype(eb), decltype(ed)>(
-        stream, workspace->untyped_data(), workspace->size_bytes(), a.untyped_data(),
-        b.untyped_data(), sizes.typed_data(),
-        alpha.typed_data(), d->untyped_data(), static_cast<int32_t>(g), static_cast<int32_t>(m),
+        stream, Workspace{workspace->untyped_data(), workspace->size_bytes()}, a.untyped_data(),
+        b.untyped_data(), sizes.typed_data(), alpha.typed_data(), d->untyped_data(), static_cast<int32_t>(g), static_cast<int32_t>(m),
         static_cast<int32_t>(n), static_cast<int32_t>(k));
   });
 }

@@ -184,20 +184,18 @@ typename Gemm::Arguments host_arguments(int32_t num_groups, int32_t device, cons
   return args;
 }
 
-// Bytes of workspace one call needs: the per-group arrays, then CUTLASS's workspace
-// (256-byte aligned, as CUTLASS wants its TMA descriptors).
-constexpr size_t kCutlassAlignment = 256;
-
+// Bytes of workspace one call needs: the per-group arrays, then CUTLASS's workspace, each
+// from an aligned start (CUTLASS keeps TMA descriptors in its part).
 template <typename TA, typename TB, typename TD>
 size_t workspace_bytes(int32_t num_groups, int32_t device) {
   using Config = GroupedGemm<TA, TB, TD>;
   const auto args = host_arguments<typename Config::Gemm>(num_groups, device, nullptr);
-  return Config::groups_bytes(num_groups) + kCutlassAlignment +
+  return kWorkspaceAlignment + align_up(Config::groups_bytes(num_groups)) +
          Config::Gemm::get_workspace_size(args);
 }
 
 template <typename TA, typename TB, typename TD>
-ffi::Error run_grouped(cudaStream_t stream, void* workspace, size_t workspace_size, const void* a,
+ffi::Error run_grouped(cudaStream_t stream, const Workspace& workspace, const void* a,
                        const void* b, const int32_t* sizes, const float* alpha, void* d,
                        int32_t num_groups, int32_t m, int32_t n, int32_t k) {
   using Config = GroupedGemm<TA, TB, TD>;
@@ -206,15 +204,9 @@ ffi::Error run_grouped(cudaStream_t stream, void* workspace, size_t workspace_si
   if (auto err = cuda_error("cudaGetDevice", cudaGetDevice(&device)); err.failure()) return err;
   auto args = host_arguments<Gemm>(num_groups, device, alpha);
   const size_t needed = workspace_bytes<TA, TB, TD>(num_groups, device);
-  if (workspace_size < needed) {  // sized by JaxquantGroupedGemmWorkspaceBytes
-    return invalid("grouped_gemm: the workspace holds " + std::to_string(workspace_size) +
-                   " bytes, the kernel needs " + std::to_string(needed));
-  }
-  const auto groups = Config::carve(workspace, num_groups);
-  const uintptr_t cutlass_start = reinterpret_cast<uintptr_t>(workspace) +
-                                  Config::groups_bytes(num_groups) + kCutlassAlignment - 1;
-  void* cutlass_workspace =
-      reinterpret_cast<void*>(cutlass_start & ~uintptr_t{kCutlassAlignment - 1});
+  if (auto err = check_workspace("grouped_gemm", workspace, needed); err.failure()) return err;
+  const auto groups = Config::carve(workspace.after(0).data, num_groups);
+  void* cutlass_workspace = workspace.after(align_up(Config::groups_bytes(num_groups))).data;
   setup_groups<Config><<<1, kSetupThreads, 0, stream>>>(sizes, num_groups, m, n, k,
                                               static_cast<const TA*>(a), static_cast<const TB*>(b),
                                               static_cast<TD*>(d), groups);
@@ -252,8 +244,8 @@ using e5m2 = cutlass::float_e5m2_t;
 // Declares (PREFIX = extern) or defines (PREFIX empty) run_grouped and workspace_bytes for
 // one (A, B) pair and both output types.
 #define JAXQUANT_GROUPED_GEMM_ARGS                                                            \
-  cudaStream_t, void*, size_t, const void*, const void*, const int32_t*, const float*, void*,  \
-      int32_t, int32_t, int32_t, int32_t
+  cudaStream_t, const jaxquant::Workspace&, const void*, const void*, const int32_t*,          \
+      const float*, void*, int32_t, int32_t, int32_t, int32_t
 #define JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, TD)                                         \
   PREFIX template xla::ffi::Error jaxquant::grouped_gemm_detail::run_grouped<TA, TB, TD>(     \
       JAXQUANT_GROUPED_GEMM_ARGS);                                                            \

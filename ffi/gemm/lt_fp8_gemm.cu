@@ -15,11 +15,9 @@
 namespace jaxquant {
 namespace {
 
-// cuBLASLt wants a 256-byte aligned workspace; the caller's buffer may be less aligned.
 // Without workspace only algorithms that need none are candidates (H100, E4M3 per-tensor:
 // the same tiles and times at 8192^3, 4096x16384x16384 and 16x8192x8192; only split-K
 // candidates drop out, none of them the fastest).
-constexpr uint64_t kWorkspaceAlignment = 256;
 // Algorithms the first call of a problem times, the rounds, and the runs per timing.
 constexpr int kCandidates = 8;
 constexpr int kRounds = 3;
@@ -120,23 +118,15 @@ ffi::Error set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribu
                   cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
 }
 
-// The most workspace an algorithm may use in the caller's buffer, once aligned.
-uint64_t usable_bytes(const Workspace& workspace) {
-  return workspace.bytes > kWorkspaceAlignment ? workspace.bytes - kWorkspaceAlignment : 0;
-}
-
-// `bytes` of the caller's workspace, aligned up to what cuBLASLt wants; null when none is
-// needed.
+// `bytes` of the workspace (aligned, as cuBLASLt wants it); null when none is needed.
 ffi::ErrorOr<void*> workspace_for(const Workspace& workspace, size_t bytes) {
   if (bytes == 0) return static_cast<void*>(nullptr);
-  if (bytes > usable_bytes(workspace)) {  // the preference's limit: cuBLASLt broke its promise
+  if (bytes > workspace.bytes) {  // the preference's limit: cuBLASLt broke its promise
     return ffi::Unexpected(ffi::Error::Internal(
         "cuBLASLt FP8 GEMM: an algorithm asked for " + std::to_string(bytes) +
-        " bytes of workspace, more than the " + std::to_string(usable_bytes(workspace)) + " given"));
+        " bytes of workspace, more than the " + std::to_string(workspace.bytes) + " given"));
   }
-  const auto address = reinterpret_cast<uintptr_t>(workspace.data);
-  return reinterpret_cast<void*>((address + kWorkspaceAlignment - 1) / kWorkspaceAlignment *
-                                 kWorkspaceAlignment);
+  return workspace.data;
 }
 
 // The heuristic's candidates timed on the call's own buffers, once per process and problem
@@ -203,9 +193,10 @@ ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, const Workspace& works
 
 }  // namespace
 
-ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Workspace& workspace,
+ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Workspace& given,
                                const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
                                int64_t m, int64_t n, int64_t k) {
+  const Workspace workspace = given.after(0);
   LtCache& cache = LtCache::instance();
   auto handle = cache.handle(device);
   if (handle.has_error()) return ffi::Unexpected(handle.error());
@@ -242,10 +233,10 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Worksp
   const uint32_t align_a = alignment_of(a.data), align_b = alignment_of(b.data),
                  align_d = alignment_of(d);
   const LtCache::Key key{device, m, n, k, a.type, b.type, td, a.scales.mode, b.scales.mode,
-                         align_a, align_b, align_d, usable_bytes(workspace)};
+                         align_a, align_b, align_d, workspace.bytes};
   Plan plan;
   if (!cache.find(key, plan)) {
-    const uint64_t max_workspace = usable_bytes(workspace);
+    const uint64_t max_workspace = workspace.bytes;
     cublasLtMatmulPreference_t raw_pref;
     JAXQUANT_LT_UNEXPECTED(lt_error("creating the preference", cublasLtMatmulPreferenceCreate(&raw_pref)));
     Preference pref(raw_pref);

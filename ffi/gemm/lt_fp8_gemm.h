@@ -29,15 +29,9 @@ struct LtOperand {
   LtScales scales;
 };
 
-// Device memory a call may use, from a result buffer XLA allocates with the call (empty:
-// none). kLtWorkspaceBytes lets cuBLASLt consider every algorithm: NVIDIA's recommendation
-// for Hopper (split-K algorithms keep partial sums in it) plus room to align it to the 256
-// bytes cuBLASLt wants.
-struct Workspace {
-  void* data = nullptr;
-  size_t bytes = 0;
-};
-constexpr size_t kLtWorkspaceBytes = (size_t{32} << 20) + 256;
+// A workspace of kLtWorkspaceBytes (aligned) lets cuBLASLt consider every algorithm:
+// NVIDIA's recommendation for Hopper (split-K algorithms keep partial sums in it).
+constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 
 // Runs the GEMM on `stream`. Returns false, having run nothing, when cuBLASLt has no
 // algorithm for the problem (the caller may take another kernel); an error when a call

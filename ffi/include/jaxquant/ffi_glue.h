@@ -47,6 +47,27 @@ struct KernelConfig {
 
 enum Family : int32_t { kFp8Tensor = 0, kFp8Block = 1, kMxfp8 = 2, kNvfp4 = 3 };
 
+// Device memory a GEMM call may use: its workspace result buffer, which XLA allocates with
+// the call and Python sizes with the library's *WorkspaceBytes query (handlers.h); empty
+// for none. Carved pieces start on kWorkspaceAlignment (cuBLASLt's and CUTLASS's TMA
+// descriptors' 256 bytes), which the buffer itself need not be.
+constexpr size_t kWorkspaceAlignment = 256;
+
+inline size_t align_up(size_t value) {
+  return (value + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+}
+
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+
+  // The rest of the buffer from `offset` bytes past its first aligned address.
+  Workspace after(size_t offset) const {
+    const size_t start = align_up(reinterpret_cast<uintptr_t>(data)) - reinterpret_cast<uintptr_t>(data) + offset;
+    return {static_cast<char*>(data) + start, bytes > start ? bytes - start : 0};
+  }
+};
+
 inline ffi::Error cuda_error(const char* what, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
@@ -56,6 +77,15 @@ inline ffi::Error cuda_status(const char* what) { return cuda_error(what, cudaGe
 
 inline ffi::Error invalid(const std::string& message) {
   return ffi::Error::InvalidArgument(message);
+}
+
+// The error a handler returns when its workspace is smaller than its plan needs (the
+// Python-side size and the handler's plan disagree: a bug, reported with both sizes).
+inline ffi::Error check_workspace(const char* what, const Workspace& workspace, size_t needed) {
+  if (workspace.bytes >= needed) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": the workspace holds " +
+                              std::to_string(workspace.bytes) + " bytes, the call needs " +
+                              std::to_string(needed));
 }
 
 // Calls f(T{}) with T the C++ type of a bf16 / f16 / f32 buffer.
