@@ -46,27 +46,12 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void mxfp8_cast_kerne
 
   // Shuffles run on every lane; only stores depend on the range checks. Output pointers
   // step by whole rows, so each store costs one 64-bit add.
-  constexpr int kPassRows = kCastThreads / kChunks;
   const int64_t row_scales = K / kBlock, col_scales = M / kBlock;
-  auto store_strip_scales = [&](TileOrigin first, int tiles) {
+  auto store_row_scales = [&](TileOrigin first, int tiles) {
     if (out.row_data == nullptr) return;
     const int64_t b0 = first.k0 / kBlock;
-    const int64_t bytes = min(static_cast<int64_t>(tiles * kTileBlocks), row_scales - b0);
-    constexpr int kWords = kStripBytes / 4;
-    for (int i = threadIdx.x; i < kCastRows * kWords; i += kCastThreads) {
-      const int r = i / kWords, w = i % kWords;
-      const int64_t m = first.m0 + r;
-      if (m >= M || 4 * w >= bytes) continue;
-      uint8_t* dst = out.row_scale + m * row_scales + b0 + 4 * w;
-      const uint32_t word = *reinterpret_cast<const uint32_t*>(&strip_scales[r][4 * w]);
-      if (4 * w + 4 <= bytes && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
-        *reinterpret_cast<uint32_t*>(dst) = word;
-      } else {
-        for (int b = 0; b < 4 && 4 * w + b < bytes; ++b) {
-          dst[b] = static_cast<uint8_t>(word >> 8 * b);
-        }
-      }
-    }
+    store_strip_scales(strip_scales, out.row_scale, M, row_scales, first.m0, b0,
+                       min(static_cast<int64_t>(tiles * kTileBlocks), row_scales - b0));
   };
   for_each_cast_tile<kStages>(x, M, K, strip_shift, [&](const CastTile<T>& tile, TileOrigin o) {
     if (out.row_data != nullptr) {
@@ -90,14 +75,14 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void mxfp8_cast_kerne
                                                 mult, isnan(a));
         }
         if (q % kLanesPerBlock == 0) strip_scales[row_pass_row(i)][scale_byte] = e;
-        if (m_first + i * kPassRows < M && k < K) {
+        if (m_first + i * kCastPassRows < M && k < K) {
           if constexpr (V == 8) {
             *reinterpret_cast<uint2*>(data) = make_uint2(codes[0], codes[1]);
           } else {
             *reinterpret_cast<uint32_t*>(data) = codes[0];
           }
         }
-        data += kPassRows * K;
+        data += kCastPassRows * K;
       }
     }
     if (out.col_data != nullptr) {
@@ -134,7 +119,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void mxfp8_cast_kerne
         store_columns(std::false_type{});
       }
     }
-  }, store_strip_scales);
+  }, store_row_scales);
 }
 
 ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*row_amax*/,

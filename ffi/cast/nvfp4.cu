@@ -13,18 +13,25 @@
 namespace jaxquant {
 namespace {
 
-// Two 32 KB tile stages, two CTAs of 512 threads per SM, one tile per strip (tile.cuh): the
-// kernel is bound by arithmetic, and three or four stages or longer strips measured slower.
+// Two 32 KB tile stages, two CTAs of 512 threads per SM: three or four stages measured
+// slower.
 constexpr int kStages = 2;
 
 constexpr int kBlock = 16;
 constexpr int kScaleCodes = 128;  // E4M3 scale bytes a block can get: 0 .. 0x7E, 0x7F (NaN)
+// Rowwise scale bytes are staged in shared memory for a strip of tiles along K that gives
+// each row 32 bytes, one sector, and stored once the strip is done (tile.cuh). Scale stores
+// cost the cast a quarter of its time when each lane stored its byte (16384 x 8192 bf16 on
+// an H100: 0.228 ms, 0.176 ms without any scale stores); with the strips, 0.201 ms.
+// Staging the columnwise bytes too (a column's 8 bytes in one store) measured no faster.
+constexpr int kStripBytes = 32;
+template <typename T>
+constexpr int kMaxStripShift = sizeof(T) == 4 ? 3 : 2;  // 4 or 8 scale bytes a tile row
 
 struct Nvfp4Args {
-  const float* row_amax;  // [] or [M] (row_scaled)
+  const float* row_amax;  // [] or [M] (kRowScaled)
   const float* col_amax;  // []
   const uint32_t* seed;   // [2], the JAX key's data
-  int32_t row_scaled;
 };
 
 struct Nvfp4Out {
@@ -34,29 +41,56 @@ struct Nvfp4Out {
   uint8_t* col_scale;  // [K, M/16] or [K/16, M/16]
 };
 
-// E2M1 codes of f[i] * enc, element i in bits 4i .. 4i+3; with SR, byte i of `bits` is
-// element i's random byte. A NaN global amax makes every code 0.
-template <int N, bool kSr>
-__device__ __forceinline__ uint32_t nvfp4_pack(const float (&f)[N], float enc, bool nan_global,
-                                               const uint4& bits) {
-  uint32_t biased = 0, signs = 0;
+// E2M1 code of v (numerics.cuh) plus its rounding's bias; u is the element's random byte.
+template <bool kSr>
+__device__ __forceinline__ uint32_t e2m1_biased(float v, uint32_t u) {
+  return kSr ? e2m1_biased_sr(v, u) : e2m1_biased_rne(v);
+}
+template <bool kSr>
+constexpr uint32_t kE2m1Bias = kSr ? kE2m1SrBias : kE2m1RneBias;
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t out;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
+  return out;
+}
+
+// Sign bits of the 8 two-byte elements in words w0 .. w3, at the nibble sign positions (bit
+// 4n + 3 for nibble n). A code's sign is its input's: enc >= 0, so x * enc keeps x's sign
+// bit. Eight sign bits cost 6 instructions this way, against 16 one element at a time:
+// a = [w0.lo, w1.lo, w0.hi, w1.hi] and b = the same of w2, w3, each byte replicated from
+// its element's sign (prmt's sign mode); kEvenSel picks from (a, b) the bytes of the even
+// nibbles, kOddSel those of the odd ones, in nibble order.
+template <uint32_t kEvenSel, uint32_t kOddSel>
+__device__ __forceinline__ uint32_t nibble_signs(uint32_t w0, uint32_t w1, uint32_t w2,
+                                                 uint32_t w3) {
+  constexpr uint32_t kSignBytes = 0xFBD9;  // bytes 1, 5, 3, 7, sign-replicated
+  const uint32_t a = prmt(w0, w1, kSignBytes), b = prmt(w2, w3, kSignBytes);
+  return (prmt(a, b, kEvenSel) & 0x08080808u) | (prmt(a, b, kOddSel) & 0x80808080u);
+}
+// Nibble n = element n of one chunk (word n / 2, half n % 2): a0 a2 a1 a3 b0 b2 b1 b3.
+constexpr uint32_t kRowEven = 0x5410, kRowOdd = 0x7632;
+// Nibble n < 4 = word n's low half, n >= 4 word n - 4's high half: a0 a1 b0 b1 a2 a3 b2 b3.
+constexpr uint32_t kPairEven = 0x6240, kPairOdd = 0x7351;
+
+// The same one element at a time, for 4-byte inputs: element i's sign to nibble i.
+template <int N>
+__device__ __forceinline__ uint32_t nibble_signs(const float (&f)[N]) {
+  uint32_t signs = 0;
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float v = f[i] * enc;
-    biased += (kSr ? e2m1_biased_sr(v, random_byte(bits, i)) : e2m1_biased_rne(v)) << (4 * i);
-    signs |= (__float_as_uint(v) >> (28 - 4 * i)) & (8u << (4 * i));
-  }
-  constexpr uint32_t kBias = packed_bias(kSr ? kE2m1SrBias : kE2m1RneBias, N);
-  return nan_global ? 0u : (biased - kBias) | signs;
+  for (int i = 0; i < N; ++i) signs |= (__float_as_uint(f[i]) >> 31) << (4 * i + 3);
+  return signs;
 }
 
 // The options that change the kernel's code are template parameters, so each variant
-// carries only its own registers.
-template <typename T, bool kTile2d, bool kRht, bool kSr>
+// carries only its own registers and branches.
+template <typename T, bool kTile2d, bool kRht, bool kSr, bool kRowScaled>
 __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kernel(
-    const T* __restrict__ x, int64_t M, int64_t K, Nvfp4Args args, Nvfp4Out out) {
+    const T* __restrict__ x, int64_t M, int64_t K, int strip_shift, Nvfp4Args args,
+    Nvfp4Out out) {
   constexpr int V = kVec<T>, kColBlocks = kCastCols<T> / kBlock;
-  constexpr int kPassRows = kCastThreads / kChunks;
+  constexpr bool kWords = sizeof(T) == 2;  // signs by nibble_signs on whole words
+  static_assert(!(kTile2d && (kRht || kRowScaled)), "16x16 tiles take no RHT or row scales");
   // Step 4's encoding multiplier for every scale byte: a table instead of a division per block.
   __shared__ float row_enc[kScaleCodes], col_enc[kScaleCodes];
   // 16x16 tiles: per-warp partial amaxes, then the tile scales of the current tile.
@@ -64,9 +98,12 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
   __shared__ uint8_t tile_scale[kCastRows / kBlock][kColBlocks];
   // Per-token: the global scales of the current tile's rows, computed once per row.
   __shared__ Nvfp4Global row_globals[kCastRows];
+  // 1-D blocks: the rowwise scales of the current strip.
+  static_assert(kStripBytes % kColBlocks == 0, "whole tiles per strip");
+  __shared__ __align__(16) uint8_t strip_scales[kCastRows][kStripBytes];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const Philox philox{kSr ? args.seed[0] : 0u, kSr ? args.seed[1] : 0u};
-  const Nvfp4Global row_global = nvfp4_global(args.row_scaled ? 0.0f : *args.row_amax);
+  const Nvfp4Global row_global = nvfp4_global(kRowScaled ? 0.0f : *args.row_amax);
   // 16x16 tiles share the rowwise global amax; the columnwise one may be after RHT.
   const Nvfp4Global col_global = kTile2d ? row_global : nvfp4_global(*args.col_amax);
   static_assert(kCastThreads >= 2 * kScaleCodes, "one table entry per thread");
@@ -75,12 +112,24 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
   } else if (threadIdx.x < 2 * kScaleCodes) {
     col_enc[threadIdx.x - kScaleCodes] = nvfp4_block_enc(threadIdx.x - kScaleCodes, col_global);
   }
+  // Output row lengths in bytes (M and K are multiples of 16, so the shifts are exact).
+  const int64_t row_bytes = K >> 1, row_scale_bytes = K >> 4;
+  const int64_t col_bytes = M >> 1, col_scale_bytes = M >> 4;
 
-  for_each_cast_tile<kStages>(x, M, K, /*strip_shift=*/0, [&](CastTile<T>& tile, TileOrigin o) {
-    if (!kTile2d && args.row_scaled) {
+  auto store_row_scales = [&](TileOrigin first, int tiles) {
+    if (kTile2d || out.row_data == nullptr) return;
+    const int64_t b0 = first.k0 / kBlock;
+    store_strip_scales(strip_scales, out.row_scale, M, row_scale_bytes, first.m0, b0,
+                       min(static_cast<int64_t>(tiles * kColBlocks), row_scale_bytes - b0));
+  };
+
+  for_each_cast_tile<kStages>(x, M, K, strip_shift, [&](CastTile<T>& tile, TileOrigin o) {
+    // Rows of this tile inside the tensor; a chunk is inside K whole (K % 16 == 0).
+    const int rows = static_cast<int>(min(M - o.m0, static_cast<int64_t>(kCastRows)));
+    if (kRowScaled) {
       if (threadIdx.x < kCastRows) {
-        const int64_t m = o.m0 + threadIdx.x;
-        row_globals[threadIdx.x] = nvfp4_global(m < M ? args.row_amax[m] : 0.0f);
+        const int r = static_cast<int>(threadIdx.x);
+        row_globals[r] = nvfp4_global(r < rows ? args.row_amax[o.m0 + r] : 0.0f);
       }
       __syncthreads();
     }
@@ -105,8 +154,8 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
         tile_scale[rb][cb] = static_cast<uint8_t>(s);
         const int64_t mb = o.m0 / kBlock + rb, kb = o.k0 / kBlock + cb;
         if (mb * kBlock < M && kb * kBlock < K) {
-          if (out.row_scale) out.row_scale[mb * (K / kBlock) + kb] = s;
-          if (out.col_scale) out.col_scale[kb * (M / kBlock) + mb] = s;
+          if (out.row_scale) out.row_scale[mb * row_scale_bytes + kb] = s;
+          if (out.col_scale) out.col_scale[kb * col_scale_bytes + mb] = s;
         }
       }
       __syncthreads();
@@ -114,17 +163,19 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
 
     if (out.row_data != nullptr) {
       constexpr int kLanesPerBlock = kBlock / V;
-      const int q = row_pass_chunk();
-      const int64_t m_first = o.m0 + row_pass_row(0), k = o.k0 + q * V;
-      // Output pointers step by whole rows: one 64-bit add per store.
-      uint8_t* data = out.row_data + m_first * (K / 2) + k / 2;
-      uint8_t* scale = out.row_scale + m_first * (K / kBlock) + k / kBlock;
+      const int q = row_pass_chunk(), r_first = row_pass_row(0);
+      const int64_t k = o.k0 + q * V;
+      const bool k_in = k < K;
+      // The pass rows are kCastPassRows apart, so they share one swizzle slot (tile.cuh).
+      const Vec16<T>* src = &tile.at(r_first, q);
+      uint8_t* data = out.row_data + (o.m0 + r_first) * row_bytes + (k >> 1);
+      const int in_strip = static_cast<int>(o.k0 / kCastCols<T>) & ((1 << strip_shift) - 1);
+      const int scale_byte = in_strip * kColBlocks + q / kLanesPerBlock;
       uint4 bits{};
 #pragma unroll
       for (int i = 0; i < kCastRowPasses; ++i) {
-        const int r = row_pass_row(i);
-        const int64_t m = o.m0 + r;
-        const Vec16<T> v = tile.at(r, q);
+        const int r = r_first + i * kCastPassRows;
+        const Vec16<T> v = src[i * kCastPassRows * kChunks];
         float f[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) f[j] = element_float(v, j);
@@ -136,7 +187,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
           enc = row_enc[s];
         } else {
           const float a = chunk_amax(v, kLanesPerBlock);  // every lane takes part
-          if (args.row_scaled) {
+          if constexpr (kRowScaled) {
             g = row_globals[r];
             s = nvfp4_scale_byte(a, g);
             enc = nvfp4_block_enc(s, g);
@@ -144,25 +195,36 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
             s = nvfp4_scale_byte(a, g);
             enc = row_enc[s];
           }
+          if (q % kLanesPerBlock == 0) strip_scales[r][scale_byte] = s;
         }
-        if (m < M && k < K) {
+        if (k_in && r < rows) {
           // SR: one Philox call per two passes (pass i+1's row is in range only if pass i's is).
           if (kSr && i % 2 == 0) {
-            bits = philox(static_cast<uint32_t>(m), static_cast<uint32_t>(k), 0u, 0u);
+            bits = philox(static_cast<uint32_t>(o.m0 + r), static_cast<uint32_t>(k), 0u, 0u);
           }
           const uint4 mine = i % 2 == 0 ? bits
                              : V == 8 ? make_uint4(bits.z, bits.w, 0u, 0u)
                                       : make_uint4(bits.y, 0u, 0u, 0u);
-          const uint32_t packed = nvfp4_pack<V, kSr>(f, enc, g.nan, mine);
+          uint32_t biased = 0;
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            biased += e2m1_biased<kSr>(f[j] * enc, random_byte(mine, j)) << (4 * j);
+          }
+          uint32_t signs;
+          if constexpr (kWords) {
+            signs = nibble_signs<kRowEven, kRowOdd>(vec_word(v, 0), vec_word(v, 1),
+                                                    vec_word(v, 2), vec_word(v, 3));
+          } else {
+            signs = nibble_signs(f);
+          }
+          const uint32_t packed = g.nan ? 0u : (biased - packed_bias(kE2m1Bias<kSr>, V)) | signs;
           if constexpr (V == 8) {
             *reinterpret_cast<uint32_t*>(data) = packed;
           } else {
             *reinterpret_cast<uint16_t*>(data) = static_cast<uint16_t>(packed);
           }
-          if (!kTile2d && q % kLanesPerBlock == 0) *scale = s;
         }
-        data += kPassRows * (K / 2);
-        scale += kPassRows * (K / kBlock);
+        data += kCastPassRows * row_bytes;
       }
     }
     if (out.col_data == nullptr) return;
@@ -186,37 +248,63 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
     }
 
     // Columnwise: lane l holds rows 4l .. 4l+3 and writes their 4 codes (2 bytes) of each
-    // transposed row; the 16-row block is lanes 4b .. 4b+3.
-    const int64_t k_first = o.k0 + warp * V, m = o.m0 + 4 * lane;
+    // transposed row; the 16-row block is lanes 4b .. 4b+3. Two columns at a time share
+    // one packed word (low half column e, high half e + 1).
+    const int64_t k_first = o.k0 + warp * V;
     Vec16<T> c[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) c[j] = tile.at(4 * lane + j, warp);
     float a[V];
     if constexpr (!kTile2d) column_amaxes(c, 4, a);  // every lane takes part
-    if (k_first >= K || m >= M) return;
-    uint8_t* data = out.col_data + k_first * (M / 2) + m / 2;
-    uint8_t* scale = out.col_scale + k_first * (M / kBlock) + m / kBlock;
+    if (k_first >= K || 4 * lane >= rows) return;
+    const int64_t m = o.m0 + 4 * lane;
+    uint8_t* data = out.col_data + k_first * col_bytes + (m >> 1);
+    uint8_t* scale = out.col_scale + k_first * col_scale_bytes + (m >> 4);
     uint4 bits{};
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float f[4] = {element_float(c[0], e), element_float(c[1], e), element_float(c[2], e),
-                          element_float(c[3], e)};
-      const uint32_t s = kTile2d ? tile_scale[lane / 4][(warp * V + e) / kBlock]
-                                 : nvfp4_scale_byte(a[e], col_global);
-      // SR: one Philox call gives the 4 random bytes of 4 columns.
-      if (kSr && e % 4 == 0) {
-        bits = philox(static_cast<uint32_t>(m), static_cast<uint32_t>(k_first + e), 1u, 0u);
+    for (int e = 0; e < V; e += 2) {
+      uint32_t s[2], biased = 0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        s[h] = kTile2d ? tile_scale[lane / 4][(warp * V + e + h) / kBlock]
+                       : nvfp4_scale_byte(a[e + h], col_global);
+        // SR: one Philox call gives the random words of 4 columns, one per column.
+        if (kSr && (e + h) % 4 == 0) {
+          bits = philox(static_cast<uint32_t>(m), static_cast<uint32_t>(k_first + e + h), 1u, 0u);
+        }
+        const uint32_t word = (e + h) % 4 == 0 ? bits.x
+                              : (e + h) % 4 == 1 ? bits.y
+                              : (e + h) % 4 == 2 ? bits.z : bits.w;
+        const float enc = col_enc[s[h]];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float v = element_float(c[j], e + h) * enc;
+          biased += e2m1_biased<kSr>(v, (word >> (8 * j)) & 0xFF) << (16 * h + 4 * j);
+        }
       }
-      const uint32_t word =
-          e % 4 == 0 ? bits.x : e % 4 == 1 ? bits.y : e % 4 == 2 ? bits.z : bits.w;
+      uint32_t signs;
+      if constexpr (kWords) {
+        signs = nibble_signs<kPairEven, kPairOdd>(vec_word(c[0], e / 2), vec_word(c[1], e / 2),
+                                                  vec_word(c[2], e / 2), vec_word(c[3], e / 2));
+      } else {
+        const float f[8] = {element_float(c[0], e), element_float(c[1], e),
+                            element_float(c[2], e), element_float(c[3], e),
+                            element_float(c[0], e + 1), element_float(c[1], e + 1),
+                            element_float(c[2], e + 1), element_float(c[3], e + 1)};
+        signs = nibble_signs(f);
+      }
       const uint32_t packed =
-          nvfp4_pack<4, kSr>(f, col_enc[s], col_global.nan, make_uint4(word, 0u, 0u, 0u));
-      *reinterpret_cast<uint16_t*>(data) = static_cast<uint16_t>(packed);
-      if (!kTile2d && lane % 4 == 0) *scale = s;
-      data += M / 2;
-      scale += M / kBlock;
+          col_global.nan ? 0u : (biased - packed_bias(kE2m1Bias<kSr>, 8)) | signs;
+      reinterpret_cast<uint16_t*>(data)[0] = static_cast<uint16_t>(packed);
+      reinterpret_cast<uint16_t*>(data + col_bytes)[0] = static_cast<uint16_t>(packed >> 16);
+      if (!kTile2d && lane % 4 == 0) {
+        scale[0] = s[0];
+        scale[col_scale_bytes] = s[1];
+      }
+      data += 2 * col_bytes;
+      scale += 2 * col_scale_bytes;
     }
-  }, NoStripEnd{});
+  }, store_row_scales);
 }
 
 }  // namespace
@@ -258,29 +346,35 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
   args.row_amax = reinterpret_cast<const float*>(row_amax.untyped_data());
   args.col_amax = reinterpret_cast<const float*>(col_amax.untyped_data());
   args.seed = reinterpret_cast<const uint32_t*>(seed.untyped_data());
-  args.row_scaled = cfg.row_scaled;
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-    auto launch = [&](auto kernel) {
+    // 16x16 tiles write their few scale bytes per tile: no strips.
+    auto launch = [&](auto kernel, int max_strip_shift = kMaxStripShift<T>) {
       constexpr size_t smem = kCastStageBytes<T, kStages>;
       CastPlan plan{};
-      const cudaError_t err = plan_cast<T>(kernel, M, K, smem, /*max_strip_shift=*/0, plan);
+      const cudaError_t err = plan_cast<T>(kernel, M, K, smem, max_strip_shift, plan);
       if (err != cudaSuccess) return cuda_error("nvfp4_cast: launch plan", err);
-      kernel<<<plan.grid, kCastThreads, smem, stream>>>(xp, M, K, args, out);
+      kernel<<<plan.grid, kCastThreads, smem, stream>>>(xp, M, K, plan.strip_shift, args, out);
       return cuda_status("nvfp4_cast");
     };
-    const bool sr = cfg.stochastic_rounding;
-    if (tile_2d) {
-      return sr ? launch(nvfp4_cast_kernel<T, true, false, true>)
-                : launch(nvfp4_cast_kernel<T, true, false, false>);
-    }
-    if (cfg.rht) {
-      return sr ? launch(nvfp4_cast_kernel<T, false, true, true>)
-                : launch(nvfp4_cast_kernel<T, false, true, false>);
-    }
-    return sr ? launch(nvfp4_cast_kernel<T, false, false, true>)
-              : launch(nvfp4_cast_kernel<T, false, false, false>);
+    // kTile2d, kRht, kSr, kRowScaled as template arguments.
+    auto variant = [&](auto tile_2d, auto rht) {
+      constexpr bool k2d = decltype(tile_2d)::value, kRht = decltype(rht)::value;
+      if constexpr (k2d) {
+        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, true, false, true, false>, 0)
+                                       : launch(nvfp4_cast_kernel<T, true, false, false, false>, 0);
+      } else if (cfg.row_scaled) {
+        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, false, kRht, true, true>)
+                                       : launch(nvfp4_cast_kernel<T, false, kRht, false, true>);
+      } else {
+        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, false, kRht, true, false>)
+                                       : launch(nvfp4_cast_kernel<T, false, kRht, false, false>);
+      }
+    };
+    if (tile_2d) return variant(std::true_type{}, std::false_type{});
+    return cfg.rht ? variant(std::false_type{}, std::true_type{})
+                   : variant(std::false_type{}, std::false_type{});
   });
 }
 

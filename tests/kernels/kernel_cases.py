@@ -20,6 +20,7 @@ QUANTIZERS = {
     "nvfp4": NVFP4Quantizer(),
     "nvfp4_16x16": NVFP4Quantizer(tile_2d=True),
     "nvfp4_rht": NVFP4Quantizer(rht=True),
+    "nvfp4_per_token": NVFP4Quantizer(per_token=True),
     "nvfp4_per_token_rht": NVFP4Quantizer(rht=True, per_token=True),
     "hybrid_mxfp8_nvfp4": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True)),
 }

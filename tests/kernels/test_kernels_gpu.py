@@ -22,9 +22,12 @@ pytestmark = [
 DTYPES = [jnp.bfloat16, jnp.float32]
 # (shape, dtype): K = 1056 and 768 leave partial column tiles; fp32 has other tile widths.
 # 16384 x 1056 gives the MXFP8 cast strips of 8 tiles along K on an H100, the last padded
-# with 7 tiles past K, and rowwise scale rows of 33 bytes (tile.cuh's strips).
+# with 7 tiles past K, and rowwise scale rows of 33 bytes (tile.cuh's strips). 11264 x 1056
+# gives the NVFP4 cast (two CTAs an SM) strips of 4 bf16 tiles or 8 fp32 tiles, the last of
+# each band with one tile inside K, and rowwise scale rows of 66 bytes.
 CASES = [((128, 256), jnp.bfloat16), ((256, 1056), jnp.bfloat16), ((4096, 1024), jnp.bfloat16),
-         ((1024, 768), jnp.float32), ((128, 512), jnp.float16), ((16384, 1056), jnp.bfloat16)]
+         ((1024, 768), jnp.float32), ((128, 512), jnp.float16), ((16384, 1056), jnp.bfloat16),
+         ((11264, 1056), jnp.bfloat16), ((11264, 1056), jnp.float32)]
 
 
 @functools.partial(jax.jit, static_argnames=("quantizer", "implementation"))

@@ -63,14 +63,11 @@ def _mesh(devices):
 # Not RHT here: on the CPU the reference's exact-arithmetic host callback (which RHT sums
 # of small values reach) deadlocks against the amax pmax across 8 fake devices (XLA
 # rendezvous timeout), a reference/XLA:CPU limit; the GPU kernels have no callback.
-SHARDED_CASES = dict(QUANTIZERS, nvfp4_per_token=NVFP4Quantizer(per_token=True))
-
-
 @pytest.mark.parametrize("name,spec", [
     ("fp8_e4m3", P("a", "b")), ("mxfp8_e4m3", P(None, "b")), ("mxfp8_e4m3", P(("a", "b"), None)),
     ("nvfp4_per_token", P("a", "b")), ("nvfp4_16x16", P("a", "b"))], ids=str)
 def test_sharded_matches_unsharded(name, spec, eight_devices):
-  q = SHARDED_CASES[name]
+  q = QUANTIZERS[name]
   x = random_input(2, (512, 1024), jnp.bfloat16)
   want = kernels.quantize_usages(x, q, ("rowwise", "columnwise"))
   mesh = _mesh(eight_devices)
@@ -112,7 +109,7 @@ def test_sharded_dequantize(name, usage, spec, whole, block_scales_only, eight_d
   sharding wherever whole scaling blocks allow; tiles a shard would split are gathered."""
   if block_scales_only and name.startswith("fp8_"):
     pytest.skip("per-tensor FP8 has no block scales")
-  q = SHARDED_CASES[name]
+  q = QUANTIZERS[name]
   stored = getattr(reference.quantize(random_input(5, (512, 1024), jnp.bfloat16), q), usage)
   f = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.bfloat16, block_scales_only=block_scales_only))
   want = f(stored)
@@ -146,7 +143,7 @@ def test_dequantize_block_scales_only_leaves_s_dec_out():
   other family as the full dequantization."""
   x = random_input(6, (64, 128), jnp.bfloat16) * 1e3
   for name in ("nvfp4", "nvfp4_per_token", "mxfp8_e5m2", "block_1x128"):
-    stored = reference.quantize(x, SHARDED_CASES[name]).rowwise
+    stored = reference.quantize(x, QUANTIZERS[name]).rowwise
     got = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.float32, block_scales_only=True))(stored)
     assert_same_bits(got, reference.split_scales(stored)[0], f"{name} block scales only")
   with pytest.raises(ValueError, match="per-tensor FP8"):

@@ -74,6 +74,10 @@ constexpr int kCastMinBlocks = 2;
 constexpr int kCastRows = 128;
 constexpr int kChunks = 16;                                  // 16-byte chunks per tile row
 constexpr int kCastRowPasses = kCastRows * kChunks / kCastThreads;
+// Rows between a thread's rowwise passes; a multiple of 32, so that all of a thread's pass
+// rows share one swizzle slot (CastTile::slot) and their chunks are constant offsets apart.
+constexpr int kCastPassRows = kCastThreads / kChunks;
+static_assert(kCastPassRows % 32 == 0, "pass rows share a swizzle slot");
 static_assert(kCastWarps == kChunks && kCastRows == 32 * 4,
               "the column split is one warp per chunk column, 4 rows per lane");
 
@@ -107,7 +111,7 @@ struct TileOrigin {
 };
 
 __device__ __forceinline__ int row_pass_row(int pass) {
-  return threadIdx.x / kChunks + pass * (kCastThreads / kChunks);
+  return threadIdx.x / kChunks + pass * kCastPassRows;
 }
 __device__ __forceinline__ int row_pass_chunk() { return threadIdx.x % kChunks; }
 
@@ -161,15 +165,20 @@ __device__ __forceinline__ void for_each_cast_tile(const T* __restrict__ x, int6
     return Slot{{static_cast<int64_t>(tm) * kCastRows, static_cast<int64_t>(tk) * kCastCols<T>},
                 j, u < strips && tk < tiles_k, j == strip - 1 || tk == tiles_k - 1};
   };
+  // Loads: one 64-bit address per tile, stepped by whole passes.
+  const int q = row_pass_chunk(), r0 = row_pass_row(0);
+  const int64_t pass_stride = kCastPassRows * K;
   auto load = [&](const Slot& t, CastTile<T>& tile) {
     if (t.valid) {
-      const int q = row_pass_chunk();
+      const int64_t k = t.o.k0 + q * V;
+      const int rows = static_cast<int>(min(M - t.o.m0, static_cast<int64_t>(kCastRows)));
+      const T* src = x + (t.o.m0 + r0) * K + k;
+      Vec16<T>* dst = &tile.chunk[r0][CastTile<T>::slot(r0, q)];
 #pragma unroll
       for (int i = 0; i < kCastRowPasses; ++i) {
-        const int r = row_pass_row(i);
-        const int64_t m = t.o.m0 + r, k = t.o.k0 + q * V;
-        const bool valid = m < M && k < K;
-        cp_async16(&tile.chunk[r][CastTile<T>::slot(r, q)], valid ? x + m * K + k : x, valid);
+        const bool valid = k < K && r0 + i * kCastPassRows < rows;
+        cp_async16(dst + i * kCastPassRows * kChunks, valid ? src : x, valid);
+        src += pass_stride;
       }
     }
     // Always a group (empty for a padding tile or past the last one), so the wait below
@@ -202,6 +211,30 @@ __device__ __forceinline__ void for_each_cast_tile(const T* __restrict__ x, int6
     s = s == kStages - 1 ? 0 : s + 1;
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j) ahead[j] = ahead[j + 1];
+  }
+}
+
+// Stores the rowwise scale bytes of a strip, staged in shared memory (staged[r]: row r's
+// bytes for the strip's tiles in order), as 4-byte words where the destination allows:
+// whole 32-byte sectors of each row instead of a tile's few bytes at a time. `scale` is
+// [M, row_bytes]; the strip covers rows m0 .. m0 + kCastRows - 1 and the `bytes` scale
+// bytes from column b0 of each row.
+template <int kStripBytes>
+__device__ __forceinline__ void store_strip_scales(const uint8_t (&staged)[kCastRows][kStripBytes],
+                                                   uint8_t* scale, int64_t M, int64_t row_bytes,
+                                                   int64_t m0, int64_t b0, int64_t bytes) {
+  constexpr int kWords = kStripBytes / 4;
+  for (int i = threadIdx.x; i < kCastRows * kWords; i += blockDim.x) {
+    const int r = i / kWords, w = i % kWords;
+    const int64_t m = m0 + r;
+    if (m >= M || 4 * w >= bytes) continue;
+    uint8_t* dst = scale + m * row_bytes + b0 + 4 * w;
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(&staged[r][4 * w]);
+    if (4 * w + 4 <= bytes && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
+      *reinterpret_cast<uint32_t*>(dst) = word;
+    } else {
+      for (int b = 0; b < 4 && 4 * w + b < bytes; ++b) dst[b] = static_cast<uint8_t>(word >> 8 * b);
+    }
   }
 }
 
@@ -316,7 +349,11 @@ __device__ __forceinline__ float chunk_amax(const Vec16<T>& v, int lanes) {
     uint32_t m = __vmaxu2(__vmaxu2(mag2(vec_word(v, 0)), mag2(vec_word(v, 1))),
                           __vmaxu2(mag2(vec_word(v, 2)), mag2(vec_word(v, 3))));
     m = group_max2(m, lanes);
-    return mag16_to_float<T>(max(m & 0xFFFFu, m >> 16));
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return __uint_as_float(max(m << 16, m & 0xFFFF0000u));  // widened in place: 3 instructions
+    } else {
+      return mag16_to_float<T>(max(m & 0xFFFFu, m >> 16));
+    }
   } else {
     float a = 0.0f;
 #pragma unroll
