@@ -68,9 +68,11 @@ __device__ __forceinline__ uint32_t nibble_signs(uint32_t w0, uint32_t w1, uint3
   const uint32_t a = prmt(w0, w1, kSignBytes), b = prmt(w2, w3, kSignBytes);
   return (prmt(a, b, kEvenSel) & 0x08080808u) | (prmt(a, b, kOddSel) & 0x80808080u);
 }
-// Nibble n = element n of one chunk (word n / 2, half n % 2): a0 a2 a1 a3 b0 b2 b1 b3.
+// Rows: nibble n is element n of a chunk (word n / 2, half n % 2), so nibbles 0 .. 7 come
+// from bytes a0 a2 a1 a3 b0 b2 b1 b3.
 constexpr uint32_t kRowEven = 0x5410, kRowOdd = 0x7632;
-// Nibble n < 4 = word n's low half, n >= 4 word n - 4's high half: a0 a1 b0 b1 a2 a3 b2 b3.
+// Column pairs: nibble n < 4 is word n's low half, n >= 4 word n - 4's high half, so
+// nibbles 0 .. 7 come from bytes a0 a1 b0 b1 a2 a3 b2 b3.
 constexpr uint32_t kPairEven = 0x6240, kPairOdd = 0x7351;
 
 // The same one element at a time, for 4-byte inputs: element i's sign to nibble i.
