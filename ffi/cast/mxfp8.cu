@@ -48,10 +48,10 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void mxfp8_cast_kerne
   // step by whole rows, so each store costs one 64-bit add.
   const int64_t row_scales = K / kBlock, col_scales = M / kBlock;
   auto store_row_scales = [&](TileOrigin first, int tiles) {
-    if (out.row_data == nullptr) return;
-    const int64_t b0 = first.k0 / kBlock;
-    store_strip_scales(strip_scales, out.row_scale, M, row_scales, first.m0, b0,
-                       min(static_cast<int64_t>(tiles * kTileBlocks), row_scales - b0));
+    if (out.row_data != nullptr) {
+      store_strip_scales<kBlock>(strip_scales, out.row_scale, M, row_scales, first,
+                                 tiles * kTileBlocks);
+    }
   };
   for_each_cast_tile<kStages>(x, M, K, strip_shift, [&](const CastTile<T>& tile, TileOrigin o) {
     if (out.row_data != nullptr) {

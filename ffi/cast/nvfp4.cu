@@ -119,10 +119,10 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
   const int64_t col_bytes = M >> 1, col_scale_bytes = M >> 4;
 
   auto store_row_scales = [&](TileOrigin first, int tiles) {
-    if (kTile2d || out.row_data == nullptr) return;
-    const int64_t b0 = first.k0 / kBlock;
-    store_strip_scales(strip_scales, out.row_scale, M, row_scale_bytes, first.m0, b0,
-                       min(static_cast<int64_t>(tiles * kColBlocks), row_scale_bytes - b0));
+    if (!kTile2d && out.row_data != nullptr) {
+      store_strip_scales<kBlock>(strip_scales, out.row_scale, M, row_scale_bytes, first,
+                                 tiles * kColBlocks);
+    }
   };
 
   for_each_cast_tile<kStages>(x, M, K, strip_shift, [&](CastTile<T>& tile, TileOrigin o) {

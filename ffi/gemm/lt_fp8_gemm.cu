@@ -232,11 +232,15 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Worksp
   };
   const uint32_t align_a = alignment_of(a.data), align_b = alignment_of(b.data),
                  align_d = alignment_of(d);
+  // The limit is what the buffer holds past its first aligned address, capped at the size
+  // that admits every algorithm: the cap keeps one plan per problem whatever the buffer's
+  // address modulo 256 (the aligned start moves with it), so a call captured into a CUDA
+  // graph finds the timed plan instead of taking the heuristic's first.
+  const uint64_t max_workspace = std::min<uint64_t>(workspace.bytes, kLtWorkspaceBytes);
   const LtCache::Key key{device, m, n, k, a.type, b.type, td, a.scales.mode, b.scales.mode,
-                         align_a, align_b, align_d, workspace.bytes};
+                         align_a, align_b, align_d, max_workspace};
   Plan plan;
   if (!cache.find(key, plan)) {
-    const uint64_t max_workspace = workspace.bytes;
     cublasLtMatmulPreference_t raw_pref;
     JAXQUANT_LT_UNEXPECTED(lt_error("creating the preference", cublasLtMatmulPreferenceCreate(&raw_pref)));
     Preference pref(raw_pref);

@@ -218,16 +218,18 @@ __device__ __forceinline__ void for_each_cast_tile(const T* __restrict__ x, int6
 // Stores the rowwise scale bytes of a strip, staged in shared memory (staged[r]: row r's
 // bytes for the strip's tiles in order), as 4-byte words where the destination allows:
 // whole 32-byte sectors of each row instead of a tile's few bytes at a time. `scale` is
-// [M, row_bytes]; the strip covers rows m0 .. m0 + kCastRows - 1 and the `bytes` scale
-// bytes from column b0 of each row.
-template <int kStripBytes>
+// [M, row_bytes], one byte per kBlock columns; the strip starts at `first` and spans
+// `blocks` blocks of each row (those past the row's end are not stored).
+template <int kBlock, int kStripBytes>
 __device__ __forceinline__ void store_strip_scales(const uint8_t (&staged)[kCastRows][kStripBytes],
                                                    uint8_t* scale, int64_t M, int64_t row_bytes,
-                                                   int64_t m0, int64_t b0, int64_t bytes) {
+                                                   TileOrigin first, int blocks) {
   constexpr int kWords = kStripBytes / 4;
+  const int64_t b0 = first.k0 / kBlock;
+  const int64_t bytes = min(static_cast<int64_t>(blocks), row_bytes - b0);
   for (int i = threadIdx.x; i < kCastRows * kWords; i += blockDim.x) {
     const int r = i / kWords, w = i % kWords;
-    const int64_t m = m0 + r;
+    const int64_t m = first.m0 + r;
     if (m >= M || 4 * w >= bytes) continue;
     uint8_t* dst = scale + m * row_bytes + b0 + 4 * w;
     const uint32_t word = *reinterpret_cast<const uint32_t*>(&staged[r][4 * w]);
