@@ -50,6 +50,34 @@ __device__ __forceinline__ void store_row_codes(const Vec16<T>& w, float scale, 
   }
 }
 
+// The 1x128 block amaxes of a warp's kRows row passes, one per lane: lane l ends with the
+// amax of row pass l % kRows over the kLanes lanes of its block, given each lane's own
+// amax of every row (part). Each exchange hands the partner lane the half of the rows it
+// keeps (recursive halving), so a warp spends 15 shuffles, not 4 per row, and computes its
+// 32 block scales (two IEEE divisions each) in one pass instead of one per row: the row
+// scales were most of the 1x128 cast's extra instructions (ncu, session 9).
+template <int kRows, int kLanes>
+__device__ __forceinline__ float block_amaxes_across_lanes(float (&part)[kRows]) {
+  static_assert(kRows <= kLanes && kLanes <= 32, "a block spans at least kRows lanes of a warp");
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int half = kRows / 2; half >= 1; half /= 2) {
+    const bool upper = lane & half;  // keeps rows [half, 2 half) of the ones left
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float give = upper ? part[i] : part[i + half];
+      const float keep = upper ? part[i + half] : part[i];
+      part[i] = amax_combine(keep, __shfl_xor_sync(0xFFFFFFFFu, give, half));
+    }
+  }
+  float a = part[0];  // lanes kRows apart within a block hold the same row
+#pragma unroll
+  for (int off = kRows; off < kLanes; off <<= 1) {
+    a = amax_combine(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+  }
+  return a;
+}
+
 template <typename T, bool kTile2d>
 __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __restrict__ x,
                                                                      int64_t M, int64_t K,
@@ -132,29 +160,35 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
     }
   }
 
-  // Rowwise usage, re-read from shared memory: a warp quantizes one tile row per pass,
-  // with its 1x128 block's scale (reduced over the block's lanes; the zero fill past K
-  // leaves it exact) or the 128x128 tile's.
+  // Rowwise usage, re-read from shared memory: a warp quantizes one tile row per pass, with
+  // the 128x128 tile's scale or its 1x128 block's (the zero fill past K leaves it exact).
   if (out.row_data == nullptr) return;
   constexpr int kLanesPerBlock = kBlock / V;
+  float row_scale = 0.0f;  // 1x128: the scale of row pass (lane % kRowPasses) of the lane's block
+  if constexpr (!kTile2d) {
+    float part[kRowPasses];
+#pragma unroll
+    for (int p = 0; p < kRowPasses; ++p) part[p] = chunk_amax(tile[warp + p * kWarps][lane], 1);
+    const BlockScale mine = block_scale<T>(block_amaxes_across_lanes<kRowPasses, kLanesPerBlock>(part), cfg);
+    row_scale = mine.scale;
+    const int64_t row = m0 + warp + (lane % kRowPasses) * kWarps;
+    const int64_t kb = k0 / kBlock + lane / kLanesPerBlock;
+    if (lane % kLanesPerBlock < kRowPasses && row < M && kb * kBlock < K) {
+      out.row_scale[row * row_blocks + kb] = mine.scale_inv;
+    }
+  }
 #pragma unroll 4
   for (int p = 0; p < kRowPasses; ++p) {
     const int r = warp + p * kWarps;
     if (m0 + r >= M) break;  // the same for the whole warp
-    const Vec16<T> w = tile[r][lane];
-    BlockScale rs;
+    float scale;
     if constexpr (kTile2d) {
-      rs = tile_scale[lane * V / kBlock];
+      scale = tile_scale[lane * V / kBlock].scale;
     } else {
-      float a = 0.0f;
-#pragma unroll
-      for (int i = 0; i < V; ++i) a = amax_combine(a, abs_bits(to_float(w.v[i])));
-      rs = block_scale<T>(group_amax(a, kLanesPerBlock), cfg);
+      scale = __shfl_sync(0xFFFFFFFFu, row_scale, (lane & ~(kLanesPerBlock - 1)) + p);
     }
     if (col >= K) continue;
-    const int64_t row = m0 + r;
-    store_row_codes(w, rs.scale, cfg.element, out.row_data + row * K + col);
-    if (!kTile2d && lane % kLanesPerBlock == 0) out.row_scale[row * row_blocks + col / kBlock] = rs.scale_inv;
+    store_row_codes(tile[r][lane], scale, cfg.element, out.row_data + (m0 + r) * K + col);
   }
 }
 
