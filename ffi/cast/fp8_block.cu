@@ -53,12 +53,13 @@ __device__ __forceinline__ void store_row_codes(const Vec16<T>& w, float scale, 
 // The 1x128 block amaxes of a warp's kRows row passes, one per lane: lane l ends with the
 // amax of row pass l % kRows over the kLanes lanes of its block, given each lane's own
 // amax of every row (part). Each exchange hands the partner lane the half of the rows it
-// keeps (recursive halving), so a warp spends 15 shuffles, not 4 per row, and computes its
+// keeps (recursive halving), so a warp spends 15 shuffles instead of 4 per row, and computes its
 // 32 block scales (two IEEE divisions each) in one pass instead of one per row: the row
 // scales were most of the 1x128 cast's extra instructions (ncu, session 9).
 template <int kRows, int kLanes>
 __device__ __forceinline__ float block_amaxes_across_lanes(float (&part)[kRows]) {
-  static_assert(kRows <= kLanes && kLanes <= 32, "a block spans at least kRows lanes of a warp");
+  static_assert((kRows & (kRows - 1)) == 0 && kRows <= kLanes && kLanes <= 32,
+                "kRows a power of two, and a block spans at least kRows lanes of one warp");
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int half = kRows / 2; half >= 1; half /= 2) {

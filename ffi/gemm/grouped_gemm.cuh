@@ -53,9 +53,10 @@ template <typename TA, typename TB, typename TD>
 struct GroupedGemm {
   static constexpr bool kFp8 = sizeof(TA) == 1;
   using TileShape = std::conditional_t<kFp8, Shape<_128, _128, _128>, Shape<_128, _256, _64>>;
-  // No clusters: a 2x1 cluster pairs two M tiles of one group, so every group whose last
-  // tile is odd leaves a CTA idle. Measured on the H100 (notes/gemm.md, session 13), 1x1
-  // gains 3-5 % on router-like (Dirichlet) group sizes and loses nothing on equal ones.
+  // No clusters: a 2x1 cluster gives a CTA pair two M tiles of one group, so a group with
+  // an odd number of M tiles leaves one CTA of the pair idle for a step. On the H100 1x1
+  // gains 3-6 % on router-like (Dirichlet) group sizes and loses nothing on equal ones
+  // (notes/gemm.md, session 13).
   using ClusterShape = Shape<_1, _1, _1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
