@@ -63,6 +63,24 @@ def test_random_inputs_bit_exact(name, shape, dtype):
     assert_same_bits(got, want, f"{name} {shape} seed {seed}")
 
 
+# Block FP8 takes any M and K that are multiples of 16 (CASES are whole 128-row tiles):
+# rows past M in the last tile band, 1x128 blocks and 128x128 tiles cut at K and at M.
+BLOCK_PARTIAL_CASES = [((208, 400), jnp.bfloat16), ((144, 272), jnp.float32),
+                       ((48, 1040), jnp.float16)]
+
+
+@pytest.mark.parametrize("usages", [("rowwise", "columnwise"), ("rowwise",)], ids="+".join)
+@pytest.mark.parametrize("shape,dtype", BLOCK_PARTIAL_CASES,
+                         ids=lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name)
+@pytest.mark.parametrize("name", ["block_1x128", "block_128x128", "block_1x128_e5m2_nopow2"])
+def test_block_fp8_partial_tiles_bit_exact(name, shape, dtype, usages):
+  f = jax.jit(lambda x, impl: ops.quantize(x, QUANTIZERS[name], usages, implementation=impl),
+              static_argnums=1)
+  x = random_input(7 + shape[0], shape, dtype)
+  want = reference_on_cpu(lambda x: f(x, "reference"), x)
+  assert_same_bits(f(x, "kernel"), want, f"{name} {shape} {usages}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
                          ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
