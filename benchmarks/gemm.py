@@ -1,6 +1,6 @@
 """GEMM and training-step benchmarks: every figure a ratio to bf16 `jnp.dot` of the same run.
 
-    python benchmarks/gemm.py [--quick] [--out benchmarks/results]
+    python benchmarks/gemm.py [--only gemm|grouped|mlp ...] [--gemm-shapes MxNxK,...] [--quick]
 
 Measures, at each shape (M, N, K) with random operands:
 - `jnp.dot` bf16 (the baseline), XLA's FP8 `dot_general` on f8 operands;
@@ -16,14 +16,14 @@ fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped ke
 `jax.lax.ragged_dot` with --ragged-dot), each against the dense GEMM of the same FLOPs
 and format. Times are device times of back-to-back calls, each figure's baseline and
 contenders timed in turns over several rounds (timing.py); a ratio is that of the median
-times, and its `_lowest_round` record the lowest ratio within one round.
+times, and its `_lowest_round` record the lowest ratio within one round. Records are merged
+into benchmarks/results/<gpu>/gemm.json as they are measured (records.py: a run replaces
+the records it measured and keeps the others).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 
 import jax
@@ -33,6 +33,7 @@ import jaxquant
 from jaxquant import kernels
 from jaxquant import quantizers as Q
 from jaxquant.ops import gemm as gemm_ops
+from records import ResultFile, results_path
 from timing import Call, batched, interleaved_seconds, speedup
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (2048, 8192, 8192), (16, 8192, 8192))
@@ -66,20 +67,17 @@ def _scaled_matmul_inputs(x, w, quantizer):
   return ad, bd, as_, bs
 
 
-class Records(list):
-  """The run's records; each one is printed and the JSON file rewritten as it arrives, so
-  a run cut short (even killed) keeps what it measured."""
+class Records:
+  """Prints each record as it arrives and merges it into the result file at once, so a run
+  cut short (even killed) keeps what it measured."""
 
-  def __init__(self, path: pathlib.Path):
-    super().__init__()
-    self.path = path
+  def __init__(self, results: ResultFile):
+    self.results = results
 
   def add(self, record):
-    self.append(record)
     print(f"{record['op']:<44} {record['shape']:<36} {record['metric']:<20} {record['value']:8.3f}",
           flush=True)
-    self.path.write_text(json.dumps({"device": jax.devices()[0].device_kind,
-                                     "jax": jax.__version__, "records": list(self)}, indent=1))
+    self.results.add(record["op"], record["shape"], record["metric"], record["value"])
 
 
 def _fp8_spellings(pairs):
@@ -160,7 +158,7 @@ def gemm_records(shapes, records):
     records.add({"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops",
                  "value": flops / statistics.median(samples["gemm_bf16_jnp_dot"]) / 1e12})
     _add_speedups(records, shape, samples, "gemm_bf16_jnp_dot", "speedup_vs_bf16", flops)
-    for name in ("mxfp8", "nvfp4"):  # the issue's second yardstick for these formats
+    for name in ("mxfp8", "nvfp4"):  # JAX's own block-scaled GEMM: the second yardstick
       theirs = f"jax_scaled_matmul_{name}_prequantized"
       if theirs in samples:
         _add_speedups(records, shape, {theirs: samples[theirs],
@@ -245,18 +243,19 @@ def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--quick", action="store_true",
+                      help="small shapes (a smoke run: no results file unless --out)")
+  parser.add_argument("--out", default=None,
+                      help="results file to merge into (default benchmarks/results/<gpu>/gemm.json)")
   parser.add_argument("--ragged-dot", action="store_true",
                       help="also time jax.lax.ragged_dot in the grouped section (minutes to compile)")
   parser.add_argument("--gemm-shapes", help="MxNxK,... for the gemm section (default: the four)")
   parser.add_argument("--only", choices=("gemm", "grouped", "mlp"), action="append",
                       help="run only these sections (repeatable; default: all)")
   args = parser.parse_args()
-  device = jax.devices()[0].device_kind.replace(" ", "_")
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  records = Records(out / f"gemm_{device}.json")
+  device = jax.devices()[0].device_kind
+  records = Records(ResultFile(results_path(args.out, "gemm", device, smoke=args.quick),
+                               benchmark="gemm", device=device, jax_version=jax.__version__))
   sections = set(args.only or ("gemm", "grouped", "mlp"))
   if "grouped" in sections:
     grouped_records(QUICK_GROUPED_SHAPES if args.quick else GROUPED_SHAPES, records,
@@ -268,7 +267,8 @@ def main():
     if args.gemm_shapes:
       shapes = [tuple(int(d) for d in s.split("x")) for s in args.gemm_shapes.split(",")]
     gemm_records(shapes, records)
-  print(f"wrote {records.path}")
+  print(f"merged into {records.results.path}" if records.results.path
+        else "--quick: no results file written")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,22 @@
 """Cast-kernel benchmark: effective bandwidth against a device copy and the XLA reference.
 
-    python benchmarks/run.py [--rows 16384 --cols 8192] [--quick]
+    python benchmarks/run.py [--only REGEX] [--rows 16384 --cols 8192] [--quick]
     python benchmarks/run.py --profile [--only REGEX]   # each kernel once, for ncu
 
 Everything is measured in one process: a device copy of the input (read + write, the
 bandwidth ceiling; timed first and last, the faster counts), each cast through the CUDA kernels, and the same cast through the
 XLA reference path (`implementation="reference"`). Effective bandwidth counts the fewest
 bytes a cast must move: the input read once and every output (data, scales) written once.
-Prints a table and writes benchmarks/results/<gpu>.json, a list of records
-{"op", "shape", "metric", "value"}; ratio metrics are fraction_of_copy (kernel bandwidth
-over copy bandwidth) and speedup_vs_xla (reference time over kernel time); the
+Prints a table and merges its records {"op", "shape", "metric", "value"} into
+benchmarks/results/<gpu>/casts.json (records.py: a run replaces the records it measured and
+keeps the others). Ratio metrics are fraction_of_copy (kernel bandwidth over the copy's
+bandwidth in the same run) and speedup_vs_xla (reference time over kernel time); the
 effective_tbps records carry the absolute numbers behind them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import re
 
 import jax
@@ -33,6 +32,7 @@ from jaxquant.kernels.reference_cast import reference_cast
 from jaxquant.ops import quantize as ops
 from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
                                  MXFP8Quantizer, NVFP4Quantizer)
+from records import ResultFile, results_path
 from timing import device_seconds
 
 BOTH = ("rowwise", "columnwise")
@@ -67,8 +67,10 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rows", type=int, default=16384)
   parser.add_argument("--cols", type=int, default=8192)
-  parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-  parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<gpu>.json)")
+  parser.add_argument("--quick", action="store_true",
+                      help="fewer repetitions (a smoke run: no results file unless --out)")
+  parser.add_argument("--out", default=None,
+                      help="results file to merge into (default benchmarks/results/<gpu>/casts.json)")
   parser.add_argument("--only", default=None, help="regex: run only the cases whose op name matches")
   parser.add_argument("--profile", action="store_true",
                       help="run each kernel once, untimed and without the XLA path (under ncu)")
@@ -79,11 +81,6 @@ def main():
   shape = (args.rows, args.cols)
   x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
   key = jax.random.key(1)
-  records = []
-
-  def record(op, metric, value):
-    records.append(dict(op=op, shape=list(shape), metric=metric, value=round(float(value), 4)))
-
   # The copy is timed first and last, and the faster is the ceiling: its bandwidth drifts by
   # a few % between runs (2.71 and 2.83 TB/s on one H100), and a slow copy sample would
   # flatter every fraction.
@@ -143,6 +140,13 @@ def main():
 
   copy_ms.append(time_ms(copy, x, **reps))
   copy_tbps = 2 * x.nbytes / min(copy_ms) / 1e9
+  gpu = jax.devices()[0].device_kind
+  results = ResultFile(results_path(args.out, "casts", gpu, smoke=args.quick), benchmark="casts",
+                       device=gpu, jax_version=jax.__version__)
+
+  def record(op, metric, value):
+    results.add(op, list(shape), metric, value)
+
   record("device_copy", "effective_tbps", copy_tbps)
   for op, moved, k_ms, x_ms in measured:
     tbps = moved / k_ms / 1e9
@@ -152,17 +156,12 @@ def main():
       record(op, "speedup_vs_xla", x_ms / k_ms)
     rows.append((op, k_ms, x_ms, tbps, tbps / copy_tbps, x_ms / k_ms))
 
-  gpu = jax.devices()[0].device_kind
   print(f"\n{gpu}, input {shape} bf16, device copy {copy_tbps:.2f} TB/s "
         f"({' / '.join(f'{ms:.3f}' for ms in copy_ms)} ms, first / last)")
   print(f"{'op':34s} {'kernel ms':>9s} {'xla ms':>8s} {'TB/s':>6s} {'of copy':>7s} {'vs xla':>7s}")
   for op, k_ms, x_ms, tbps, frac, speed in rows:
     print(f"{op:34s} {k_ms:9.3f} {x_ms:8.3f} {tbps:6.2f} {frac:7.2f} {speed:6.1f}x")
-  out_path = pathlib.Path(args.out) if args.out else (
-      pathlib.Path(__file__).parent / "results" / (re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ".json"))
-  out_path.parent.mkdir(parents=True, exist_ok=True)
-  out_path.write_text(json.dumps(records, indent=1) + "\n")
-  print(f"wrote {out_path}")
+  print(f"merged into {results.path}" if results.path else "--quick: no results file written")
 
 
 if __name__ == "__main__":

@@ -3,18 +3,18 @@
 Calls are queued back to back and the device is waited on once per round, so host
 dispatch overlaps the previous call's work and only the device's time is counted. Waiting
 after every call instead adds the host's round trip to each sample: on the H100 with JAX
-0.11 about 0.3 ms, a third of an 8192^3 FP8 GEMM (notes/gemm.md).
+0.11 about 0.3 ms, a third of an 8192^3 FP8 GEMM.
 
 Ratios come from `interleaved_seconds`: the baseline and its contenders take turns,
 round after round, so that slow drift (temperature, over the seconds of a run) reaches them
-alike. Timed one after the other, a contender met other conditions than its baseline
-(session 8 saw the first measurement of a process run lowest, and an MLP-step ratio read
-1.20 in one process and 1.38 in the next). Within its turn each op first runs untimed for
-a while: the H100 sets its clocks from the power the running kernels draw, and an FP8 GEMM
-draws less than a bf16 one on the same shape, so a turn timed straight after another op's
-measures that op's clocks, not its own (session 9's first interleaved run, 20-call turns
-without warm-up: every 8192^3 ratio to bf16 5-20 % below the runs before; notes/gemm.md).
-A training run sits in one recipe's steady state, which the warm-up measures.
+alike. Timed one after the other, a contender meets other conditions than its baseline (the
+first measurement of a process tends to run lowest; one MLP-step ratio has read 1.20 in one
+process and 1.38 in the next). Within its turn each op first runs untimed for a while: the
+H100 sets its clocks from the power the running kernels draw, and an FP8 GEMM draws less
+than a bf16 one on the same shape, so a turn timed straight after another op's measures
+that op's clocks, not its own (20-call turns without warm-up read every 8192^3 ratio to
+bf16 5-20 % low). A training run sits in one recipe's steady state, which the warm-up
+measures. docs/benchmarks.md says more.
 """
 
 from __future__ import annotations
