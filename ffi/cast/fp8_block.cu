@@ -55,7 +55,7 @@ __device__ __forceinline__ void store_row_codes(const Vec16<T>& w, float scale, 
 // amax of every row (part). Each exchange hands the partner lane the half of the rows it
 // keeps (recursive halving), so a warp spends 15 shuffles instead of 4 per row, and computes its
 // 32 block scales (two IEEE divisions each) in one pass instead of one per row: the row
-// scales were most of the 1x128 cast's extra instructions (ncu, session 9).
+// scales were most of the 1x128 cast's extra instructions (ncu).
 template <int kRows, int kLanes>
 __device__ __forceinline__ float block_amaxes_across_lanes(float (&part)[kRows]) {
   static_assert((kRows & (kRows - 1)) == 0 && kRows <= kLanes && kLanes <= 32,
@@ -100,7 +100,7 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
     // Every load is issued before the first store to shared memory; the registers they
     // fill are dead once the tile is staged. (Quantizing the 1x128 rows from these
     // registers kept all of them live through the block reductions: 181 registers a
-    // thread, one CTA per SM, a third of the copy bandwidth; ncu, session 9.)
+    // thread, one CTA per SM, a third of the copy bandwidth; ncu.)
     Vec16<T> v[kRowPasses];
 #pragma unroll
     for (int p = 0; p < kRowPasses; ++p) {

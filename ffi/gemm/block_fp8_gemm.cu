@@ -1,7 +1,7 @@
 // The block FP8 GEMM's FFI handler: checks the buffers and dispatches on B's block shape
 // and the output dtype. Problems go to cuBLASLt's block-scaled FP8 GEMM where it takes
 // them (lt_fp8_gemm.h; on the H100 at 8192^3, against bf16: B in 128x128 tiles 1.59-1.61x,
-// 1x128 x 1x128 1.27x, against 1.44x and 1.09x for the CUTLASS kernel, notes/gemm.md);
+// 1x128 x 1x128 1.27x, against 1.44x and 1.09x for the CUTLASS kernel, docs/kernels.md);
 // what it declines to the CUTLASS instantiations in block_fp8_gemm_tiles.cu and
 // block_fp8_gemm_rows.cu (see block_fp8_gemm.cuh for the kernel). The call's workspace is a
 // result buffer XLA allocates with it (JaxquantBlockFp8GemmWorkspaceBytes sizes it), so XLA

@@ -4,7 +4,7 @@
 //
 // Why not XLA's dot on f8 operands: XLA hands cuBLASLt the scales but keeps an fp32
 // result and converts it to bf16 in a separate pass (an 8192^2 output: 128 us of a
-// 0.95 ms call on the H100, notes/gemm.md). Asking cuBLASLt for the bf16 output directly
+// 0.95 ms call on the H100, docs/kernels.md). Asking cuBLASLt for the bf16 output directly
 // drops that pass; the scaled fp32 sums are rounded once, as in the reference.
 #include <string>
 

@@ -16,7 +16,7 @@
 // Accumulation is fp32. bf16 results are the reference's up to fp32 summation order. FP8
 // partial sums are promoted to fp32 every four k-blocks (no fast accumulation), but the
 // FP8 MMA adds each instruction's products with about 14 bits of alignment, so FP8 results
-// are within about 1e-4 (relative, normwise) of the reference: notes/gemm.md.
+// are within about 1e-4 (relative, normwise) of the reference: docs/numerics.md.
 //
 // This header holds the kernel templates; grouped_gemm.cu the FFI handler, and each
 // grouped_gemm_<pair>.cu compiles the instantiations of one operand pair, so that the
@@ -56,7 +56,7 @@ struct GroupedGemm {
   // No clusters: a 2x1 cluster gives a CTA pair two M tiles of one group, so a group with
   // an odd number of M tiles leaves one CTA of the pair idle for a step. On the H100 1x1
   // gains 3-6 % on router-like (Dirichlet) group sizes and loses nothing on equal ones
-  // (notes/gemm.md, session 13).
+  // (docs/kernels.md).
   using ClusterShape = Shape<_1, _1, _1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;

@@ -6,7 +6,7 @@ groups before it (sizes clipped at M, as `reference.grouped.group_layout`); rows
 group are zero. On CUDA this is the CUTLASS Hopper pointer-array kernel
 (ffi/gemm/grouped_gemm.cuh); elsewhere `ops.ragged.ragged_matmul`, which defines the
 numbers. The kernel matches it up to fp32 summation order for bf16 operands, and within
-Hopper's FP8 accumulation (about 1e-4 relative, normwise) for FP8 pairs: notes/gemm.md.
+Hopper's FP8 accumulation (about 1e-4 relative, normwise) for FP8 pairs: docs/numerics.md.
 
 Operand pairs: bfloat16 x bfloat16, and FP8 E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3.
 """
@@ -49,7 +49,7 @@ def _reference(a, b, group_sizes, alpha, *, config):
 
 
 # Kept whole: a row shard would need each group's rows re-counted per shard; under a
-# sharded jit the operands are gathered first (notes/gemm.md).
+# sharded jit the operands are gathered first (docs/kernels.md).
 _partition, _sharding_rule = sharding.kept_whole(4)
 
 

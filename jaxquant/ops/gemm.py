@@ -111,9 +111,10 @@ def _fp8_tensor_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float3
 
 
 def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
-  """Block FP8 x block FP8: the CUTLASS blockwise kernel for E4M3 with A in 1x128 blocks and
-  B in 1x128 blocks or 128x128 tiles (every GEMM of the fp8_block recipe); any other pair,
-  or no kernels, takes the emulation."""
+  """Block FP8 x block FP8: the block FP8 kernel (cuBLASLt's block-scaled FP8 GEMM, or
+  jaxquant's CUTLASS blockwise kernel where cuBLASLt declines) for E4M3 with A in 1x128
+  blocks and B in 1x128 blocks or 128x128 tiles (every GEMM of the fp8_block recipe); any
+  other pair, or no kernels, takes the emulation."""
   n, k = b.stored_shape
   supported = (kernels.available() and a.format.element == b.format.element == "e4m3"
                and a.format.block == (1, 128) and b.format.block in ((1, 128), (128, 128))
@@ -129,7 +130,7 @@ def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.
   """Each operand's block-scaled values (exact in bf16) from the dequantize kernel, XLA's
   bf16 GEMM with fp32 accumulation, outer scales in the epilogue. The kernel's result is
   opaque to XLA, which would otherwise fuse the dequantization into a transposing fusion
-  at a quarter of the copy bandwidth (notes/gemm.md, session 6). Without outer scales the
+  at a quarter of the copy bandwidth (docs/kernels.md). Without outer scales the
   GEMM rounds its fp32 sums to `out_dtype` itself: no fp32 result to write and convert."""
   va = kernels.dequantize_data(a, jnp.bfloat16, block_scales_only=True)
   vb = kernels.dequantize_data(b, jnp.bfloat16, block_scales_only=True)

@@ -8,7 +8,7 @@ implementation choice), a pair that the CUTLASS grouped kernel runs exactly goes
 FP8 x FP8 on FP8 tensor cores, anything exact in bf16 on bf16 ones; every other pair,
 and every other platform, runs `ops.ragged.ragged_matmul`. Both form the same products;
 the bf16 kernel sums them in fp32 in another order, the FP8 one with Hopper's FP8
-accumulation (about 1e-4 relative, notes/gemm.md).
+accumulation (about 1e-4 relative, docs/numerics.md).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def edge_input(shape, dtype, *, nan: bool, inf: bool) -> jax.Array:
   return jnp.asarray(x, dtype)
 
 
-# GEMM kernels against the reference (notes/gemm.md). Hopper's FP8 MMA adds the 32 products
+# GEMM kernels against the reference (docs/numerics.md). Hopper's FP8 MMA adds the 32 products
 # of one instruction with about 14 bits of alignment before the fp32 promotion, so FP8 x FP8
 # on FP8 tensor cores is not fp32-exact (cuBLASLt's FP8 GEMM is not either); bf16 products
 # accumulate in fp32 and meet the reference emulation's 1e-5.
