@@ -5,6 +5,10 @@ with some axes of the kernel. When no axis is shared by input, kernel and output
 batched GEMM), the contraction is one GEMM: x viewed as [M, K], the kernel as [K, N],
 y as [M, N], then reshaped and transposed into the layer's output. `GemmPlan` records
 those permutations; `quantized_gemm` runs it through `jaxquant.ops.dense`.
+
+Axes shared by input, kernel and output (per-expert weights `EDF` with tokens `E...D`)
+are batch axes: one GEMM per batch index, all of the same size, which `GroupedPlan`
+runs through `jaxquant.ops.grouped_dense` (equal group sizes).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import ops
-from jaxquant.ops.operands import FORWARD_USAGES, gemm_matrices
+from jaxquant.ops.operands import FORWARD_USAGES, gemm_matrices, usages_to_quantize
 from jaxquant.quantizers import Quantizer, for_usage
 
 # The logical matrix of each role and the GEMM dim each of its axes is.
@@ -46,6 +50,49 @@ class GemmPlan:
                     kt.reshape(math.prod(contracted), math.prod(k_free)))
     return jnp.transpose(y2d.reshape(x_free + k_free), self.out_perm), aux
 
+  def dims(self, x_shape, kernel_shape) -> tuple[int, int, int]:
+    """(M, K, N) of the GEMM for operands of these shapes."""
+    x_free = [x_shape[a] for a in self.x_perm[:len(self.x_perm) - self.n_contracted]]
+    contracted = [x_shape[a] for a in self.x_perm[len(self.x_perm) - self.n_contracted:]]
+    k_free = [kernel_shape[a] for a in self.kernel_perm[self.n_contracted:]]
+    return math.prod(x_free), math.prod(contracted), math.prod(k_free)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedPlan:
+  """A batched contraction as one grouped GEMM: batch index g multiplies its rows of x by
+  kernel[g]. y = transpose(reshape(grouped(x[x_perm], kernel[kernel_perm])))."""
+
+  x_perm: tuple[int, ...]  # x axes -> (batch..., free..., contracted...)
+  kernel_perm: tuple[int, ...]  # kernel axes -> (batch..., contracted..., free...)
+  n_batch: int
+  n_contracted: int
+  out_perm: tuple[int, ...]  # (batch..., x free..., kernel free...) -> the output order
+
+  def _split(self, x_shape, kernel_shape):
+    xs = [x_shape[a] for a in self.x_perm]
+    ks = [kernel_shape[a] for a in self.kernel_perm]
+    split = len(xs) - self.n_contracted
+    batch, x_free = xs[:self.n_batch], xs[self.n_batch:split]
+    contracted, k_free = xs[split:], ks[self.n_batch + self.n_contracted:]
+    return batch, x_free, contracted, k_free
+
+  def dims(self, x_shape, kernel_shape) -> tuple[int, int, int]:
+    """(M, K, N) of one group's GEMM."""
+    _, x_free, contracted, k_free = self._split(x_shape, kernel_shape)
+    return math.prod(x_free), math.prod(contracted), math.prod(k_free)
+
+  def run(self, x: jax.Array, kernel: jax.Array, grouped_gemm) -> tuple[jax.Array, object]:
+    """Calls grouped_gemm(x2d [G*M, K], kernel [G, K, N], group_sizes [G]) -> (y2d, aux)."""
+    batch, x_free, contracted, k_free = self._split(x.shape, kernel.shape)
+    groups, rows = math.prod(batch), math.prod(x_free)
+    k, n = math.prod(contracted), math.prod(k_free)
+    x2d = jnp.transpose(x, self.x_perm).reshape(groups * rows, k)
+    k3d = jnp.transpose(kernel, self.kernel_perm).reshape(groups, k, n)
+    y2d, aux = grouped_gemm(x2d, k3d, jnp.full((groups,), rows, jnp.int32))
+    y = y2d.reshape(tuple(batch) + tuple(x_free) + tuple(k_free))
+    return jnp.transpose(y, self.out_perm), aux
+
 
 def _identity(n: int) -> tuple[int, ...]:
   return tuple(range(n))
@@ -58,41 +105,63 @@ def plan_dense_general(x_ndim: int, axis: tuple[int, ...], n_features: int) -> G
                   _identity(len(free) + n_features))
 
 
-def plan_einsum(lhs: str, rhs: str, out: str, what: str) -> GemmPlan:
-  """A two-operand einsum `lhs,rhs->out` (ellipses expanded) as one GEMM."""
+def not_a_gemm(lhs: str, rhs: str, out: str) -> Optional[str]:
+  """Why the contraction `lhs,rhs->out` (input, kernel) is no (batched) GEMM, or None."""
   for operand, letters in (("input", lhs), ("kernel", rhs), ("output", out)):
     if len(set(letters)) != len(letters):
-      raise ValueError(f"{what}: einsum '{lhs},{rhs}->{out}' repeats an axis of the {operand}; "
-                       "a quantized einsum must be a GEMM (no diagonals)")
+      return f"it repeats an axis of the {operand} (a diagonal)"
+  summed = [c for c in lhs if c not in rhs and c not in out] + \
+           [c for c in rhs if c not in lhs and c not in out]
+  if summed:
+    return f"it sums axes {summed} of one operand only"
+  if [c for c in out if c not in lhs + rhs]:
+    return "its output has an axis of neither operand"
+  return None
+
+
+def plan_einsum(lhs: str, rhs: str, out: str, what: str) -> GemmPlan:
+  """A two-operand einsum `lhs,rhs->out` (ellipses expanded) as one GEMM."""
+  reason = not_a_gemm(lhs, rhs, out)
+  if reason:
+    raise ValueError(f"{what}: einsum '{lhs},{rhs}->{out}': {reason}; a quantized einsum "
+                     "must be a GEMM")
   batch = [c for c in lhs if c in rhs and c in out]
   if batch:
     raise ValueError(f"{what}: einsum '{lhs},{rhs}->{out}' has batch axes {batch} (in input, "
                      "kernel and output): that is a batched GEMM, which quantized layers do "
                      "not support; map this module to None (high precision) in the recipe")
-  summed = [c for c in lhs if c not in rhs and c not in out] + \
-           [c for c in rhs if c not in lhs and c not in out]
-  if summed:
-    raise ValueError(f"{what}: einsum '{lhs},{rhs}->{out}' sums axes {summed} of one operand "
-                     "only; a quantized einsum must be a GEMM")
-  contracted = [c for c in lhs if c in rhs]
-  x_free = [c for c in lhs if c in out]
-  k_free = [c for c in rhs if c in out]
-  gemm_out = x_free + k_free
-  return GemmPlan(tuple(lhs.index(c) for c in x_free + contracted),
-                  tuple(rhs.index(c) for c in contracted + k_free), len(contracted),
-                  tuple(gemm_out.index(c) for c in out))
+  return plan_contraction(lhs, rhs, out)
 
 
-def check_gemm_dims(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]],
-                    what: str) -> None:
-  """Raises, naming the role and the GEMM dim (M, K or N), if a quantizer's blocks do not
-  tile a dim of the matrix the forward GEMM quantizes (`ops.dense` checks the backward's
-  usages when a backward is traced, so that few-token inference is not refused)."""
+def plan_contraction(lhs: str, rhs: str, out: str):
+  """Input `lhs` and kernel `rhs` contracted into `out` (a GEMM: `not_a_gemm` is None):
+  a GemmPlan, or a GroupedPlan when axes are shared by input, kernel and output."""
+  batch = [c for c in lhs if c in rhs and c in out]
+  contracted = [c for c in lhs if c in rhs and c not in out]
+  x_free = [c for c in lhs if c in out and c not in rhs]
+  k_free = [c for c in rhs if c in out and c not in lhs]
+  gemm_out = batch + x_free + k_free
+  out_perm = tuple(gemm_out.index(c) for c in out)
+  x_perm = tuple(lhs.index(c) for c in batch + x_free + contracted)
+  kernel_perm = tuple(rhs.index(c) for c in batch + contracted + k_free)
+  if batch:
+    return GroupedPlan(x_perm, kernel_perm, len(batch), len(contracted), out_perm)
+  return GemmPlan(x_perm, kernel_perm, len(contracted), out_perm)
+
+
+def unfit_reason(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]], *,
+                 backward: Optional[str] = None) -> Optional[str]:
+  """Why a quantizer's blocks do not tile a dim of a matrix its GEMMs quantize (naming the
+  role and the GEMM dim M, K or N), or None. The forward's usages only, unless `backward`
+  (a recipes.BackwardMode) asks for those of the backward GEMMs too. M = 0 skips M (a
+  grouped GEMM pads each group to its blocks)."""
   sizes = gemm_matrices(m, k, n)
   for tensor_type, quantizer in quantizers.items():
     rows, cols = sizes[tensor_type]
     row_dim, col_dim = _ROLE_DIMS[tensor_type]
-    for usage in FORWARD_USAGES[tensor_type]:
+    usages = FORWARD_USAGES[tensor_type] if backward is None else \
+        tuple(set(FORWARD_USAGES[tensor_type]) | set(usages_to_quantize(tensor_type, backward)))
+    for usage in sorted(usages, reverse=True):  # rowwise first
       q = for_usage(quantizer, usage)
       if q is None:
         continue
@@ -105,10 +174,21 @@ def check_gemm_dims(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Qu
         stored = stored[::-1]
       for (size, dim), block in zip(stored, fmt.block):
         if block > 1 and size % block:
-          raise ValueError(
-              f"{what}: the {tensor_type} quantizer {q!r} does not fit dim {dim} = {size}: "
-              f"its {usage} usage needs it divisible by {block}; change the layer's shape or "
-              f"map this role to another quantizer (or None) in the recipe")
+          return (f"the {tensor_type} quantizer {q!r} does not fit dim {dim} = {size}: its "
+                  f"{usage} usage needs it divisible by {block}")
+  return None
+
+
+def check_gemm_dims(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]],
+                    what: str) -> None:
+  """Raises, naming the role and the GEMM dim (M, K or N), if a quantizer's blocks do not
+  tile a dim of the matrix the forward GEMM quantizes (`ops.dense` checks the backward's
+  usages when a backward is traced, so that few-token inference is not refused)."""
+  reason = unfit_reason(m, k, n, quantizers)
+  if reason:
+    raise ValueError(f"{what}: {reason}; change the layer's shape or map this role to another "
+                     "quantizer (or None) in the recipe, or pass on_unfit='high_precision' to "
+                     "quantize_model")
 
 
 def quantized_gemm(plan: GemmPlan, x: jax.Array, kernel: jax.Array, *,

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxquant import recipes
+from jaxquant.flax import interception
 from jaxquant.flax.metadata import annotate_linen_weight, nnx_weight_metadata
 from jaxquant.ops.grouped_dense import MODULE_TYPE, grouped_dense
 from jaxquant.quantizers import needs_key, needs_state
@@ -114,6 +115,10 @@ class NnxGroupedDense(nnx.Module):
     return self.quant_rngs[QUANT_RNG]()
 
   def __call__(self, x, group_sizes):
+    with interception.paused():  # under a swap-in, this layer's GEMMs are its own
+      return self._call(x, group_sizes)
+
+  def _call(self, x, group_sizes):
     recipe, quantizers = self._resolve()
     key = self._key(quantizers)
     bias = None if self.bias is None else self.bias[...]

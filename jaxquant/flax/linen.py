@@ -29,6 +29,7 @@ from flax.core import meta
 
 from jaxquant import recipes
 from jaxquant.flax import contraction
+from jaxquant.flax import session as sessions
 from jaxquant.flax.metadata import annotate_linen_weight
 from jaxquant.flax.state import QUANT_STATE, init_role_states
 from jaxquant.ops.operands import is_high_precision
@@ -156,33 +157,50 @@ def gemm_call(module: nn.Module, flax_call: Callable, args, kwargs, *,
       is quantized so the result is bit-identical.
     model_recipe: the recipe of the whole model, if any (the module's own wins).
     annotate: box the weight with its role (`metadata.QuantizedWeight`) during init.
+
+  Under a swap-in session (`jaxquant.flax.session`) the layer is recorded for the
+  report, and a shape its quantizers do not fit runs Flax's code when the session's
+  `on_unfit` is "high_precision".
   """
   name = module_path(module)
   recipe = recipes.resolve(getattr(module, "recipe", None), model_recipe)
   roles = gemm_roles(MODULE_TYPE, name)
   quantizers = recipe.quantizers(MODULE_TYPE, name)
+  session = sessions.current()
+  record = lambda status, shapes: session and session.record(sessions.Row(
+      name, type(module).__name__, shapes, name, quantizers, status))
   if is_high_precision(quantizers):
     y = flax_call(*args, **kwargs)
+    record(sessions.RECIPE_NONE, (np.shape(args[0]),))
   else:
-    y = _quantized_call(module, recipe, roles, quantizers, *args, **kwargs)
+    y = _quantized_call(module, recipe, roles, quantizers, flax_call, record, *args, **kwargs)
   if annotate:
     annotate_linen_weight(module, "kernel", roles["weight"], quantizers["weight"])
   return y
 
 
-def _quantized_call(module, recipe, roles, quantizers, x, *args, **kwargs):
+def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *args, **kwargs):
   what = _describe(module)
   if getattr(module, "dot_general", None) is not None or \
      getattr(module, "dot_general_cls", None) is not None:
     raise ValueError(f"{what}: a custom dot_general cannot be combined with a quantizing "
                      "recipe; map this module to None in the recipe")
   kernel, bias, plan, add_bias = _CONTRACTIONS[_flax_class(module)](module, x, *args, **kwargs)
+  shapes = (np.shape(x), np.shape(kernel))
+  session = sessions.current()
+  if session is not None and session.on_unfit == "high_precision":
+    reason = contraction.unfit_reason(*plan.dims(x.shape, kernel.shape), quantizers,
+                                      backward=recipe.backward)
+    if reason:
+      record(sessions.unfit_status(reason), shapes)
+      return flax_call(x, *args, **kwargs)
   x, kernel, bias = module.promote_dtype(x, kernel, bias, dtype=module.dtype)
   variables = _state_variables(module, roles, quantizers)
   state = {t: v.value.scaling for t, v in variables.items()} or None
   y, new_state = contraction.quantized_gemm(
       plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=module_path(module),
       what=what, key=_key(module, quantizers), state=state)
+  record(sessions.QUANTIZED, shapes)
   if variables and module.is_mutable_collection(QUANT_STATE) and not module.is_initializing():
     for t, v in variables.items():
       v.value = dataclasses.replace(v.value, scaling=new_state[t])

@@ -20,7 +20,8 @@ import opt_einsum
 from flax import nnx
 
 from jaxquant import recipes
-from jaxquant.flax import contraction
+from jaxquant.flax import contraction, interception
+from jaxquant.flax import session as sessions
 from jaxquant.flax.grouped import NnxGroupedDense
 from jaxquant.flax.metadata import nnx_weight_metadata
 from jaxquant.flax.state import init_role_states, stacked_role_states
@@ -98,16 +99,33 @@ class _QuantizedGemm:
     return self.quant_rngs.quant()
 
   def _gemm(self, flax_call, plan_fn, inputs, *args, **kwargs):
+    with interception.paused():  # its own contraction is this layer's business
+      return self._gemm_unrouted(flax_call, plan_fn, inputs, *args, **kwargs)
+
+  def _gemm_unrouted(self, flax_call, plan_fn, inputs, *args, **kwargs):
     recipe, quantizers = self._resolve()
+    session = sessions.current()
+    shapes = (jnp.shape(inputs), self.kernel.shape)
+    record = lambda status: session and session.record(sessions.Row(
+        self.role_name or "", type(self).__name__, shapes, self.role_name or "", quantizers,
+        status))
     if is_high_precision(quantizers):
+      record(sessions.RECIPE_NONE)
       return flax_call(self, inputs, *args, **kwargs)
     plan, add_bias = plan_fn(inputs, *args, **kwargs)
+    if session is not None and session.on_unfit == "high_precision":
+      reason = contraction.unfit_reason(*plan.dims(inputs.shape, self.kernel.shape), quantizers,
+                                        backward=recipe.backward)
+      if reason:
+        record(sessions.unfit_status(reason))
+        return flax_call(self, inputs, *args, **kwargs)
     bias = self.bias[...] if self.bias is not None else None
     x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)
     state = self._state(quantizers)
     y, new_state = contraction.quantized_gemm(
         plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=self.role_name or "",
         what=self._what(), key=self._key(quantizers), state=state)
+    record(sessions.QUANTIZED)
     if new_state is not None:
       held = self.quant_state.get_value()
       self.quant_state.set_value({t: s if t not in new_state else

@@ -1,0 +1,112 @@
+"""The handler of routed contractions: a contraction with one weight operand, as a GEMM
+per the recipe.
+
+For each routed call (`interception.Call`) made while a `session.Session` is active:
+
+1. it is written as a two-operand contraction (`calls.contraction`); anything else runs
+   as written, listed as not a weight GEMM;
+2. each operand is looked up among the model's params (`Session.find_weight`); with no
+   param operand (attention scores, probabilities times values) or two, it runs as
+   written, listed as not a weight GEMM;
+3. the weight's role is named by its owner module's path (plus the param's name when the
+   owner holds several weights); the recipe gives its quantizers ("linear" roles, or
+   "grouped_linear" when axes are shared by both operands and the output: per-expert
+   weights, one GEMM per expert through `ops.grouped_dense`);
+4. a contraction the recipe maps to None runs as written (bit-identical); one whose
+   shape a quantizer does not fit raises, or with `on_unfit="high_precision"` runs as
+   written; every other one runs through `ops.dense` / `ops.grouped_dense` in the dtype
+   the call would have produced.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import ops, recipes
+from jaxquant.flax import calls, contraction
+from jaxquant.flax import session as sessions
+from jaxquant.flax.interception import Call
+from jaxquant.ops.operands import is_high_precision
+from jaxquant.quantizers import needs_state
+from jaxquant.roles import gemm_roles
+
+
+def _row(path, call, found, shapes, role=None, quantizers=None, status=sessions.NOT_A_WEIGHT_GEMM):
+  return sessions.Row(path, calls.describe(call, found), shapes, role, quantizers, status)
+
+
+def handle(call: Call):
+  """Runs one routed call under the current session (see the module docstring)."""
+  session = sessions.current()
+  if session is None:
+    return call.fallback()
+  found = calls.contraction(call)
+  if isinstance(found, str):
+    shapes = tuple(np.shape(a) for a in call.args if hasattr(a, "shape"))
+    session.record(_row("", call, None, shapes, status=f"{sessions.NOT_A_WEIGHT_GEMM} ({found})"))
+    return call.fallback()
+  shapes = (np.shape(found.lhs), np.shape(found.rhs))
+  refs = (session.find_weight(found.lhs), session.find_weight(found.rhs))
+  if (refs[0] is None) == (refs[1] is None):
+    why = "" if refs[0] is None else " (both operands are params)"
+    path = "" if refs[0] is None else refs[0].path
+    session.record(_row(path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
+    return call.fallback()
+  weight_first = refs[0] is not None
+  ref = refs[0] or refs[1]
+  x, w = (found.rhs, found.lhs) if weight_first else (found.lhs, found.rhs)
+  x_l, w_l = ((found.rhs_letters, found.lhs_letters) if weight_first
+              else (found.lhs_letters, found.rhs_letters))
+  shapes = (np.shape(x), np.shape(w))
+  what = f"{calls.describe(call, found)} with weight {ref.role_name!r}"
+  reason = contraction.not_a_gemm(x_l, w_l, found.out_letters)
+  plan = None if reason else contraction.plan_contraction(x_l, w_l, found.out_letters)
+  grouped = isinstance(plan, contraction.GroupedPlan)
+  module_type = "grouped_linear" if grouped else "linear"
+  recipe = recipes.resolve(session.recipe)
+  quantizers = recipe.quantizers(module_type, ref.role_name)
+  row = lambda status: _row(ref.path, call, found, shapes, ref.role_name, quantizers, status)
+  if is_high_precision(quantizers):
+    session.record(row(sessions.RECIPE_NONE))
+    return call.fallback()
+  if plan is not None:
+    m, k, n = plan.dims(np.shape(x), np.shape(w))
+    reason = contraction.unfit_reason(
+        0 if grouped else m, k, n, quantizers,
+        backward=recipe.backward if session.on_unfit == "high_precision" else None)
+  if reason:
+    if session.on_unfit == "error":
+      raise ValueError(f"{what}: {reason}; change the shape or map role {ref.role_name!r} to "
+                       "another quantizer (or None) in the recipe, or pass "
+                       "on_unfit='high_precision' to quantize_model")
+    session.record(row(sessions.unfit_status(reason)))
+    return call.fallback()
+  session.record(row(sessions.QUANTIZED))
+  dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
+  x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+  key = ref.host.key(quantizers, what)
+  if grouped:
+    return _grouped(plan, x, w, quantizers, recipe, ref, key, what)
+  roles = gemm_roles(module_type, ref.role_name)
+  state = ref.host.state(ref.param, roles, quantizers, what)
+  y, new_state = contraction.quantized_gemm(
+      plan, x, w, quantizers=quantizers, backward=recipe.backward, name=ref.role_name,
+      what=what, key=key, state=state)
+  if new_state is not None:
+    ref.host.write_state(ref.param, new_state)
+  return y
+
+
+def _grouped(plan, x, w, quantizers, recipe, ref, key, what):
+  delayed = sorted(t for t, q in quantizers.items() if needs_state(q))
+  if delayed:
+    raise ValueError(f"{what}: roles {delayed} use delayed scaling, which batched (grouped) "
+                     "contractions do not hold state for; use a current-scaling recipe for "
+                     "this role")
+
+  def grouped_gemm(x2d, k3d, group_sizes):
+    return ops.grouped_dense(x2d, k3d, group_sizes, quantizers=dict(quantizers),
+                             backward=recipe.backward, name=ref.role_name, key=key), None
+
+  return plan.run(x, w, grouped_gemm)[0]

@@ -1,0 +1,194 @@
+"""Swap-in of models whose GEMMs are their own layers (routed contractions): Linen, in
+the style of gemma (jnp.einsum, a tied head through jnp.dot) and of MaxText
+(lax.dot_general, and its quantization hook)."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant.flax as jqf
+from jaxquant import ops, recipes
+
+import custom_layers as cl
+import tiny_transformers as tt
+
+STEPS = 20
+
+
+def windows(seed=0):
+  starts = jax.random.randint(jax.random.key(seed), (cl.BATCH, 1), 0, cl.VOCAB)
+  return (starts + jnp.arange(cl.SEQ + 1)) % cl.VOCAB
+
+
+def head_in_bf16(factory, head):
+  return recipes.CustomRecipe(lambda role: None if role.name == head else factory(role),
+                              name=factory.__name__.replace("_factory", ""))
+
+
+TRAINED = [recipes.fp8_current_factory, recipes.mxfp8_factory, recipes.nvfp4_factory]
+
+
+def roles_seen(model, tokens):
+  seen = []
+  recording = recipes.CustomRecipe(lambda role: seen.append(role))
+  jax.eval_shape(jqf.quantize_model(model, recording).init, jax.random.key(0), tokens)
+  return seen
+
+
+def strip_locations(text):
+  return re.sub(r"loc\([^)]*\)", "", re.sub(r"#loc\d*( = .*)?", "", text))
+
+
+@pytest.fixture(scope="module")
+def gemma():
+  data = windows()
+  params, _ = tt.linen_init(cl.GemmaStyleLM(), data)
+  return params, data
+
+
+# ---- (a) gemma style ----
+
+def test_gemma_roles_are_every_weight_once():
+  seen = roles_seen(cl.GemmaStyleLM(), windows()[:, :-1])
+  # init runs the model once as written, then once quantized: each role asked once.
+  assert len(seen) == 3 * len(cl.GEMMA_ROLES)
+  assert {(r.name, r.tensor_type) for r in seen} == {
+      (n, t) for n in cl.GEMMA_ROLES for t in ("input", "weight", "grad_output")}
+  assert {r.module_type for r in seen} == {"linear"}
+
+
+def test_gemma_bf16_is_the_plain_model_and_compiles_to_its_hlo(gemma):
+  params, data = gemma
+  plain = tt.linen_train_step(cl.GemmaStyleLM(), tt.optimizer())
+  swapped = tt.linen_train_step(jqf.quantize_model(cl.GemmaStyleLM(), recipes.bf16),
+                                tt.optimizer())
+  args = (params, tt.optimizer().init(params), {}, data, jax.random.key(0))
+  hlo = [strip_locations(jax.jit(step).lower(*args).as_text()) for step in (plain, swapped)]
+  assert hlo[0] == hlo[1]
+  for a, b in zip(jax.jit(plain)(*args), jax.jit(swapped)(*args)):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.parametrize("factory", TRAINED, ids=lambda f: f.__name__)
+def test_gemma_trains(gemma, factory):
+  params, data = gemma
+  model = jqf.quantize_model(cl.GemmaStyleLM(), head_in_bf16(factory, cl.HEAD_ROLE))
+  losses, _ = tt.train_linen(model, params, {}, STEPS, data)
+  assert np.all(np.isfinite(losses))
+  assert np.mean(losses[-3:]) < 0.8 * losses[0], losses
+
+
+def test_gemma_fp8_grads_equal_stock_layers(gemma):
+  data = gemma[1]
+  stock_params, _ = tt.linen_init(cl.StockGemmaLM(), data)
+  recipe = head_in_bf16(recipes.fp8_current_factory, cl.HEAD_ROLE)
+
+  def grads(model, params):
+    loss = lambda p: tt.xent(model.apply({"params": p}, data[:, :-1]), data)
+    return jax.jit(jax.grad(loss))(params)
+
+  stock = grads(jqf.quantize_model(cl.StockGemmaLM(), recipe), stock_params)
+  custom = grads(jqf.quantize_model(cl.GemmaStyleLM(), recipe),
+                 cl.as_custom_params(stock_params))
+  plain = grads(cl.GemmaStyleLM(), cl.as_custom_params(stock_params))
+  jax.tree.map(np.testing.assert_array_equal, custom, cl.as_custom_params(stock))
+  # ...and they are FP8's, not the unquantized model's.
+  assert not np.array_equal(custom["layer_0"]["mlp"]["linear"]["w"],
+                            plain["layer_0"]["mlp"]["linear"]["w"])
+
+
+def test_gemma_report_lists_attention_in_high_precision(gemma):
+  params, data = gemma
+  model = jqf.quantize_model(cl.GemmaStyleLM(), head_in_bf16(recipes.mxfp8_factory, "embedder"))
+  report = jqf.swap_report(model, {"params": params}, data[:, :-1])
+  assert {r.role for r in report.quantized} == set(cl.GEMMA_ROLES) - {"embedder"}
+  assert all(r.quantizers["weight"] == recipes.mxfp8_factory(None) for r in report.quantized)
+  head, = [r for r in report.rows if r.role == "embedder"]
+  assert head.status == "high precision: the recipe maps it to None"
+  assert head.call == "dot 'abc,cd->abd'" and head.shapes == ((4, 16, 64), (64, 64))
+  activations = [r for r in report.rows if r.role is None]
+  assert [r.call for r in activations] == ["einsum 'BTNH,BSNH->BNTS'",
+                                           "einsum 'BNTS,BSNH->BTNH'"]
+  assert all(r.status == "high precision: not a weight GEMM" for r in activations)
+  assert all(r.path == "" for r in activations)
+  text = str(report)
+  assert "layer_0/mlp/gating_einsum" in text and "not a weight GEMM" in text
+
+
+# ---- No silent no-op; shapes that do not fit ----
+
+class NoWeightGemm(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+    return jnp.einsum("bd,cd->bc", x * scale, x)
+
+
+def test_a_quantizing_recipe_with_no_reachable_gemm_raises():
+  x = jnp.ones((32, 64))
+  with pytest.raises(ValueError, match=r"'mxfp8' quantizes.*no GEMM.*require_gemm=False"):
+    jax.eval_shape(jqf.quantize_model(NoWeightGemm(), recipes.mxfp8).init, jax.random.key(0), x)
+  jax.eval_shape(jqf.quantize_model(NoWeightGemm(), recipes.bf16).init, jax.random.key(0), x)
+  jax.eval_shape(jqf.quantize_model(NoWeightGemm(), recipes.mxfp8, require_gemm=False).init,
+                 jax.random.key(0), x)
+
+
+class NarrowHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = cl.Einsum((64, 64), ("embed", "mlp"), name="proj")("bd,df->bf", x)
+    return cl.Einsum((64, 10), ("mlp", "vocab"), name="head")("bf,fv->bv", h)
+
+
+def test_unfit_shape_raises_or_runs_in_high_precision():
+  """A 10-wide head under MXFP8: its weight's columnwise blocks (backward) run along N."""
+  x = jnp.ones((32, 64), jnp.bfloat16)
+  model = jqf.quantize_model(NarrowHead(), recipes.mxfp8)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  loss = lambda v: jnp.sum(model.apply(v, x).astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"'head'.*weight.*divisible by its block 32"):
+    jax.eval_shape(jax.grad(loss), variables)
+  model = jqf.quantize_model(NarrowHead(), recipes.mxfp8, on_unfit="high_precision")
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+  report = jqf.swap_report(model, variables, x)
+  assert [r.role for r in report.quantized] == ["proj"]
+  head, = report.high_precision
+  assert head.role == "head" and head.status.startswith("high precision: the shape does not fit")
+  plain = cl.Einsum((64, 10), ("mlp", "vocab")).apply(
+      {"params": variables["params"]["head"]}, "bf,fv->bv",
+      cl.Einsum((64, 64), ("embed", "mlp"), name="proj").apply(
+          {"params": variables["params"]["proj"]}, "bd,df->bf", x))
+  assert not np.array_equal(jax.jit(model.apply)(variables, x), plain)  # proj is quantized
+  with pytest.raises(ValueError, match="on_unfit"):
+    jqf.quantize_model(NarrowHead(), recipes.mxfp8, on_unfit="ignore")
+
+
+# ---- Batched (per-expert) weights: grouped GEMMs ----
+
+class Experts(nn.Module):
+  @nn.compact
+  def __call__(self, x):  # x [experts, tokens, d]
+    w = self.param("experts", nn.initializers.normal(0.05), (4, 64, 32))
+    return jnp.einsum("ETD,EDF->ETF", x, w)
+
+
+def test_per_expert_weights_run_as_grouped_gemm():
+  x = jax.random.normal(jax.random.key(1), (4, 32, 64), jnp.bfloat16)
+  seen = []
+  recipe = recipes.CustomRecipe(lambda role: seen.append(role) or
+                                recipes.fp8_current_factory(role))
+  model = jqf.quantize_model(Experts(), recipe)
+  variables = model.init(jax.random.key(0), x)  # eagerly: the param matched by its values
+  assert {r.module_type for r in seen} == {"grouped_linear"}
+
+  @jax.jit
+  def each_expert_alone(x, w):  # the einsum promotes x to w's fp32
+    return jnp.stack([ops.grouped_dense(x[e].astype(w.dtype), w[e][None], jnp.array([32]),
+                                        recipe=recipes.fp8_current) for e in range(4)])
+
+  np.testing.assert_array_equal(jax.jit(model.apply)(variables, x),
+                                each_expert_alone(x, variables["params"]["experts"]))
