@@ -37,12 +37,13 @@ from jaxquant.quantizers import needs_key, needs_state
 
 
 def _contract(kind: str, args: tuple, kwargs: dict, weight: WeightRef, recipe, original):
-  """`original(*args, **kwargs)` with its last operand as the weight, per the recipe."""
+  """`original(*args, **kwargs)` with its second operand (rhs) as the weight, per the recipe."""
+  rhs = args[1] if kind == "dot_general" else args[2]
   outer = sessions.current()
   session = sessions.Session(
       recipes.resolve(recipe, outer.recipe if outer else None),
       outer.on_unfit if outer else "error",
-      find_weight=lambda operand: weight if operand is args[-1] else None,
+      find_weight=lambda operand: weight if operand is rhs else None,
       rows=outer.rows if outer else [])
   call = interception.Call(kind, args, kwargs, original)
   with sessions.active(session), interception.paused():

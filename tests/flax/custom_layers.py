@@ -174,12 +174,19 @@ class DenseGeneral(nn.Module):
 
 
 class MaxTextStyleLM(nn.Module):
+  """`stock=True`: the same model from nn.DenseGeneral (the same param tree)."""
+
   quant: object = None
+  stock: bool = False
 
   @nn.compact
   def __call__(self, tokens):
-    dense = lambda features, axes, name, axis=(-1,): DenseGeneral(
-        features, axis, axes, self.quant, name=name)
+    def dense(features, axes, name, axis=(-1,)):
+      if self.stock:
+        return nn.DenseGeneral(features, axis, use_bias=False, dtype=DTYPE, name=name,
+                               kernel_init=_init(axes))
+      return DenseGeneral(features, axis, axes, self.quant, name=name)
+
     x = nn.Embed(VOCAB, D, dtype=DTYPE, name="token_embedder")(tokens)
     h = rms_norm(x)
     q, k, v = (dense((HEADS, HEAD_DIM), ("embed", "heads", "kv"), n)(h)

@@ -192,3 +192,65 @@ def test_per_expert_weights_run_as_grouped_gemm():
 
   np.testing.assert_array_equal(jax.jit(model.apply)(variables, x),
                                 each_expert_alone(x, variables["params"]["experts"]))
+
+
+# ---- (b) MaxText style: lax.dot_general routed, and through MaxText's hook ----
+
+@pytest.fixture(scope="module")
+def maxtext():
+  data = windows()
+  params, _ = tt.linen_init(cl.MaxTextStyleLM(), data)
+  return params, data
+
+
+def maxtext_model(route, recipe):
+  """route "swap": quantize_model of the plain model; "hook": MaxText's `quant=`."""
+  if route == "swap":
+    return jqf.quantize_model(cl.MaxTextStyleLM(), recipe)
+  return cl.MaxTextStyleLM(quant=jqf.MaxTextQuantization(recipe))
+
+
+@pytest.mark.parametrize("route", ["swap", "hook"])
+def test_maxtext_roles(route):
+  seen = []
+  recording = recipes.CustomRecipe(lambda role: seen.append(role))
+  jax.eval_shape(maxtext_model(route, recording).init, jax.random.key(0), windows()[:, :-1])
+  # The swapped model runs twice at init (as written, then quantized); the hook's model once.
+  assert len(seen) == 3 * len(cl.MAXTEXT_ROLES)
+  assert {(r.name, r.tensor_type) for r in seen} == {
+      (n, t) for n in cl.MAXTEXT_ROLES for t in ("input", "weight", "grad_output")}
+
+
+@pytest.mark.parametrize("route", ["swap", "hook"])
+def test_maxtext_bf16_is_the_plain_model(maxtext, route):
+  params, data = maxtext
+  plain = jax.jit(cl.MaxTextStyleLM().apply)({"params": params}, data[:, :-1])
+  model = maxtext_model(route, recipes.bf16)
+  np.testing.assert_array_equal(jax.jit(model.apply)({"params": params}, data[:, :-1]), plain)
+
+
+# The hook's GEMMs are the swap's, bit for bit (the grads test below): it trains under one
+# recipe here, the swap under all three (each NVFP4 step costs a minute to compile on CI).
+@pytest.mark.parametrize("route, factory",
+                         [("swap", f) for f in TRAINED] + [("hook", TRAINED[0])],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_maxtext_trains(maxtext, route, factory):
+  params, data = maxtext
+  model = maxtext_model(route, head_in_bf16(factory, cl.MAXTEXT_HEAD_ROLE))
+  losses, _ = tt.train_linen(model, params, {}, STEPS, data)
+  assert np.all(np.isfinite(losses))
+  assert np.mean(losses[-3:]) < 0.8 * losses[0], losses
+
+
+def test_maxtext_fp8_grads_equal_stock_layers(maxtext):
+  """Both routes give the grads of the same weights in stock nn.DenseGeneral layers."""
+  params, data = maxtext
+  recipe = head_in_bf16(recipes.fp8_current_factory, cl.MAXTEXT_HEAD_ROLE)
+
+  def grads(model):
+    loss = lambda p: tt.xent(model.apply({"params": p}, data[:, :-1]), data)
+    return jax.jit(jax.grad(loss))(params)
+
+  stock = grads(jqf.quantize_model(cl.MaxTextStyleLM(stock=True), recipe))
+  for route in ("swap", "hook"):
+    jax.tree.map(np.testing.assert_array_equal, grads(maxtext_model(route, recipe)), stock)
