@@ -1,0 +1,154 @@
+"""benchmarks/step.py and trace_summary.py on the CPU: the peers quantize the same GEMMs as
+jaxquant's swap-in, a short run writes its records, and a profile's events are read and
+categorized."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
+import step  # noqa: E402
+import step_variants  # noqa: E402
+import trace_summary as ts  # noqa: E402
+from step_model import SHAPES, DecoderStack  # noqa: E402
+
+LAYERS = 1
+PROJECTIONS = 7  # q, k, v, o, gate, up, down
+
+
+def _step_hlo(name, stock, params):
+  variant = step_variants.build(name, stock)
+  collections = step.variant_collections(variant, params, stock.shape.d_model)
+  tx = optax.adamw(1e-4)
+  x = jnp.ones((1, 128, stock.shape.d_model), jnp.bfloat16)
+  lowered = jax.jit(step.train_step(variant, tx)).lower(params, tx.init(params), collections, x,
+                                                        jax.random.key(0))
+  return lowered.as_text()
+
+
+def _dots(text):
+  dots = re.findall(r"stablehlo\.dot_general[^\n]*", text)
+  return len(dots), sum("f8E4M3FN" in d or "f8E5M2" in d for d in dots)
+
+
+@pytest.fixture(scope="module")
+def stock_and_params():
+  stock = DecoderStack(SHAPES["tiny"], LAYERS, attention="xla")
+  return stock, step.init_variables(stock, stock.shape.d_model)["params"]
+
+
+@pytest.mark.parametrize("peer", ["flax_fp8", "qwix_fp8_tensor", "qwix_fp8_channel"])
+def test_peers_quantize_every_projection_gemm_and_nothing_else(stock_and_params, peer):
+  if peer.startswith("qwix"):
+    pytest.importorskip("qwix")
+  stock, params = stock_and_params
+  total, f8 = _dots(_step_hlo(peer, stock, params))
+  stock_total, stock_f8 = _dots(_step_hlo("bf16", stock, params))
+  assert stock_f8 == 0
+  assert total == stock_total  # the attention's dots are left alone ...
+  assert f8 == 3 * PROJECTIONS * LAYERS  # ... every projection's fprop, dgrad and wgrad are FP8
+
+
+def test_jaxquant_bf16_preset_is_the_stock_program(stock_and_params):
+  import jaxquant.flax as jqf
+  from jaxquant import recipes
+  stock, params = stock_and_params
+  swapped = DecoderStack(SHAPES["tiny"], LAYERS, attention="xla")
+  variant = step_variants.Variant("bf16", jqf.quantize_model(swapped, recipes.bf16), jqf.update_quant_state)
+  tx = optax.adamw(1e-4)
+  x = jnp.ones((1, 128, stock.shape.d_model), jnp.bfloat16)
+  lower = lambda v: jax.jit(step.train_step(v, tx)).lower(params, tx.init(params), {}, x, jax.random.key(0))
+  strip = lambda t: re.sub(r"loc\([^)]*\)|#loc\d*[^\n]*", "", t)
+  assert strip(lower(variant).as_text()) == strip(_step_hlo("bf16", stock, params))
+
+
+def test_a_short_run_records_every_metric(tmp_path):
+  out = tmp_path / "step.json"
+  step.main(["--quick", "--layers", "1", "--only", "bf16,flax_fp8", "--rounds", "1", "--reps", "1",
+             "--out", str(out)])
+  records = json.loads(out.read_text())["records"]
+  got = {(r["op"], r["metric"]) for r in records}
+  assert {r["shape"] for r in records} == {"tiny"}
+  for metric in ("step_ms", "compile_s", "peak_gib", "speedup_vs_best_peer"):
+    assert ("step_bf16", metric) in got
+  for metric in ("step_ms", "speedup_vs_bf16", "speedup_vs_bf16_lowest_round", "compile_s",
+                 "compile_vs_bf16", "peak_gib"):
+    assert ("step_flax_fp8", metric) in got
+  assert ("step_flax_fp8", "speedup_vs_best_peer") not in got  # it is the best peer
+  assert all(r["value"] > 0 for r in records)
+
+
+def test_unknown_variant_is_refused():
+  with pytest.raises(SystemExit, match="unknown variants.*fp9"):
+    step.selected_variants(step.parse_args(["--quick", "--only", "bf16,fp9"]))
+
+
+def _event(name, start, duration, hlo_op=""):
+  return ts.Event(name, start * 1e6, duration * 1e6, hlo_op)  # ms -> ns
+
+
+def test_categories():
+  targets = ts.custom_call_targets(
+      'ENTRY %main {\n  %custom-call.3 = bf16[16,16]{1,0} custom-call(%a, %b), '
+      'custom_call_target="jaxquant_fp8_tensor_gemm", api_version=API_VERSION_TYPED_FFI\n'
+      '  ROOT cublas-gemm.1 = (bf16[16,16]{1,0}, s8[0]{0}) custom-call(%a, %b), '
+      'custom_call_target="__cublas$gemm"\n}')
+  assert targets == {"custom-call.3": "jaxquant_fp8_tensor_gemm", "cublas-gemm.1": "__cublas$gemm"}
+  expect = {
+      ("void jaxquant::(anonymous namespace)::fp8_tensor_cast_kernel<__nv_bfloat16>(...)", ""):
+          "jaxquant cast, amax, dequantize",
+      ("cutlass::device_kernel<jaxquant::grouped_gemm_detail::Kernel>", ""): "jaxquant GEMM",
+      ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "custom-call.3"): "jaxquant GEMM",
+      ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "cublas-gemm.1"): "XLA GEMM (cuBLAS, cuBLASLt)",
+      ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", ""): "attention (cuDNN)",
+      ("loop_transpose_fusion_2", ""): "copy / transpose",
+      ("MemcpyD2D", ""): "copy / transpose",
+      ("loop_multiply_fusion_4", "multiply_fusion.4"): "XLA fusion",
+      ("input_reduce_fusion", ""): "XLA fusion",
+      ("Memset", ""): "other",
+  }
+  for (name, op), want in expect.items():
+    assert ts.category(_event(name, 0, 1, op), targets) == want, name
+
+
+def test_busy_idle_and_per_step_times():
+  events = [_event("loop_add_fusion", 0, 10), _event("nvjet_a", 5, 10),  # streams overlap
+            _event("loop_add_fusion", 20, 10), _event("Memset", 40, 0)]  # zero length: dropped
+  s = ts.summarize(events, steps=2)
+  assert s["device_span_ms"] == pytest.approx(15.0)
+  assert s["device_busy_ms"] == pytest.approx(12.5)
+  assert s["idle_ms"] == pytest.approx(2.5)
+  assert s["kernel_time_ms"] == pytest.approx(15.0)
+  assert s["categories"]["XLA fusion"] == {"ms": pytest.approx(10.0), "share": pytest.approx(2 / 3),
+                                           "kernels": 1.0}
+  assert s["top_kernels"][0] == {"name": "loop_add_fusion", "category": "XLA fusion",
+                                 "ms": pytest.approx(10.0), "count": 1.0}
+  assert "idle (host gaps) ms | 2.50 |" in ts.markdown({"x": s})
+
+
+def test_a_real_trace_reads_alike_from_xplane_and_json(tmp_path):
+  f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
+  x = jnp.ones((64, 64))
+  f(x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path)):
+    for _ in range(2):
+      y = f(x)
+    y.block_until_ready()
+  xplane = next(tmp_path.rglob("*.xplane.pb"))
+  trace_json = next(tmp_path.rglob("*.trace.json.gz"))
+  from_xplane = ts._device_lines(ts._planes_from_xplane(xplane))
+  from_json = ts._device_lines(ts._planes_from_trace_json(trace_json))
+  assert from_xplane and all(e.hlo_op for e in from_xplane)
+  ops = lambda events: sorted((e.name, e.hlo_op) for e in events)
+  assert ops(from_xplane) == ops(from_json)
+  events, source = ts.load_events(tmp_path)
+  assert source == xplane.name and len(events) == len(from_xplane)
+  assert ts.summarize(events, steps=2)["device_busy_ms"] > 0
