@@ -44,16 +44,17 @@ class Einsum(nn.Module):
 
 
 class Embedder(nn.Module):
+  dtype: jnp.dtype = DTYPE
 
   @nn.compact
   def __call__(self):
     return self.param("table", _init(("vocab", "embed")), (VOCAB, D))
 
   def encode(self, tokens):
-    return jnp.take(self(), tokens, axis=0).astype(DTYPE)
+    return jnp.take(self(), tokens, axis=0).astype(self.dtype)
 
   def decode(self, x):
-    return jnp.dot(x, jnp.asarray(self(), DTYPE).T)
+    return jnp.dot(x, jnp.asarray(self(), self.dtype).T)
 
 
 def attend(q, k, v):
@@ -61,12 +62,12 @@ def attend(q, k, v):
   scores = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(HEAD_DIM)
   mask = jnp.tril(jnp.ones((SEQ, SEQ), bool))
   probs = jax.nn.softmax(jnp.where(mask, scores.astype(jnp.float32), -1e9), axis=-1)
-  return jnp.einsum("BNTS,BSNH->BTNH", probs.astype(DTYPE), v)
+  return jnp.einsum("BNTS,BSNH->BTNH", probs.astype(v.dtype), v)
 
 
 def rms_norm(x):
   x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-6)).astype(DTYPE)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
 # The weights' shapes, equations and logical axes, shared by the custom and stock layers.
@@ -89,19 +90,20 @@ HEAD_ROLE = "embedder"
 
 class Block(nn.Module):
   layer: type = Einsum
+  dtype: jnp.dtype = DTYPE
 
   def _project(self, name, spec, x):
     shape, equation, axes = spec
     if self.layer is Einsum:
-      return Einsum(shape, axes, name=name)(equation, x)
-    return nn.Einsum(shape, equation, use_bias=False, dtype=DTYPE, name=name,
+      return Einsum(shape, axes, self.dtype, name=name)(equation, x)
+    return nn.Einsum(shape, equation, use_bias=False, dtype=self.dtype, name=name,
                      kernel_init=_init(axes))(x)
 
   @nn.compact
   def __call__(self, x):
-    attn = AttentionBlock(self.layer, name="attn")
+    attn = AttentionBlock(self.layer, self.dtype, name="attn")
     x = x + attn(rms_norm(x))
-    mlp = MlpBlock(self.layer, name="mlp")
+    mlp = MlpBlock(self.layer, self.dtype, name="mlp")
     return x + mlp(rms_norm(x))
 
 
@@ -123,15 +125,16 @@ class MlpBlock(Block):
 
 
 class GemmaStyleLM(nn.Module):
-  """tokens [batch, seq] -> logits [batch, seq, vocab] fp32."""
+  """tokens [batch, seq] -> logits [batch, seq, vocab] fp32; `dtype` the compute dtype."""
 
   layer: type = Einsum
+  dtype: jnp.dtype = DTYPE
 
   @nn.compact
   def __call__(self, tokens):
-    embedder = Embedder(name="embedder")
+    embedder = Embedder(self.dtype, name="embedder")
     x = embedder.encode(tokens)
-    x = Block(self.layer, name="layer_0")(x)
+    x = Block(self.layer, self.dtype, name="layer_0")(x)
     return embedder.decode(rms_norm(x)).astype(jnp.float32)
 
 
