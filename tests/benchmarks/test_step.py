@@ -112,6 +112,7 @@ def test_categories():
       ("loop_transpose_fusion_2", ""): "copy / transpose",
       ("MemcpyD2D", ""): "copy / transpose",
       ("loop_multiply_fusion_4", "multiply_fusion.4"): "XLA fusion",
+      ("loop_convert_fusion", "custom-call.3"): "XLA fusion",  # the op only splits GEMMs
       ("input_reduce_fusion", ""): "XLA fusion",
       ("Memset", ""): "other",
   }
@@ -127,6 +128,7 @@ def test_busy_idle_and_per_step_times():
   assert s["device_busy_ms"] == pytest.approx(12.5)
   assert s["idle_ms"] == pytest.approx(2.5)
   assert s["kernel_time_ms"] == pytest.approx(15.0)
+  assert s["library_gemm_unattributed_ms"] == pytest.approx(5.0)  # nvjet_a names no op
   assert s["categories"]["XLA fusion"] == {"ms": pytest.approx(10.0), "share": pytest.approx(2 / 3),
                                            "kernels": 1.0}
   assert s["top_kernels"][0] == {"name": "loop_add_fusion", "category": "XLA fusion",
