@@ -2,15 +2,22 @@
 
 The corpus is this interpreter's standard library source (no download). Every recipe
 starts from the same parameters and sees the same batches in the same order, so the
-validation-loss gaps between recipes come from the number formats alone.
+validation-loss gaps between recipes come from the number formats alone. With --seeds N
+each recipe trains from N seeds (each sets the parameters and the data order, the same
+for every recipe); the results give the mean and spread over seeds and each recipe's
+gap to bf16 with a 95% paired t-interval.
 
   python examples/train_lm.py                         # all recipes, the cpu preset
   python examples/train_lm.py --preset gpu            # ~58M parameters, for one H100
   python examples/train_lm.py --recipes bf16,mxfp8 --steps 100
   python examples/train_lm.py --noise-floor           # + bf16 again from a perturbed start
+  python examples/train_lm.py --preset gpu_seeds --seeds 3 --recipes bf16,mxfp8,hybrid
+  python examples/train_lm.py --recipes bf16,custom,suggested_nvfp4   # an analysed policy
 
-Outputs (in --out): val_loss.png (the validation curves of all recipes), results.md (final
-validation loss, gap to bf16, step time) and curves.json (everything, for replotting).
+Outputs (in --out): val_loss.png (the validation curves of all recipes, bands over seeds),
+results.md (final validation loss, spread, gap to bf16 with its interval, step time) and
+curves.json (everything, for replotting); with suggested_nvfp4 also sensitivity.md and
+sensitivity.png (the analysis that chose its policy).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm import data, presets, recipes, report, training
+from jaxquant import analysis
+from lm import data, layout, presets, recipes, report, suggested, training
 from lm.model import ModelConfig, TransformerLM, fused_attention_compiles
 from lm.moe import moe_mlp_factory
 from lm.progress import ProgressBar
@@ -36,6 +44,9 @@ SYNC_EVERY = 10
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
 # Relative size of the noise-floor run's perturbation: far below any format's rounding error.
 NOISE_FLOOR_SCALE = 1e-3
+# suggested_nvfp4's sensitivity report, next to the other outputs.
+SENSITIVITY_TABLE = "sensitivity.md"
+SENSITIVITY_PNG = "sensitivity.png"
 RECIPE_HELP = ("'all' or a comma-separated list of: " + ", ".join(recipes.RECIPE_NAMES) +
                f". '{recipes.CUSTOM_RECIPE}' is a per-role policy: NVFP4 with the last layers "
                "and the head in bf16 (NVIDIA's NVFP4 recipe)")
@@ -48,7 +59,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--steps", type=int, help="training steps per recipe (default: the preset's)")
   parser.add_argument("--moe", action="store_true", help="replace each MLP with jaxquant's MoE block")
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output folder")
-  parser.add_argument("--seed", type=int, default=0, help="seeds the parameters and the data order")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seeds the parameters and the data order (the first seed with --seeds)")
+  parser.add_argument("--seeds", type=int, default=1,
+                      help="train each recipe from this many seeds (--seed, --seed + 1, ...); the "
+                      "results give each recipe's mean and spread over seeds and each gap to "
+                      "bf16 with its 95%% paired t-interval")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="override a training field of the preset, e.g. --set "
+                      "final_learning_rate_fraction=0 --set eval_batches=all (the whole "
+                      "validation split); fields: " + ", ".join(
+                          f.name for f in dataclasses.fields(presets.TrainConfig)))
+  parser.add_argument("--sensitivity-model-runs", choices=("none", "module", "role"),
+                      default="none",
+                      help=f"{recipes.SUGGESTED_RECIPE}: also measure each module's (or role's) "
+                      "effect on the loss and gradient (one compilation each) besides its "
+                      "GEMM SQNRs, which rank it")
   parser.add_argument("--noise-floor", action="store_true",
                       help=f"after the recipes, train bf16 once more ('{report.NOISE_FLOOR}') from "
                       f"the initial parameters times 1 + {NOISE_FLOOR_SCALE:g} N(0, 1): its gap to "
@@ -67,6 +93,29 @@ def with_steps(train: presets.TrainConfig, steps: int | None) -> presets.TrainCo
   return dataclasses.replace(train, steps=steps, warmup_steps=min(train.warmup_steps, max(1, steps // 10)))
 
 
+def with_overrides(train: presets.TrainConfig, assignments: list[str]) -> presets.TrainConfig:
+  """--set FIELD=VALUE, each value parsed as the field's type ('all' / 'none': None)."""
+  fields = {f.name: f for f in dataclasses.fields(train)}
+  changes = {}
+  for assignment in assignments:
+    name, _, text = assignment.partition("=")
+    if name not in fields or not text:
+      raise ValueError(f"--set {assignment!r}: expected FIELD=VALUE with FIELD one of "
+                       f"{', '.join(fields)}")
+    current = getattr(train, name)
+    if text.lower() in ("all", "none"):
+      if name != "eval_batches":
+        raise ValueError(f"--set {assignment!r}: only eval_batches may be 'all' (the whole split)")
+      changes[name] = None
+    else:
+      kind = float if isinstance(current, float) else int
+      try:
+        changes[name] = kind(text)
+      except ValueError:
+        raise ValueError(f"--set {assignment!r}: {name} takes a {kind.__name__}") from None
+  return dataclasses.replace(train, **changes)
+
+
 def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipes.RecipeModel]:
   """Every recipe's model, built before any trains: a bad recipe fails now, not in an hour."""
   models = {}
@@ -79,66 +128,79 @@ def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipe
   return models
 
 
-def train_recipe(name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig,
-                 initial_params, corpus: data.ByteCorpus, validation_batches: jax.Array, seed: int,
-                 deadline: float) -> report.RecipeResult:
-  """Trains one recipe; stops early (and says so in the result) once perf_counter() > deadline."""
-  recipe_start = time.perf_counter()
-  seq_len = validation_batches.shape[-1] - 1
-  tokens_per_step = train_config.batch_size * seq_len
-  optimizer = training.make_optimizer(train_config)
-  sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
-  state = training.init_train_state(model, initial_params, jax.random.key(seed), sample_tokens,
-                                    optimizer)
-  train_step = training.make_train_step(model, optimizer)
-  eval_step = training.make_eval_step(model)
+class RecipeTrainer:
+  """One recipe's optimizer and jitted steps, compiled once and reused for every seed."""
 
-  def validation_loss() -> float:
-    return float(np.mean([eval_step(state, windows) for windows in validation_batches]))
+  def __init__(self, name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig,
+               validation_batches: jax.Array):
+    self.name, self.model, self.train_config = name, model, train_config
+    self.validation_batches = validation_batches
+    self.optimizer = training.make_optimizer(train_config)
+    self.train_step = training.make_train_step(model, self.optimizer)
+    self.eval_step = training.make_eval_step(model)
+    self.compile_seconds: float | None = None  # the first seed's first step
 
-  result = report.RecipeResult(name, planned_steps=train_config.steps, eval_steps=[0],
-                               val_losses=[validation_loss()], train_losses=[],
-                               window_step_seconds=[], compile_seconds=0.0)
-  batches = data.train_batches(corpus.train, seed, train_config.batch_size, seq_len)
-  progress = ProgressBar(name, train_config.steps)
-  window_losses, window_start = [], time.perf_counter()
-  for step in range(1, train_config.steps + 1):
-    state, loss = train_step(state, next(batches))
-    window_losses.append(loss)  # a device array: the host runs ahead until the window ends
-    evaluate = step % train_config.eval_every == 0 or step == train_config.steps
-    if step == 1 or evaluate or step % SYNC_EVERY == 0:
-      result.train_losses.extend(float(l) for l in window_losses)  # waits for the window
-      seconds = (time.perf_counter() - window_start) / len(window_losses)
-      if step == 1:
-        result.compile_seconds = seconds
-      else:
-        result.window_step_seconds.append(seconds)
-      progress.update(step, result.train_losses[-1], tokens_per_step / seconds)
-      out_of_time = time.perf_counter() > deadline
-      if evaluate or out_of_time:
-        result.eval_steps.append(step)
-        result.val_losses.append(validation_loss())
-      if out_of_time:
-        break
-      window_losses, window_start = [], time.perf_counter()
-  progress.close()
-  if not result.window_step_seconds:  # a one-step run: its only step compiled too
-    result.window_step_seconds.append(result.compile_seconds)
-  result.wall_seconds = time.perf_counter() - recipe_start
-  return result
+  def train(self, initial_params, corpus: data.ByteCorpus, seed: int,
+            deadline: float) -> report.RecipeResult:
+    """Trains from one seed; stops early (and says so in the result) once
+    perf_counter() > deadline."""
+    recipe_start = time.perf_counter()
+    train_config = self.train_config
+    seq_len = self.validation_batches.shape[-1] - 1
+    tokens_per_step = train_config.batch_size * seq_len
+    sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
+    state = training.init_train_state(self.model, initial_params, jax.random.key(seed),
+                                      sample_tokens, self.optimizer)
+
+    def validation_loss() -> float:
+      return float(np.mean([self.eval_step(state, windows) for windows in self.validation_batches]))
+
+    result = report.RecipeResult(self.name, planned_steps=train_config.steps, eval_steps=[0],
+                                 val_losses=[validation_loss()], train_losses=[],
+                                 window_step_seconds=[], compile_seconds=0.0, seed=seed)
+    batches = data.train_batches(corpus.train, seed, train_config.batch_size, seq_len)
+    progress = ProgressBar(f"{self.name} (seed {seed})", train_config.steps)
+    window_losses, window_start = [], time.perf_counter()
+    for step in range(1, train_config.steps + 1):
+      state, loss = self.train_step(state, next(batches))
+      window_losses.append(loss)  # a device array: the host runs ahead until the window ends
+      evaluate = step % train_config.eval_every == 0 or step == train_config.steps
+      if step == 1 or evaluate or step % SYNC_EVERY == 0:
+        result.train_losses.extend(float(l) for l in window_losses)  # waits for the window
+        seconds = (time.perf_counter() - window_start) / len(window_losses)
+        if step == 1:
+          if self.compile_seconds is None:
+            self.compile_seconds = seconds
+          result.compile_seconds = self.compile_seconds
+        else:
+          result.window_step_seconds.append(seconds)
+        progress.update(step, result.train_losses[-1], tokens_per_step / seconds)
+        out_of_time = time.perf_counter() > deadline
+        if evaluate or out_of_time:
+          result.eval_steps.append(step)
+          result.val_losses.append(validation_loss())
+        if out_of_time:
+          break
+        window_losses, window_start = [], time.perf_counter()
+    progress.close()
+    if not result.window_step_seconds:  # a one-step run: its only step compiled too
+      result.window_step_seconds.append(result.compile_seconds)
+    result.wall_seconds = time.perf_counter() - recipe_start
+    return result
 
 
 def write_outputs(out: pathlib.Path, results: list[report.RecipeResult], not_run: list[str],
-                  entropy: float, title: str, info: dict) -> None:
+                  entropy: float, title: str, info: dict, extra: str = "") -> None:
   out.mkdir(parents=True, exist_ok=True)
   report.write_curves_json(out / report.CURVES_JSON, results, {**info, "not_run": not_run})
   report.plot_validation_curves(out / report.CURVES_PNG, results, entropy, title)
-  report.write_results_table(out / report.RESULTS_TABLE, results, not_run, entropy, title)
+  report.write_results_table(out / report.RESULTS_TABLE, results, not_run, entropy, title, extra)
 
 
 def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entropy) -> dict:
   model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(model).items()}
-  return {"preset": args.preset, "seed": args.seed, "moe": args.moe, "model": model_config,
+  return {"preset": args.preset, "seed": args.seed, "seeds": seeds_of(args), "moe": args.moe,
+          "model": model_config,
           "train": dataclasses.asdict(train_config), "parameters": n_params,
           "noise_floor_scale": NOISE_FLOOR_SCALE if args.noise_floor else None,
           "corpus": {"root": str(corpus.root), "train_bytes": int(corpus.train.size),
@@ -149,6 +211,45 @@ def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entr
           "device": str(jax.devices()[0]), "jax": jax.__version__}
 
 
+def seeds_of(args) -> list[int]:
+  if args.seeds < 1:
+    raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+  return [args.seed + i for i in range(args.seeds)]
+
+
+def validation_set(corpus: data.ByteCorpus, train_config: presets.TrainConfig, seq_len: int,
+                   seed: int) -> np.ndarray:
+  """The one validation set of the run, the same for every recipe and seed."""
+  if train_config.eval_batches is None:
+    return data.whole_split_batches(corpus.validation, train_config.batch_size, seq_len)
+  return data.fixed_validation_batches(corpus.validation, seed, train_config.eval_batches,
+                                       train_config.batch_size, seq_len)
+
+
+def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out) -> tuple:
+  """(model, params of each seed, text for results.md) of 'suggested_nvfp4'."""
+  first_seed = min(shared_params)
+  model_runs = None if args.sensitivity_model_runs == "none" else args.sensitivity_model_runs
+  start = time.perf_counter()
+  suggestion = suggested.suggest(model_config, shared_params[first_seed], train_config,
+                                 corpus.train, first_seed, model_runs)
+  out.mkdir(parents=True, exist_ok=True)
+  table = suggestion.report.table()
+  (out / SENSITIVITY_TABLE).write_text(table)
+  analysis.plot_sensitivity(suggestion.report, out / SENSITIVITY_PNG)
+  text = (f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
+          f"modules in bf16, ranked most sensitive to NVFP4 by jaxquant.analysis after "
+          f"{train_config.sensitivity_steps} bf16 steps of seed {first_seed} "
+          f"({time.perf_counter() - start:.0f} s; {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}): "
+          f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
+          "scanned layers.\n")
+  print(text + table)
+  model = recipes.model_for_recipe(TransformerLM(suggestion.config), suggestion.recipe)
+  relaid = {seed: layout.relayout(p, model_config, suggestion.config.scanned_layers)
+            for seed, p in shared_params.items()}
+  return model, relaid, text
+
+
 def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   start = time.perf_counter()
   args = parse_args(argv)
@@ -156,9 +257,12 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   model_config = preset.model
   if jax.default_backend() == "gpu" and fused_attention_compiles(model_config):
     model_config = dataclasses.replace(model_config, attention_implementation="cudnn")
-  train_config = with_steps(preset.train, args.steps)
+  train_config = with_overrides(with_steps(preset.train, args.steps), args.set)
   recipe_names = recipes.parse_recipe_names(args.recipes)
-  models = build_models(recipe_names, model_config, args.moe)
+  if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
+    raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")
+  models = build_models([n for n in recipe_names if n != recipes.SUGGESTED_RECIPE], model_config,
+                        args.moe)
   # Every recipe starts from these: the bf16 (plain) model's parameters.
   plain_model = build_models([recipes.PLAIN_RECIPE], model_config, args.moe)[recipes.PLAIN_RECIPE]
 
@@ -170,44 +274,61 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
         f"({data.nats_to_bits(entropy):.4f} bits) per byte")
 
   seq_len = model_config.seq_len
+  seeds = seeds_of(args)
   sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
-  shared_params = training.init_variables(plain_model.module, jax.random.key(args.seed),
-                                          sample_tokens)[training.PARAMS]
-  n_params = sum(p.size for p in jax.tree.leaves(shared_params))
+  # Every recipe starts from these: the bf16 (plain) model's parameters, one set a seed.
+  shared_params = {seed: training.init_variables(plain_model.module, jax.random.key(seed),
+                                                 sample_tokens)[training.PARAMS] for seed in seeds}
+  n_params = sum(p.size for p in jax.tree.leaves(shared_params[seeds[0]]))
   print(f"model: {n_params:,} parameters, preset {args.preset!r}, {train_config.steps} steps of "
-        f"{train_config.batch_size}x{seq_len} tokens, on {jax.devices()[0]}, "
+        f"{train_config.batch_size}x{seq_len} tokens, seeds {seeds}, on {jax.devices()[0]}, "
         f"attention: {model_config.attention_implementation or 'xla'}")
   if args.moe and "fp8_delayed" in recipe_names:
     print("--moe: under fp8_delayed the experts' grouped GEMMs use current scaling "
           "(jaxquant's GroupedDense keeps no delayed-scaling state yet)")
-  validation_batches = jnp.asarray(data.fixed_validation_batches(
-      corpus.validation, args.seed, train_config.eval_batches, train_config.batch_size, seq_len))
+  validation_batches = jnp.asarray(validation_set(corpus, train_config, seq_len, args.seed))
+  print(f"validation: {validation_batches.shape[0]} batches of {train_config.batch_size} windows "
+        f"({validation_batches.shape[0] * train_config.batch_size * seq_len:,} predicted bytes), "
+        "the same for every recipe and seed")
 
   title = f"byte LM on the Python stdlib, preset {args.preset} ({n_params / 1e6:.1f}M parameters)"
   info = run_info(args, model_config, train_config, n_params, corpus, entropy)
   deadline = start + (args.time_budget_s or math.inf)
-  # (name, model, starting parameters) of every training run, in order.
-  runs = [(name, models[name], shared_params) for name in recipe_names]
+  # (name, model or None: built when its turn comes, starting parameters of each seed)
+  runs = [(name, models.get(name), shared_params) for name in recipe_names]
   if args.noise_floor:
     runs.append((report.NOISE_FLOOR, plain_model,
-                 training.perturbed(shared_params, jax.random.key(args.seed + 1), NOISE_FLOOR_SCALE)))
+                 {seed: training.perturbed(p, jax.random.key(seed + 1), NOISE_FLOOR_SCALE)
+                  for seed, p in shared_params.items()}))
   run_names = [name for name, _, _ in runs]
   results: list[report.RecipeResult] = []
+  notes = ""
   for index, (name, model, params) in enumerate(runs):
     if results and time.perf_counter() > deadline:
       break
-    results.append(train_recipe(name, model, train_config, params, corpus, validation_batches,
-                                args.seed, deadline))
-    # After every run, so a run cut short (--time-budget-s, or killed) still leaves what it
-    # finished, and names the rest as not run.
-    write_outputs(args.out, results, run_names[index + 1:], entropy, title, info)
-  not_run = run_names[len(results):]
+    if name == recipes.SUGGESTED_RECIPE:
+      model, params, notes = suggested_run(args, model_config, train_config, shared_params,
+                                           corpus, args.out)
+    trainer = RecipeTrainer(name, model, train_config, validation_batches)
+    for seed in seeds:
+      if seed != seeds[0] and time.perf_counter() > deadline:
+        break
+      results.append(trainer.train(params[seed], corpus, seed, deadline))
+      # After every run, so a run cut short (--time-budget-s, or killed) still leaves what it
+      # finished, and names the rest as not run.
+      write_outputs(args.out, results, run_names[index + 1:], entropy, title, info, notes)
+  ran = {r.recipe for r in results}
+  not_run = [name for name in run_names if name not in ran]
+  write_outputs(args.out, results, not_run, entropy, title, info, notes)
   print()
   print(report.results_table(results, not_run, entropy), end="")
-  for result in results:
-    print(f"{result.recipe}: final validation loss {result.final_val_loss:.4f} nats per byte; "
-          f"unigram byte entropy {entropy:.4f}")
-  print(f"outputs in {args.out}: {report.CURVES_PNG}, {report.RESULTS_TABLE}, {report.CURVES_JSON}")
+  for summary in report.summarize(results):
+    if summary.loss is not None:
+      spread = "" if summary.loss.std is None else f" ± {summary.loss.std:.4f} (sd over seeds)"
+      print(f"{summary.recipe}: final validation loss {summary.loss.mean:.4f}{spread} nats per "
+            f"byte; unigram byte entropy {entropy:.4f}")
+  print(f"outputs in {args.out}: {report.CURVES_PNG}, {report.RESULTS_TABLE}, {report.CURVES_JSON}"
+        + (f", {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}" if notes else ""))
   print(f"total time {time.perf_counter() - start:.0f} s")
   return results
 

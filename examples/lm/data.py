@@ -88,3 +88,17 @@ def fixed_validation_batches(tokens: np.ndarray, seed: int, n_batches: int, batc
   """[n_batches, batch_size, seq_len + 1]: the one validation set every eval uses."""
   rng = np.random.default_rng((seed, _VALIDATION_STREAM))
   return np.stack([random_windows(tokens, rng, batch_size, seq_len) for _ in range(n_batches)])
+
+
+def whole_split_batches(tokens: np.ndarray, batch_size: int, seq_len: int) -> np.ndarray:
+  """[n_batches, batch_size, seq_len + 1]: the whole split as consecutive windows that
+  overlap by one token (each token is a target once), in order; the windows that do not
+  fill a last batch are left out."""
+  n_windows = (len(tokens) - 1) // seq_len
+  n_batches = n_windows // batch_size
+  if n_batches == 0:
+    raise ValueError(f"the validation split ({len(tokens)} tokens) holds no batch of "
+                     f"{batch_size} windows of {seq_len + 1} tokens")
+  starts = np.arange(n_batches * batch_size) * seq_len
+  windows = tokens[starts[:, None] + np.arange(seq_len + 1)]
+  return windows.reshape(n_batches, batch_size, seq_len + 1)

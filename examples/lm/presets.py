@@ -5,7 +5,11 @@ tiny: seconds, for CI. cpu (the default): all eight recipes in under 10 minutes 
 whose compile time (one quantized GEMM site per Dense layer) and per-step cost are several
 times bf16's, so the model is small and the run short. gpu: a 58M-parameter model for one
 H100, sized so all eight recipes (casts through jaxquant's CUDA kernels, GEMMs through the
-dispatch table's GPU routes) compile and train in one run of under 9 minutes.
+dispatch table's GPU routes) compile and train in one run of under 9 minutes. gpu_seeds:
+the gpu model for `--seeds N`, validated on the whole validation split with the learning
+rate decayed to zero (below, why); a group of recipes a call.
+
+`train_lm.py --set FIELD=VALUE` overrides any TrainConfig field of the chosen preset.
 
 Every GEMM dimension is a multiple of 128 (tiny: of 64), so all block formats (MXFP8's 32,
 NVFP4's 16, block FP8's 128) tile the weights and the token dimension exactly.
@@ -14,6 +18,7 @@ NVFP4's 16, block FP8's 128) tile the weights and the token dimension exactly.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from lm.model import ModelConfig
 
@@ -28,7 +33,12 @@ class TrainConfig:
   weight_decay: float = 0.1
   grad_clip_norm: float = 1.0
   eval_every: int = 50
-  eval_batches: int = 4
+  # Validation batches of batch_size windows each, drawn at random from the validation
+  # split (the same ones at every evaluation of every recipe); None: the whole split,
+  # cut into consecutive windows (no sampling at all).
+  eval_batches: Optional[int] = 4
+  # Steps of bf16 training before the sensitivity analysis behind 'suggested_nvfp4'.
+  sensitivity_steps: int = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +69,17 @@ PRESETS = {
         TrainConfig(batch_size=32, steps=1000, warmup_steps=100, peak_learning_rate=5e-4,
                     eval_every=100, eval_batches=16)),
 }
+# The gpu model for several seeds a recipe (train_lm.py --seeds), where what matters is
+# how far apart seeds end. Against `gpu`:
+# - validation on the whole split (1.2M bytes, ~75 batches), the same for every seed:
+#   16 sampled batches (262k bytes) left each final loss a few tenths of a percent of
+#   sampling noise on top of training's (two models fit different windows best), and
+#   with a seed-dependent sample that noise would enter the seed-to-seed spread whole;
+# - the learning rate decays to zero, not to 10%: the last steps' updates (and their
+#   gradient noise) then shrink to nothing, so the final parameters depend less on the
+#   last batches a seed happened to draw;
+# - five evaluations (every 250 steps): each costs ~0.6 s (bf16) to ~1.1 s (NVFP4) on an H100.
+PRESETS["gpu_seeds"] = Preset(
+    PRESETS["gpu"].model,
+    dataclasses.replace(PRESETS["gpu"].train, final_learning_rate_fraction=0.0, eval_every=250,
+                        eval_batches=None, sensitivity_steps=100))

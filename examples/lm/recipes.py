@@ -31,6 +31,9 @@ PRESET_RECIPES = ("fp8_current", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "
 # A per-role policy written here with CustomRecipe: nvidia_nvfp4_policy below.
 CUSTOM_RECIPE = "custom"
 RECIPE_NAMES = (PLAIN_RECIPE,) + PRESET_RECIPES + (CUSTOM_RECIPE,)
+# An NVFP4 policy chosen by jaxquant.analysis on the model itself (lm/suggested.py); by
+# name only ('all' is the eight above): it runs a sensitivity analysis first.
+SUGGESTED_RECIPE = "suggested_nvfp4"
 
 # NVIDIA's NVFP4 pretraining recipe keeps roughly the last 15% of the blocks in bf16:
 # the final layers are the most sensitive to quantization noise.
@@ -55,11 +58,13 @@ def keep_forward_state(forward_collections: dict, collection_grads: dict) -> dic
 
 
 def parse_recipe_names(text: str) -> list[str]:
-  """'all' or a comma-separated list of names from RECIPE_NAMES."""
+  """'all' (RECIPE_NAMES) or a comma-separated list of names from RECIPE_NAMES and
+  SUGGESTED_RECIPE."""
   names = list(RECIPE_NAMES) if text == "all" else [n.strip() for n in text.split(",") if n.strip()]
-  unknown = [n for n in names if n not in RECIPE_NAMES]
+  known = RECIPE_NAMES + (SUGGESTED_RECIPE,)
+  unknown = [n for n in names if n not in known]
   if unknown or not names:
-    raise ValueError(f"unknown recipe(s) {unknown or text!r}; choose from {', '.join(RECIPE_NAMES)} or 'all'")
+    raise ValueError(f"unknown recipe(s) {unknown or text!r}; choose from {', '.join(known)} or 'all'")
   return names
 
 

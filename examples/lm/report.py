@@ -1,4 +1,5 @@
-"""The run's outputs: validation-loss curves (PNG), a markdown table, and a JSON of it all."""
+"""The run's outputs: validation-loss curves (PNG), a markdown table, and a JSON of it all,
+over every recipe and seed (lm/stats.py: mean, spread and the paired interval of the gaps)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import pathlib
 import statistics
 from typing import Optional
 
+import numpy as np
+
+from lm import stats
 from lm.recipes import PLAIN_RECIPE
 
 CURVES_JSON = "curves.json"
@@ -22,6 +26,8 @@ NOISE_FLOOR = "bf16_perturbed"
 
 @dataclasses.dataclass
 class RecipeResult:
+  """One training run: one recipe from one seed."""
+
   recipe: str
   planned_steps: int
   eval_steps: list[int]  # steps after which validation ran (0: before training)
@@ -29,8 +35,9 @@ class RecipeResult:
   train_losses: list[float]  # nats, one per step
   # Mean step time of each window between host syncs (the first, compiling step excluded).
   window_step_seconds: list[float]
-  compile_seconds: float  # the first step, compilation included
-  wall_seconds: float = 0.0  # the whole recipe: compiles, steps and evaluations
+  compile_seconds: float  # the first step, compilation included (the recipe's first seed)
+  wall_seconds: float = 0.0  # the whole run: compiles, steps and evaluations
+  seed: int = 0
 
   @property
   def final_val_loss(self) -> float:
@@ -49,24 +56,78 @@ def relative_gap(loss: float, baseline: Optional[float]) -> Optional[float]:
   return None if baseline is None else (loss - baseline) / baseline
 
 
-def _baseline_loss(results: list[RecipeResult]) -> Optional[float]:
-  return next((r.final_val_loss for r in results if r.recipe == PLAIN_RECIPE and r.completed),
-              None)
+@dataclasses.dataclass(frozen=True)
+class RecipeSummary:
+  """A recipe over its seeds: the runs, and the statistics of those that completed."""
+
+  recipe: str
+  runs: tuple[RecipeResult, ...]
+  loss: Optional[stats.Summary]  # final validation loss over the completed seeds
+  # Per-seed relative gap to bf16 of the same seed (both completed): mean, sd, paired
+  # t-interval.
+  gap: Optional[stats.Summary]
+
+  @property
+  def completed_seeds(self) -> list[int]:
+    return [r.seed for r in self.runs if r.completed]
+
+
+def summarize(results: list[RecipeResult]) -> list[RecipeSummary]:
+  """One summary per recipe, in the order the recipes first ran."""
+  by_recipe: dict[str, list[RecipeResult]] = {}
+  for r in results:
+    by_recipe.setdefault(r.recipe, []).append(r)
+  baseline = {r.seed: r.final_val_loss for r in by_recipe.get(PLAIN_RECIPE, []) if r.completed}
+  summaries = []
+  for recipe, runs in by_recipe.items():
+    done = [r for r in runs if r.completed]
+    gaps = [relative_gap(r.final_val_loss, baseline[r.seed]) for r in done if r.seed in baseline]
+    summaries.append(RecipeSummary(
+        recipe, tuple(runs), stats.summarize([r.final_val_loss for r in done]) if done else None,
+        stats.summarize(gaps) if gaps else None))
+  return summaries
+
+
+def _summary_json(summary: Optional[stats.Summary]) -> Optional[dict]:
+  return None if summary is None else dataclasses.asdict(summary)
 
 
 def write_curves_json(path: pathlib.Path, results: list[RecipeResult], run_info: dict) -> None:
-  payload = {"run": run_info,
-             "recipes": {r.recipe: {**dataclasses.asdict(r), "final_val_loss": r.final_val_loss,
-                                    "completed": r.completed,
-                                    "median_step_seconds": r.median_step_seconds}
-                         for r in results}}
+  """{"run": run_info, "recipes": {recipe: {"final_val_loss": summary, "gap_to_bf16":
+  summary, "seeds": {seed: run}}}}; a summary is {n, mean, std, interval}."""
+  payload = {"run": run_info, "recipes": {}}
+  for summary in summarize(results):
+    payload["recipes"][summary.recipe] = {
+        "final_val_loss": _summary_json(summary.loss),
+        "gap_to_bf16": _summary_json(summary.gap),
+        "seeds": {str(r.seed): {**dataclasses.asdict(r), "final_val_loss": r.final_val_loss,
+                                "completed": r.completed,
+                                "median_step_seconds": r.median_step_seconds}
+                  for r in summary.runs}}
   path.write_text(json.dumps(payload, indent=1))
+
+
+def _common_curve(runs: list[RecipeResult]) -> tuple[list[int], np.ndarray]:
+  """The eval steps every run reached, and [runs, steps] of their losses there."""
+  steps = sorted(set.intersection(*(set(r.eval_steps) for r in runs)))
+  return steps, np.array([[dict(zip(r.eval_steps, r.val_losses))[s] for s in steps] for r in runs])
+
+
+def _band(axis, steps, values: np.ndarray, style: dict):
+  """The mean over runs as a line, min to max over runs as a band."""
+  line, = axis.plot(steps, values.mean(axis=0), **style)
+  if len(values) > 1:
+    axis.fill_between(steps, values.min(axis=0), values.max(axis=0), color=line.get_color(),
+                      alpha=0.2, linewidth=0)
+  return line
 
 
 def plot_validation_curves(path: pathlib.Path, results: list[RecipeResult],
                            unigram_entropy: float, title: str) -> None:
-  """Two panels: every run's validation loss, and below it each run's gap to bf16 in %.
+  """Two panels: every recipe's validation loss, and below it its gap to bf16 in %.
 
+  With several seeds a line is the mean over seeds and the band spans the lowest to the
+  highest seed; the gap is taken per seed (to bf16 of the same seed), then averaged.
   The gaps (a percent or two) are invisible at the loss panel's scale, which spans the
   whole descent from the unigram entropy.
   """
@@ -76,18 +137,27 @@ def plot_validation_curves(path: pathlib.Path, results: list[RecipeResult],
 
   figure, (losses, gaps) = plt.subplots(2, 1, figsize=(8, 8), dpi=120, sharex=True,
                                         gridspec_kw={"height_ratios": [3, 2]})
-  baseline = next((r for r in results if r.recipe == PLAIN_RECIPE), None)
-  baseline_at = dict(zip(baseline.eval_steps, baseline.val_losses)) if baseline else {}
-  for result in results:
-    style = {"marker": "o", "markersize": 3, "label": result.recipe,
-             "linestyle": "--" if result.recipe == NOISE_FLOOR else "-"}
-    line, = losses.plot(result.eval_steps, result.val_losses, **style)
+  summaries = summarize(results)
+  baseline = {r.seed: dict(zip(r.eval_steps, r.val_losses))
+              for r in results if r.recipe == PLAIN_RECIPE}
+  n_seeds = max(len(s.runs) for s in summaries)
+  for summary in summaries:
+    runs = list(summary.runs)
+    style = {"marker": "o", "markersize": 3, "label": summary.recipe,
+             "linestyle": "--" if summary.recipe == NOISE_FLOOR else "-"}
+    steps, values = _common_curve(runs)
+    line = _band(losses, steps, values, style)
     # Gaps at the steps both runs evaluated, from the first eval after step 0 (at step 0 the
     # runs differ only by the untrained model's forward pass).
-    shared = [(s, l) for s, l in zip(result.eval_steps, result.val_losses) if s in baseline_at and s]
-    if shared:
-      gaps.plot([s for s, _ in shared], [100 * (l / baseline_at[s] - 1) for s, l in shared],
-                **{**style, "color": line.get_color(), "label": None})
+    paired = [r for r in runs if r.seed in baseline]
+    if paired:
+      steps = [s for s in _common_curve(paired)[0] if s and
+               all(s in baseline[r.seed] for r in paired)]
+      if steps:
+        curve = lambda r: dict(zip(r.eval_steps, r.val_losses))
+        relative = np.array([[100 * (curve(r)[s] / baseline[r.seed][s] - 1) for s in steps]
+                             for r in paired])
+        _band(gaps, steps, relative, {**style, "color": line.get_color(), "label": None})
   losses.axhline(unigram_entropy, color="gray", linestyle="--", linewidth=1,
                  label=f"unigram byte entropy ({unigram_entropy:.2f})")
   # The first eval (an untrained model, ~ln 256) would squash the curves: show from just
@@ -95,7 +165,8 @@ def plot_validation_curves(path: pathlib.Path, results: list[RecipeResult],
   lowest = min(min(r.val_losses) for r in results)
   losses.set_ylim(lowest - 0.05 * (unigram_entropy - lowest), unigram_entropy * 1.1)
   losses.set_ylabel("validation loss (nats per byte)")
-  losses.set_title(title)
+  losses.set_title(title + (f"\nmean of {n_seeds} seeds; bands: lowest to highest seed"
+                            if n_seeds > 1 else ""))
   losses.grid(alpha=0.3)
   losses.legend()
   gaps.axhline(0, color="black", linewidth=0.8)
@@ -107,23 +178,71 @@ def plot_validation_curves(path: pathlib.Path, results: list[RecipeResult],
   plt.close(figure)
 
 
+def _loss_text(summary: RecipeSummary) -> str:
+  if summary.loss is None:
+    return "n/a"
+  if summary.loss.std is None:
+    return f"{summary.loss.mean:.4f}"
+  return f"{summary.loss.mean:.4f} ± {summary.loss.std:.4f}"
+
+
+def _gap_text(summary: RecipeSummary) -> str:
+  gap = summary.gap
+  if gap is None:
+    return "n/a"
+  if gap.interval is None:
+    return f"{gap.mean:+.2%}"
+  return f"{gap.mean:+.2%} [{gap.interval[0]:+.2%}, {gap.interval[1]:+.2%}]"
+
+
 def results_table(results: list[RecipeResult], not_run: list[str], unigram_entropy: float) -> str:
-  """Gaps are relative to bf16's final loss, and only between runs that completed."""
-  baseline = _baseline_loss(results)
-  lines = ["| recipe | final val loss (nats) | gap to bf16 | median step (ms) "
-           "| first step, compile incl. (s) | recipe wall time (s) |",
-           "| --- | --- | --- | --- | --- | --- |"]
-  for r in results:
-    gap = relative_gap(r.final_val_loss, baseline) if r.completed else None
-    gap_text = "n/a" if gap is None else f"{gap:+.2%}"
-    loss_text = f"{r.final_val_loss:.4f}"
-    if not r.completed:
-      loss_text += f" (stopped at step {r.eval_steps[-1]} of {r.planned_steps}: time budget)"
-    lines.append(f"| {r.recipe} | {loss_text} | {gap_text} | "
-                 f"{1e3 * r.median_step_seconds:.1f} | {r.compile_seconds:.1f} | "
-                 f"{r.wall_seconds:.0f} |")
-  lines.extend(f"| {name} | not run | n/a | n/a | n/a | n/a |" for name in not_run)
+  """Gaps are relative to bf16's final loss of the same seed, between runs that completed."""
+  summaries = summarize(results)
+  seeds = sorted({r.seed for r in results})
+  several = len(seeds) > 1
+  lines = ["| recipe | seeds completed | final val loss (nats)" + (", mean ± sd" if several else "") +
+           " | spread (sd / mean) | gap to bf16" + (", mean [95% CI]" if several else "") +
+           " | median step (ms) | first step, compile incl. (s) | recipe wall time (s) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for summary in summaries:
+    runs = summary.runs
+    loss_text = _loss_text(summary)
+    stopped = [r for r in runs if not r.completed]
+    if stopped:
+      loss_text += "".join(f" (seed {r.seed} stopped at step {r.eval_steps[-1]} of "
+                           f"{r.planned_steps}: time budget)" for r in stopped)
+    spread = (f"{summary.loss.std / summary.loss.mean:.2%}"
+              if summary.loss is not None and summary.loss.std is not None else "n/a")
+    step_ms = 1e3 * statistics.median(s for r in runs for s in r.window_step_seconds)
+    lines.append(f"| {summary.recipe} | {len(summary.completed_seeds)} of {len(runs)} | "
+                 f"{loss_text} | {spread} | {_gap_text(summary)} | {step_ms:.1f} | "
+                 f"{runs[0].compile_seconds:.1f} | {sum(r.wall_seconds for r in runs):.0f} |")
+  lines.extend(f"| {name} | not run | n/a | n/a | n/a | n/a | n/a | n/a |" for name in not_run)
   lines.append("")
+  if several:
+    lines.append(f"Seeds {', '.join(map(str, seeds))}: each sets the initial parameters and the "
+                 "data order, the same for every recipe. A recipe's gap is taken per seed, to "
+                 "bf16 of the same seed, then averaged; its 95% interval is the paired "
+                 "t-interval of those per-seed gaps (mean ± t(0.975, n-1) sd / sqrt(n)). "
+                 "Spread: the sample standard deviation of the final loss over seeds, "
+                 "relative to its mean.")
+    lines.append("")
+    lines += ["| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+              "| --- | " + " | ".join("---" for _ in seeds) + " |"]
+    baseline = {r.seed: r.final_val_loss for r in results if r.recipe == PLAIN_RECIPE and r.completed}
+    for summary in summaries:
+      by_seed = {r.seed: r for r in summary.runs}
+      cells = []
+      for seed in seeds:
+        run = by_seed.get(seed)
+        if run is None or not run.completed:
+          cells.append("n/a")
+          continue
+        gap = relative_gap(run.final_val_loss, baseline.get(seed))
+        cells.append(f"{run.final_val_loss:.4f}" + ("" if gap is None or summary.recipe == PLAIN_RECIPE
+                                                    else f" ({gap:+.2%})"))
+      lines.append(f"| {summary.recipe} | " + " | ".join(cells) + " |")
+    lines.append("")
   if any(r.recipe == NOISE_FLOOR for r in results):
     lines.append(f"{NOISE_FLOOR}: bf16 again, from slightly perturbed initial parameters "
                  "(train_lm.py --noise-floor). Its gap is the noise floor of single-run gaps: "
@@ -134,5 +253,6 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
 
 
 def write_results_table(path: pathlib.Path, results: list[RecipeResult], not_run: list[str],
-                        unigram_entropy: float, heading: str) -> None:
-  path.write_text(f"# {heading}\n\n" + results_table(results, not_run, unigram_entropy))
+                        unigram_entropy: float, heading: str, extra: str = "") -> None:
+  path.write_text(f"# {heading}\n\n" + results_table(results, not_run, unigram_entropy) +
+                  (f"\n{extra}" if extra else ""))

@@ -21,7 +21,7 @@ import flax.linen as nn  # noqa: E402
 import train_lm  # noqa: E402  (needs examples/ on the path)
 from jaxquant.flax import weight_roles  # noqa: E402
 from jaxquant.quantizers import NVFP4Quantizer  # noqa: E402
-from lm import data, presets, recipes, report, training  # noqa: E402
+from lm import data, layout, presets, recipes, report, stats, suggested, training  # noqa: E402
 from lm.model import AUX_LOSSES, TransformerLM  # noqa: E402
 
 TINY = presets.PRESETS["tiny"]
@@ -34,12 +34,12 @@ TINY = presets.PRESETS["tiny"]
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[pathlib.Path, str]:
-  """The script as a user runs it (tiny preset, bf16)."""
+  """The script as a user runs it (tiny preset, bf16, two seeds)."""
   out = tmp_path_factory.mktemp("train_lm")
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
   completed = subprocess.run(
       [sys.executable, str(EXAMPLES / "train_lm.py"), "--preset", "tiny", "--recipes", "bf16",
-       "--noise-floor", "--out", str(out)],
+       "--noise-floor", "--seeds", "2", "--seed", "3", "--out", str(out)],
       capture_output=True, text=True, timeout=300, check=False, env=env)
   assert completed.returncode == 0, completed.stdout + completed.stderr
   return out, completed.stdout
@@ -55,8 +55,9 @@ def test_writes_all_outputs(tiny_run):
 def test_noise_floor_starts_elsewhere_and_reports_a_gap(tiny_run):
   out, _ = tiny_run
   curves = json.loads((out / "curves.json").read_text())["recipes"]
-  bf16, perturbed = curves["bf16"], curves[report.NOISE_FLOOR]
-  assert perturbed["completed"] and perturbed["val_losses"][0] != bf16["val_losses"][0]
+  for seed in ("3", "4"):
+    bf16, perturbed = curves["bf16"]["seeds"][seed], curves[report.NOISE_FLOOR]["seeds"][seed]
+    assert perturbed["completed"] and perturbed["val_losses"][0] != bf16["val_losses"][0]
   table = (out / "results.md").read_text()
   assert f"| {report.NOISE_FLOOR} |" in table and "noise floor" in table
 
@@ -72,10 +73,32 @@ def test_perturbed_scales_each_element_independently():
 def test_loss_decreases(tiny_run):
   out, stdout = tiny_run
   curves = json.loads((out / "curves.json").read_text())
-  assert curves["run"]["not_run"] == []
-  bf16 = curves["recipes"]["bf16"]
-  assert bf16["completed"] and bf16["val_losses"][-1] < bf16["val_losses"][0] - 0.5
+  assert curves["run"]["not_run"] == [] and curves["run"]["seeds"] == [3, 4]
+  for bf16 in curves["recipes"]["bf16"]["seeds"].values():
+    assert bf16["completed"] and bf16["val_losses"][-1] < bf16["val_losses"][0] - 0.5
   assert "unigram byte entropy" in stdout
+
+
+def test_seeds_start_apart_and_are_summarized(tiny_run):
+  out, _ = tiny_run
+  recipes_json = json.loads((out / "curves.json").read_text())["recipes"]
+  bf16 = recipes_json["bf16"]
+  assert bf16["seeds"]["3"]["val_losses"][0] != bf16["seeds"]["4"]["val_losses"][0]
+  finals = [bf16["seeds"][s]["final_val_loss"] for s in ("3", "4")]
+  assert bf16["final_val_loss"]["n"] == 2
+  assert bf16["final_val_loss"]["mean"] == pytest.approx(np.mean(finals))
+  assert bf16["final_val_loss"]["std"] == pytest.approx(np.std(finals, ddof=1))
+  # The noise floor's gap: per seed against bf16 of the same seed, with its interval.
+  perturbed = recipes_json[report.NOISE_FLOOR]
+  gaps = [perturbed["seeds"][s]["final_val_loss"] / bf16["seeds"][s]["final_val_loss"] - 1
+          for s in ("3", "4")]
+  low, high = perturbed["gap_to_bf16"]["interval"]
+  half_width = 12.706 * np.std(gaps, ddof=1) / np.sqrt(2)  # t(0.975, 1)
+  assert (low, high) == pytest.approx((np.mean(gaps) - half_width, np.mean(gaps) + half_width),
+                                      rel=1e-3)
+  table = (out / "results.md").read_text()
+  assert "| bf16 | 2 of 2 |" in table and "paired t-interval" in table
+  assert "| seed 3 | seed 4 |" in table
 
 
 # Under nn.scan: the scanned path's state stacking and RNG splitting get checked too.
@@ -178,3 +201,67 @@ def test_recipe_names():
   assert recipes.parse_recipe_names("all") == list(recipes.RECIPE_NAMES)
   with pytest.raises(ValueError, match="unknown recipe"):
     recipes.parse_recipe_names("fp9")
+
+
+def test_student_t_quantiles_match_the_tables():
+  # Two-sided 95% critical values of Student's t (any statistics table).
+  for dof, expected in ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (9, 2.262), (30, 2.042)):
+    assert stats.student_t_quantile(0.95, dof) == pytest.approx(expected, abs=1e-3)
+
+
+def test_summary_of_one_value_has_no_spread():
+  summary = stats.summarize([0.5])
+  assert (summary.n, summary.mean, summary.std, summary.interval) == (1, 0.5, None, None)
+
+
+def test_whole_split_batches_tile_the_split():
+  tokens = (np.arange(1000) % 251).astype(np.uint8)
+  batches = data.whole_split_batches(tokens, batch_size=4, seq_len=10)
+  windows = batches.reshape(-1, 11)
+  assert batches.shape == (24, 4, 11)  # 99 windows of 10 targets, 3 short of a 25th batch
+  np.testing.assert_array_equal(windows[:, 1:].reshape(-1), tokens[1:961])  # each target once
+  np.testing.assert_array_equal(windows[1:, 0], windows[:-1, -1])
+  with pytest.raises(ValueError, match="no batch"):
+    data.whole_split_batches(tokens[:30], batch_size=4, seq_len=10)
+
+
+def test_set_overrides_training_fields():
+  train = train_lm.with_overrides(TINY.train, ["final_learning_rate_fraction=0",
+                                               "eval_batches=all", "eval_every=5"])
+  assert (train.final_learning_rate_fraction, train.eval_batches, train.eval_every) == (0.0, None, 5)
+  for bad in ("lr=1", "steps=1.5", "steps=all"):
+    with pytest.raises(ValueError, match="--set"):
+      train_lm.with_overrides(TINY.train, [bad])
+
+
+def test_relayout_moves_the_parameters_between_scan_layouts():
+  config = dataclasses.replace(TINY.model, n_layers=3, scanned_layers=2)
+  tokens = jnp.zeros((2, config.seq_len), jnp.int32)
+  params = training.init_variables(TransformerLM(config), jax.random.key(0), tokens)["params"]
+  unrolled = layout.relayout(params, config, 0)
+  assert set(unrolled["decoder"]) == {"layer_0", "layer_1", "layer_2", "final_norm"}
+  np.testing.assert_array_equal(unrolled["decoder"]["layer_1"]["mlp"]["wi"]["kernel"],
+                                params["decoder"]["layers"]["layer"]["mlp"]["wi"]["kernel"][1])
+  back = layout.relayout(unrolled, dataclasses.replace(config, scanned_layers=0), 2)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  one_scanned = layout.relayout(params, config, 1)
+  expected = jax.eval_shape(TransformerLM(dataclasses.replace(config, scanned_layers=1)).init,
+                            jax.random.key(0), tokens)["params"]
+  assert jax.tree.map(jnp.shape, one_scanned) == jax.tree.map(jnp.shape, expected)
+  np.testing.assert_array_equal(one_scanned["decoder"]["layer_1"]["attention"]["qkv"]["kernel"],
+                                params["decoder"]["layers"]["layer"]["attention"]["qkv"]["kernel"][1])
+
+
+def test_suggested_policy_keeps_as_many_modules_as_custom():
+  """suggested.kept_by_custom on a report of the unrolled tiny model's module names."""
+  from jaxquant.analysis import ModuleSensitivity, RoleSensitivity, SensitivityReport
+  from jaxquant.roles import gemm_roles
+  config = dataclasses.replace(TINY.model, scanned_layers=0)
+  names = [f"decoder/layer_{i}/{m}" for i in range(config.n_layers)
+           for m in ("attention/qkv", "attention/out", "mlp/wi", "mlp/wo")]
+  modules = tuple(ModuleSensitivity("linear", name, {"fprop": 20.0, "dgrad": 20.0, "wgrad": 20.0},
+                                    tuple(RoleSensitivity(role, NVFP4Quantizer(), {}, None, None)
+                                          for role in gemm_roles("linear", name).values()), None)
+                  for name in names)
+  report_ = SensitivityReport("nvfp4", 1.0, 1.0, modules)
+  assert suggested.kept_by_custom(report_, config) == 4  # the last of two layers: 4 GEMMs
