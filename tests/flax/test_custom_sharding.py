@@ -36,7 +36,11 @@ def _fsdp(model, params, windows):
   return (jax.device_put(params, shardings), jax.device_put(windows, NamedSharding(mesh, P("data"))))
 
 
-@pytest.mark.parametrize("recipe, steps", [(recipes.bf16, 8), (recipes.fp8_current, 4)],
+# fp8_current: two steps, the first forward and the loss after one update (which carries
+# the sharded gradients). From the third on, fp32 noise that moved one element across an
+# FP8 rounding boundary shows (test_sharding's docstring): under JAX 0.12 this model's
+# third loss differs by 2e-4 relative between the runs, its first two by 1e-7.
+@pytest.mark.parametrize("recipe, steps", [(recipes.bf16, 8), (recipes.fp8_current, 2)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_fsdp_losses_match_one_device(recipe, steps):
   data = windows()
