@@ -97,8 +97,8 @@ class LinenRunner:
       return loss, taps.matrices
 
     grad = jax.jit(jax.grad(loss_with_probes, argnums=1, has_aux=True))
-    probe_grads, matrices = grad(self.params, capture.zero_probes(probe_shapes), self.rest,
-                                 self.batch, self.key)
+    probe_grads, matrices = _captured(grad, self.params, capture.zero_probes(probe_shapes),
+                                      self.rest, self.batch, self.key)
     return capture.gemm_operands(matrices, views, probe_grads)
 
   def effect(self, recipe: recipes.CustomRecipe, reference_grads):
@@ -159,7 +159,8 @@ class NnxRunner:
       return loss, taps.matrices
 
     grad = jax.jit(jax.grad(loss_with_probes, argnums=1, has_aux=True))
-    probe_grads, matrices = grad(params, capture.zero_probes(probe_shapes), rest, self.batch)
+    probe_grads, matrices = _captured(grad, params, capture.zero_probes(probe_shapes), rest,
+                                      self.batch)
     return capture.gemm_operands(matrices, views, probe_grads)
 
   def effect(self, recipe: recipes.CustomRecipe, reference_grads):
@@ -172,6 +173,16 @@ class NnxRunner:
       return _effect_outputs(loss, grads, reference)
 
     return jax.jit(run)(params, rest, self.batch, reference_grads)
+
+
+def _captured(grad, *args):
+  try:
+    return grad(*args)
+  except jax.errors.UnexpectedTracerError as error:
+    raise ValueError(
+        "sensitivity: a GEMM layer of the model runs inside a JAX transform (nn.scan, "
+        "nn.vmap, nnx.scan, ...), whose operands cannot leave it to be measured; analyse an "
+        "unrolled copy of the model (the same parameters, the layers not scanned)") from error
 
 
 def runner_for(model, variables, batch, loss_fn: LossFn, key: jax.Array):

@@ -253,3 +253,20 @@ def test_bad_inputs_are_refused():
     analysis.sensitivity(model, variables, x, recipes.fp8_current, lambda call, b: call(b))
   with pytest.raises(ValueError, match="variables"):
     analysis.sensitivity(model, variables["params"], x, recipes.fp8_current, loss)
+
+
+class ScannedDenses(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    step = lambda module, carry, _: (nn.Dense(64, dtype=jnp.bfloat16, name="layer")(carry), None)
+    scan = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+    return scan(self, x, None)[0]
+
+
+def test_layers_under_scan_are_refused_with_the_way_out():
+  model = ScannedDenses()
+  x = jnp.ones((16, 64), jnp.bfloat16)
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="unrolled copy"):
+    analysis.sensitivity(model, variables, x, recipes.fp8_current,
+                         lambda call, batch: jnp.sum(call(batch)), model_runs=None)
