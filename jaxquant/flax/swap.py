@@ -88,7 +88,7 @@ class QuantizedModel(nn.Module):
   Same params as `module`. Only `__call__` is quantized; to quantize the GEMMs of
   another method, call it inside `intercepting(recipe)`. At init the model runs twice:
   first as written, so that every param exists (and each routed weight's role name sees
-  all its module's weights), then quantized.
+  all its module's weights), then quantized; the recipe is asked once per role.
   """
 
   module: nn.Module
@@ -102,9 +102,10 @@ class QuantizedModel(nn.Module):
 
   def __call__(self, *args, **kwargs):
     if self.is_initializing():
-      with sessions.active(sessions.Session(self.recipe, self.on_unfit)):
-        with intercepting(self.recipe, self.annotate):
-          self.module(*args, **kwargs)
+      # As written (jaxquant's own layers without a recipe of their own in bf16): this
+      # creates every param, and asks the recipe nothing.
+      with recipes.autocast(recipes.bf16):
+        self.module(*args, **kwargs)
     stack = ModuleStack()
     session = sessions.Session(self.recipe, self.on_unfit, stack.find_weight)
     with sessions.active(session), interception.routing(routed.handle):

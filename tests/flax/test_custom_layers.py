@@ -54,7 +54,7 @@ def gemma():
 
 def test_gemma_roles_are_every_weight_once():
   seen = roles_seen(cl.GemmaStyleLM(), windows()[:, :-1])
-  # init runs the model once as written, then once quantized: each role asked once.
+  # init runs the model once as written, then once quantized: each role is asked once.
   assert len(seen) == 3 * len(cl.GEMMA_ROLES)
   assert {(r.name, r.tensor_type) for r in seen} == {
       (n, t) for n in cl.GEMMA_ROLES for t in ("input", "weight", "grad_output")}
@@ -215,7 +215,6 @@ def test_maxtext_roles(route):
   seen = []
   recording = recipes.CustomRecipe(lambda role: seen.append(role))
   jax.eval_shape(maxtext_model(route, recording).init, jax.random.key(0), windows()[:, :-1])
-  # The swapped model runs twice at init (as written, then quantized); the hook's model once.
   assert len(seen) == 3 * len(cl.MAXTEXT_ROLES)
   assert {(r.name, r.tensor_type) for r in seen} == {
       (n, t) for n in cl.MAXTEXT_ROLES for t in ("input", "weight", "grad_output")}
