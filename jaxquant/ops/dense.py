@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import recipes
+from jaxquant.ops import weight_gather as gathering
 from jaxquant.formats import INPUT_DTYPES
 from jaxquant.ops.dense_vjp import DenseConfig, dense_2d
 from jaxquant.ops.operands import (FORWARD_USAGES, check_dims, check_placement, check_role_args,
@@ -45,7 +46,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
           quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
           name: str = "", module_type: str = "linear", backward: Optional[str] = None,
           key: Optional[jax.Array] = None,
-          state: Optional[Mapping[str, object]] = None):
+          state: Optional[Mapping[str, object]] = None,
+          weight_gather: Optional[gathering.WeightGather] = None):
   """y = x @ kernel + bias with the GEMMs in the formats the recipe picks per role.
 
   Args:
@@ -63,6 +65,10 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
     key: one PRNG key for stochastic rounding; role t uses `fold_in(key, i)`, i the
       index of t in ("input", "weight", "grad_output") (operands.role_key).
     state: {tensor_type: DelayedScalingState} for exactly the delayed-scaling roles.
+    weight_gather: the kernel is sharded FSDP-style (`WeightGather(mesh, kernel_spec,
+      axis)`): each device quantizes its shard and the codes and scales are all-gathered,
+      the same bits as gathering the kernel and quantizing it (ops/weight_gather.py). A
+      weight with no quantized usage (bf16) is gathered by XLA as without the option.
 
   Returns:
     y [..., N], or `(y, new_state)` when `state` is given: new_state records the input
@@ -76,6 +82,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
   if backward not in recipes.BACKWARD_MODES:
     raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")
   check_state(quantizers, state, what)
+  weight_gather = gathering.resolve(weight_gather, quantizers["weight"],
+                                    usages_to_quantize("weight", backward), kernel.shape, what)
 
   if is_high_precision(quantizers):
     y = jnp.dot(x, kernel.astype(x.dtype))
@@ -97,7 +105,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
 
   cfg = DenseConfig(tuple(quantizers.items()), backward, jnp.dtype(kernel.dtype),
-                    None if bias is None else jnp.dtype(bias.dtype), what)
+                    None if bias is None else jnp.dtype(bias.dtype), what, weight_gather)
   y, new_state = dense_2d(cfg, x.reshape(m, k), kernel, bias, keys, dict(state or {}))
   y = y.reshape(*x.shape[:-1], n)
   return y if state is None else (y, new_state)

@@ -25,6 +25,7 @@ from jaxquant.ops.gemm import gemm
 from jaxquant.ops.operands import (FORWARD_USAGES, backward_residual, check_dims,
                                    columnwise_operand, gemm_matrices, quantize_operand,
                                    quantize_transposed_operand, stored, usages_to_quantize)
+from jaxquant.ops.weight_gather import WeightGather, gather_operand, quantize_shards
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensor import USAGES
 
@@ -41,6 +42,8 @@ class DenseConfig:
   kernel_dtype: jnp.dtype  # gradients come back in the primal dtypes
   bias_dtype: Optional[jnp.dtype]  # None: no bias
   what: str = "dense"  # the call's name in error messages
+  # The weight quantized shard by shard and gathered in its quantized form (None: as is).
+  weight_gather: Optional[WeightGather] = None
 
   def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
     return dict(self.quantizers)[tensor_type]
@@ -63,6 +66,10 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
     # w = kernel.T: the weight's usages are cast from the kernel itself where they can be.
     quantize_fn, source = ((quantize_transposed_operand, kernel) if tensor_type == "weight"
                            else (quantize_operand, matrix))
+    if tensor_type == "weight" and cfg.weight_gather is not None:
+      # No key: a weight that rounds stochastically is never gathered quantized.
+      quantize_fn = lambda kernel, q, usages, key, state: quantize_shards(
+          kernel, q, usages, gather=cfg.weight_gather, state=state)
     operands[tensor_type], role_state = quantize_fn(
         source, cfg.quantizer(tensor_type), usages, key=keys[tensor_type],
         state=state.get(tensor_type))
@@ -71,7 +78,8 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
   # fp32 sums rounded once to x's dtype, by the GEMM itself where no bias is added first
   # (the same bits; no fp32 [M, N] to write and convert).
   y_dtype = x.dtype if bias is None else jnp.float32
-  y = gemm(operands["input"]["rowwise"], operands["weight"]["rowwise"], out_dtype=y_dtype)
+  w_row = gather_operand(operands["weight"]["rowwise"], "rowwise", cfg.weight_gather)
+  y = gemm(operands["input"]["rowwise"], w_row, out_dtype=y_dtype)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   residuals = None
@@ -116,7 +124,10 @@ def _dense_bwd(cfg, saved, cotangents):
   residuals, key, go_state = saved
   dy, state_ct = cotangents  # dy is in y's dtype, which is x's
   dy_ops, amax = _grad_output_operands(cfg, dy, key, go_state)
-  w_col = columnwise_operand(residuals["weight"], cfg.backward)
+  # A gathered weight's residual is its shard (quantize_shards): gathered here, for dgrad.
+  w_residual_usage = "columnwise" if cfg.backward == "quantized" else "rowwise"
+  w_col = columnwise_operand(
+      gather_operand(residuals["weight"], w_residual_usage, cfg.weight_gather), cfg.backward)
   x_col = columnwise_operand(residuals["input"], cfg.backward)
   dx = gemm(dy_ops["rowwise"], w_col, out_dtype=dy.dtype)
   # The kernel's gradient [K, N] comes out in its own layout (x first): the other order

@@ -137,7 +137,7 @@ def quantize_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, 
 _OTHER_USAGE = {"rowwise": "columnwise", "columnwise": "rowwise"}
 
 
-def _treats_usages_alike(quantizer: Optional[Quantizer]) -> bool:
+def treats_usages_alike(quantizer: Optional[Quantizer]) -> bool:
   """One format for both usages and nothing usage-specific (no hybrid, no RHT on the
   columnwise usage, no per-usage SR stream, no per-token rows): then a matrix's columnwise
   usage is, bit for bit, its transpose's rowwise usage, and the other way round."""
@@ -155,7 +155,7 @@ def quantize_transposed_operand(matrix: jax.Array, quantizer: Optional[Quantizer
   both usages alike: the operands are the same bits, and no transposed copy of the matrix
   is made for the cast kernel (XLA materializes a transpose before a custom call; a
   [K, N] kernel's w = kernel.T is a full read and write of the weight)."""
-  if not _treats_usages_alike(quantizer):
+  if not treats_usages_alike(quantizer):
     return quantize_operand(matrix.T, quantizer, usages, key=key, state=state)
   swapped = tuple(u for u in USAGES if _OTHER_USAGE[u] in usages)
   operands, new_state = quantize_operand(matrix, quantizer, swapped, key=key, state=state)

@@ -52,7 +52,7 @@ def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"
   shape = tuple(x.shape)
   x2d = x.reshape(-1, shape[-1])
   slots, new_state = {}, state
-  for base, group in _groups(quantizer, usages):
+  for base, group in cast_groups(quantizer, usages):
     if base is None:
       for usage in group:
         slots["hp_" + usage] = x2d if usage == "rowwise" else x2d.T
@@ -72,7 +72,7 @@ def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"
   return (qt, new_state) if state is not None else qt
 
 
-def _groups(quantizer: Quantizer, usages: tuple[Usage, ...]):
+def cast_groups(quantizer: Quantizer, usages: tuple[Usage, ...]):
   """(base quantizer, usages it produces): one kernel pass per distinct base quantizer."""
   bases = [(for_usage(quantizer, u), u) for u in usages]
   if len(bases) == 2 and bases[0][0] == bases[1][0]:

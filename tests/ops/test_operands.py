@@ -36,7 +36,7 @@ def _bits(tree):
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_transposed_operand_is_the_transposes_operand(name):
   quantizer, direct = QUANTIZERS[name]
-  assert ops_operands._treats_usages_alike(quantizer) == direct
+  assert ops_operands.treats_usages_alike(quantizer) == direct
   rng = np.random.default_rng(0)
   kernel = jnp.asarray(rng.standard_normal((256, 384)) * np.exp2(rng.integers(-4, 4, (1, 384))),
                        jnp.float32)  # [K, N], blocks differ across N
