@@ -2,3 +2,4 @@
 
 from jaxquant.ops.dense import dense
 from jaxquant.ops.grouped_dense import grouped_dense
+from jaxquant.ops.weight_gather import WeightGather
