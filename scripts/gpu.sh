@@ -15,8 +15,8 @@
 # to fetch them), installed into /tmp/site.
 #
 # Logs go to $OUT (default ./out); a benchmark merges its records into
-# benchmarks/results/<gpu>/<name>.json and copies that file to $OUT/benchmarks/results/<gpu>/,
-# to be copied back into the tree. XLA's Triton GEMM autotuning is turned off for the
+# benchmarks/results/<gpu>/<name>.json and copies that file to $OUT/results/<gpu>/ (two folders
+# down: what the device tool brings back), to be copied back into the tree. XLA's Triton GEMM autotuning is turned off for the
 # benchmarks and the example: it took minutes to compile the quantized training steps, and
 # cuBLAS(Lt) takes those dots instead.
 set -uo pipefail
@@ -113,8 +113,13 @@ run_bench() {
   timeout -k 10 $(remaining) python3 "$script" "$@" 2>&1 | tee "$OUT/bench_$name.log" \
     | grep --line-buffered -v "^jax.nn.scaled_matmul"
   local status=${PIPESTATUS[0]}
-  mkdir -p "$OUT/benchmarks"
-  cp -r benchmarks/results "$OUT/benchmarks/" 2>/dev/null
+  # Only this benchmark's file, two folders down: what the device tool brings back.
+  local result
+  for result in benchmarks/results/*/"$name".json; do
+    [ -f "$result" ] || continue
+    mkdir -p "$OUT/results/$(basename "$(dirname "$result")")"
+    cp "$result" "$OUT/results/$(basename "$(dirname "$result")")/"
+  done
   if [ "$name" = casts ] && [ "${NCU:-0}" = 1 ]; then  # each cast kernel once under Nsight Compute
     timeout $(remaining) ncu --kernel-name regex:"cast|dequantize_kernel" --section SpeedOfLight \
       --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
