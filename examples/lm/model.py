@@ -7,6 +7,11 @@ recipe's roles see, e.g. 'decoder/layer_3/mlp/wi' or 'decoder/layer_0/attention/
 
 Parameters are fp32; activations and GEMMs run in `ModelConfig.dtype` (bf16), norms and
 softmax statistics in fp32, logits are returned in fp32 for the loss.
+
+Every parameter's initializer names its axes (`nn.with_logical_partitioning`; the scanned
+layers' stacked axis is LAYERS): `lm/sharding.py` maps the names to mesh axes. The names
+live only in the boxes `init` returns; the train state holds the unboxed arrays, so the
+param tree and its values are those of the unannotated model.
 """
 
 from __future__ import annotations
@@ -86,9 +91,27 @@ def fused_attention_compiles(config: ModelConfig) -> bool:
   return True
 
 
-def _dense(features: int, name: str, config: ModelConfig, std: float) -> nn.Dense:
+# Logical axis names of the parameters (lm/sharding.py's rules map them to mesh axes).
+EMBED = "embed"  # the model dimension
+MLP = "mlp"  # the MLP's hidden dimension
+QKV = "qkv"  # query, key and value of every head, side by side
+HEADS = "heads"  # the attention heads' outputs, heads x head_dim
+VOCAB = "vocab"
+NORM = "norm"  # a norm's scale
+LAYERS = "layers"  # the stacked axis of the scanned layers' params
+
+
+def _dense(features: int, name: str, config: ModelConfig, std: float,
+           axes: tuple[str, str]) -> nn.Dense:
+  """axes: the logical names of the kernel's (input, output) dims; the bias takes the output's."""
   return nn.Dense(features, name=name, dtype=config.dtype, param_dtype=jnp.float32,
-                  kernel_init=nn.initializers.normal(stddev=std))
+                  kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=std), axes),
+                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
+
+
+def _rms_norm(name: str, config: ModelConfig) -> nn.RMSNorm:
+  return nn.RMSNorm(dtype=config.dtype, name=name,
+                    scale_init=nn.with_logical_partitioning(nn.initializers.ones, (NORM,)))
 
 
 class CausalSelfAttention(nn.Module):
@@ -104,13 +127,13 @@ class CausalSelfAttention(nn.Module):
     out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
 
     # One GEMM for query, key and value: the input is quantized once, not three times.
-    qkv = _dense(3 * cfg.d_model, "qkv", cfg, cfg.init_std)(x)
+    qkv = _dense(3 * cfg.d_model, "qkv", cfg, cfg.init_std, (EMBED, QKV))(x)
     query, key, value = jnp.split(qkv.reshape(batch, seq_len, 3 * cfg.n_heads, head_dim), 3, axis=2)
     query, key = rotary_embedding(query), rotary_embedding(key)
     attended = jax.nn.dot_product_attention(query, key, value, is_causal=True,
                                             implementation=cfg.attention_implementation)
     attended = attended.reshape(batch, seq_len, cfg.d_model)
-    return _dense(cfg.d_model, "out", cfg, out_std)(attended)
+    return _dense(cfg.d_model, "out", cfg, out_std, (HEADS, EMBED))(attended)
 
 
 class Mlp(nn.Module):
@@ -119,8 +142,9 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    hidden = nn.gelu(_dense(cfg.d_ff, "wi", cfg, cfg.init_std)(x))
-    return _dense(cfg.d_model, "wo", cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)(hidden)
+    hidden = nn.gelu(_dense(cfg.d_ff, "wi", cfg, cfg.init_std, (EMBED, MLP))(x))
+    return _dense(cfg.d_model, "wo", cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5,
+                  (MLP, EMBED))(hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -131,8 +155,8 @@ class DecoderLayer(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     x = x + CausalSelfAttention(cfg, name="attention")(
-        nn.RMSNorm(dtype=cfg.dtype, name="attention_norm")(x))
-    normed = nn.RMSNorm(dtype=cfg.dtype, name="mlp_norm")(x)
+        _rms_norm("attention_norm", cfg)(x))
+    normed = _rms_norm("mlp_norm", cfg)(x)
     if self.moe_mlp_factory is None:
       mlp = Mlp(cfg, name="mlp")
     else:
@@ -168,11 +192,12 @@ class Decoder(nn.Module):
     cfg = self.config
     if cfg.scanned_layers:
       scan = nn.scan(_ScanStep, variable_axes={c: 0 for c in _PER_LAYER_COLLECTIONS},
-                     split_rngs={r: True for r in _PER_LAYER_RNGS}, length=cfg.scanned_layers)
+                     split_rngs={r: True for r in _PER_LAYER_RNGS}, length=cfg.scanned_layers,
+                     metadata_params={nn.PARTITION_NAME: LAYERS})
       x, _ = scan(cfg, self.moe_mlp_factory, name=SCANNED_LAYERS)(x, None)
     for index in range(cfg.scanned_layers, cfg.n_layers):
       x = DecoderLayer(cfg, self.moe_mlp_factory, name=f"layer_{index}")(x)
-    return nn.RMSNorm(dtype=cfg.dtype, name="final_norm")(x)
+    return _rms_norm("final_norm", cfg)(x)
 
 
 class TransformerLM(nn.Module):
@@ -188,8 +213,9 @@ class TransformerLM(nn.Module):
     # the table first, so the backward scatter-adds every token's gradient into a bf16
     # table (about 14% error on the embedding gradient at batch 8x256, measured against fp32).
     x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.float32, param_dtype=jnp.float32,
-                 embedding_init=nn.initializers.normal(stddev=cfg.init_std),
+                 embedding_init=nn.with_logical_partitioning(
+                     nn.initializers.normal(stddev=cfg.init_std), (VOCAB, EMBED)),
                  name="embed")(tokens).astype(cfg.dtype)
     x = Decoder(cfg, self.moe_mlp_factory, name="decoder")(x)
-    logits = _dense(cfg.vocab_size, "head", cfg, cfg.init_std)(x)
+    logits = _dense(cfg.vocab_size, "head", cfg, cfg.init_std, (EMBED, VOCAB))(x)
     return logits.astype(jnp.float32)
