@@ -5,6 +5,7 @@
 // Tile: 128 rows x (32 lanes x one 16-byte vector) columns, staged in dynamic shared
 // memory (64 KiB) for both usages. A 128-element rowwise block spans 128 / kVec lanes; a
 // columnwise block is one thread's column of the tile.
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
@@ -202,21 +203,7 @@ ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   if (M % 16 || K % 16) return invalid("fp8_block_cast: dims must be multiples of 16");
   const bool tile_2d = cfg.block_rows == kBlock;
   BlockOut out{};
-  size_t next = 0;
-  if (cfg.rowwise) {
-    auto d = result_ptr<uint8_t>(rets, next++);
-    auto s = result_ptr<float>(rets, next++);
-    if (!d.has_value() || !s.has_value()) return invalid("fp8_block_cast: missing rowwise results");
-    out.row_data = *d;
-    out.row_scale = *s;
-  }
-  if (cfg.columnwise) {
-    auto d = result_ptr<uint8_t>(rets, next++);
-    auto s = result_ptr<float>(rets, next++);
-    if (!d.has_value() || !s.has_value()) return invalid("fp8_block_cast: missing columnwise results");
-    out.col_data = *d;
-    out.col_scale = *s;
-  }
+  if (auto err = take_cast_results(rets, cfg, "fp8_block_cast", out); err.failure()) return err;
   if (M == 0 || K == 0) return ffi::Error::Success();
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -241,12 +228,4 @@ ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 }  // namespace jaxquant
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8BlockCast, jaxquant::fp8_block_cast,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // row amax (unused)
-                                  .Arg<xla::ffi::AnyBuffer>()  // col amax (unused)
-                                  .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
-                                  .RemainingRets()
-                                  .Attrs<jaxquant::KernelConfig>(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);

@@ -2,6 +2,7 @@
 // (NUMERICS.md "Per-tensor FP8"). The scale comes from a device-side scalar: the amax
 // (current scaling, the scale is derived here) or the scale itself (delayed scaling).
 // Tiles and the work split are tile.cuh's staged cast tiles.
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
@@ -14,10 +15,10 @@ namespace {
 constexpr int kStages = 3;
 
 struct Fp8TensorOut {
-  uint8_t* row_data;   // [M, K]
-  float* row_scale_inv;
-  uint8_t* col_data;   // [K, M]
-  float* col_scale_inv;
+  uint8_t* row_data;  // [M, K]
+  float* row_scale;   // the decode scale (scale_inv): one float
+  uint8_t* col_data;  // [K, M]
+  float* col_scale;   // the same
 };
 
 // Four codes of x * scale, packed little-endian; only `may_be_nan` inputs pay for the
@@ -47,8 +48,8 @@ __device__ __forceinline__ TensorScale tensor_scale(const float* amax_or_scale,
                                                                cfg.eps, cfg.pow2_scales);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     const float scale_inv = 1.0f / scale;
-    if (out.row_scale_inv) *out.row_scale_inv = scale_inv;
-    if (out.col_scale_inv) *out.col_scale_inv = scale_inv;
+    if (out.row_scale) *out.row_scale = scale_inv;
+    if (out.col_scale) *out.col_scale = scale_inv;
   }
   return {scale, !(scale > 0.0f && scale <= kFltMax)};
 }
@@ -159,21 +160,7 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
     return invalid("fp8_tensor_cast: amax / scale must be one float32");
   }
   Fp8TensorOut out{};
-  size_t next = 0;
-  if (cfg.rowwise) {
-    auto d = result_ptr<uint8_t>(rets, next++);
-    auto s = result_ptr<float>(rets, next++);
-    if (!d.has_value() || !s.has_value()) return invalid("fp8_tensor_cast: missing rowwise results");
-    out.row_data = *d;
-    out.row_scale_inv = *s;
-  }
-  if (cfg.columnwise) {
-    auto d = result_ptr<uint8_t>(rets, next++);
-    auto s = result_ptr<float>(rets, next++);
-    if (!d.has_value() || !s.has_value()) return invalid("fp8_tensor_cast: missing columnwise results");
-    out.col_data = *d;
-    out.col_scale_inv = *s;
-  }
+  if (auto err = take_cast_results(rets, cfg, "fp8_tensor_cast", out); err.failure()) return err;
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     // An empty tensor still gets its scale_inv: one CTA that touches no element.
@@ -205,12 +192,4 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
 }  // namespace jaxquant
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8TensorCast, jaxquant::fp8_tensor_cast,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // amax or delayed scale
-                                  .Arg<xla::ffi::AnyBuffer>()  // col amax (the same, unused)
-                                  .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
-                                  .RemainingRets()
-                                  .Attrs<jaxquant::KernelConfig>(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);

@@ -3,6 +3,7 @@
 // Tiles and the work split are tile.cuh's staged cast tiles. A rowwise block of 32 spans
 // 32 / kVec consecutive lanes of one row; a columnwise block (32 rows of one column) spans
 // 8 consecutive lanes of a warp, 4 rows each. Block amaxes are reduced with shuffles.
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
@@ -130,19 +131,7 @@ ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*ro
   if (M % kBlock || K % kBlock) return invalid("mxfp8_cast: dims must be multiples of 32");
   if (cfg.element != kE4M3 && cfg.element != kE5M2) return invalid("mxfp8_cast: element");
   Mxfp8Out out{};
-  size_t next = 0;
-  if (cfg.rowwise) {
-    auto d = result_ptr<uint8_t>(rets, next++), s = result_ptr<uint8_t>(rets, next++);
-    if (!d.has_value() || !s.has_value()) return invalid("mxfp8_cast: missing rowwise results");
-    out.row_data = *d;
-    out.row_scale = *s;
-  }
-  if (cfg.columnwise) {
-    auto d = result_ptr<uint8_t>(rets, next++), s = result_ptr<uint8_t>(rets, next++);
-    if (!d.has_value() || !s.has_value()) return invalid("mxfp8_cast: missing columnwise results");
-    out.col_data = *d;
-    out.col_scale = *s;
-  }
+  if (auto err = take_cast_results(rets, cfg, "mxfp8_cast", out); err.failure()) return err;
   if (M == 0 || K == 0) return ffi::Error::Success();
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -164,12 +153,4 @@ ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*ro
 }  // namespace jaxquant
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantMxfp8Cast, jaxquant::mxfp8_cast,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // row amax (unused)
-                                  .Arg<xla::ffi::AnyBuffer>()  // col amax (unused)
-                                  .Arg<xla::ffi::AnyBuffer>()  // seed (unused)
-                                  .RemainingRets()
-                                  .Attrs<jaxquant::KernelConfig>(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);

@@ -7,6 +7,7 @@
 // rowwise block of 16 spans 16 / kVec consecutive lanes of one row, a columnwise block (16
 // rows of one column) 4 consecutive lanes of a warp, 4 rows each. The RHT is applied to
 // the tile in shared memory, after the rowwise usage has read the original values.
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
@@ -330,19 +331,7 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
     return invalid("nvfp4_cast: the stochastic-rounding seed must be uint32[2]");
   }
   Nvfp4Out out{};
-  size_t next = 0;
-  if (cfg.rowwise) {
-    auto d = result_ptr<uint8_t>(rets, next++), s = result_ptr<uint8_t>(rets, next++);
-    if (!d.has_value() || !s.has_value()) return invalid("nvfp4_cast: missing rowwise results");
-    out.row_data = *d;
-    out.row_scale = *s;
-  }
-  if (cfg.columnwise) {
-    auto d = result_ptr<uint8_t>(rets, next++), s = result_ptr<uint8_t>(rets, next++);
-    if (!d.has_value() || !s.has_value()) return invalid("nvfp4_cast: missing columnwise results");
-    out.col_data = *d;
-    out.col_scale = *s;
-  }
+  if (auto err = take_cast_results(rets, cfg, "nvfp4_cast", out); err.failure()) return err;
   if (M == 0 || K == 0) return ffi::Error::Success();
   Nvfp4Args args{};
   args.row_amax = reinterpret_cast<const float*>(row_amax.untyped_data());
@@ -384,12 +373,4 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
 }  // namespace jaxquant
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Cast, jaxquant::nvfp4_cast,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attrs<jaxquant::KernelConfig>(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "block_fp8_gemm.cuh"
+#include "jaxquant/bindings.h"
 #include "lt_fp8_gemm.h"
 
 JAXQUANT_BLOCK_FP8_GEMM_INSTANCES(extern, 1)
@@ -144,14 +145,7 @@ int64_t JaxquantBlockFp8GemmWorkspaceBytes(int64_t m, int64_t n, int64_t k, int3
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantBlockFp8Gemm, jaxquant::block_fp8_gemm_detail::block_fp8_gemm,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>()  // D
+                              jaxquant::scaled_gemm_binding()
                                   .Ret<xla::ffi::AnyBuffer>()  // workspace
                                   .Attr<int32_t>("b_block_rows"),
                               JAXQUANT_CMD_BUFFER_SAFE);

@@ -8,6 +8,7 @@
 // drops that pass; the scaled fp32 sums are rounded once, as in the reference.
 #include <string>
 
+#include "jaxquant/bindings.h"
 #include "lt_fp8_gemm.h"
 
 namespace jaxquant {
@@ -61,12 +62,4 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
 }  // namespace jaxquant
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8TensorGemm, jaxquant::fp8_tensor_gemm,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+                              jaxquant::scaled_gemm_binding(), JAXQUANT_CMD_BUFFER_SAFE);

@@ -1,8 +1,7 @@
 // The FFI handler symbols this library exports, one per target. The library is built with
 // hidden visibility; declaring the handlers here first makes exactly these visible.
 // Python registers each under the target name "jaxquant_<snake_case>" (kernels/library.py). Every cast
-// handler takes the same operands: x, row amax, col amax, seed (uint32[2] with stochastic
-// rounding, else an unread scalar; kernels/cast.py).
+// handler takes the same operands, and the scaled FP8 GEMMs share theirs (bindings.h).
 #pragma once
 
 #include <cstdint>
