@@ -8,8 +8,8 @@ same params.
   `jnp.dot(x, table.T)`. `StockGemmaLM`: the same with `nn.Einsum` and `nn.Embed`.
 - `MaxTextStyleLM` (Linen): a `DenseGeneral` that casts its kernel and calls
   `lax.dot_general`, or `quant.dot_general_cls(mesh_axes)()` when given a `quant`.
-- `NnxCustomLM` (NNX): a module whose call is `x @ self.w.value`. `NnxStockLM`: the
-  same with `nnx.Linear`.
+- `NnxCustomLM` (NNX): a module whose call is `x @ self.w[...]` (Flax 0.12's spelling of
+  `x @ self.w.value`); `stock=True`: the same with `nnx.Linear`.
 """
 
 from __future__ import annotations
@@ -209,13 +209,13 @@ MAXTEXT_HEAD_ROLE = "logits_dense"
 # ---- (c) NNX ----
 
 class NnxDense(nnx.Module):
-  """The model's own NNX GEMM layer: `x @ self.w.value`."""
+  """The model's own NNX GEMM layer: `x @ self.w[...]`."""
 
   def __init__(self, d_in, d_out, rngs):
     self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d_in, d_out)))
 
   def __call__(self, x):
-    return x @ self.w.value
+    return x @ self.w[...]
 
 
 class NnxCustomLM(nnx.Module):

@@ -1,4 +1,4 @@
-"""Swap-in of an NNX model whose GEMMs are its own modules (`x @ self.w.value`)."""
+"""Swap-in of an NNX model whose GEMMs are its own modules (`x @ self.w[...]`)."""
 
 import jax
 import jax.numpy as jnp
