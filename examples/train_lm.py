@@ -13,6 +13,7 @@ gap to bf16 with a 95% paired t-interval.
   python examples/train_lm.py --noise-floor           # + bf16 again from a perturbed start
   python examples/train_lm.py --preset gpu_seeds --seeds 3 --recipes bf16,mxfp8,hybrid
   python examples/train_lm.py --recipes bf16,custom,suggested_nvfp4   # an analysed policy
+  python examples/train_lm.py --mesh data=2,fsdp=2,tensor=2   # sharded over 8 devices
 
 Outputs (in --out): val_loss.png (the validation curves of all recipes, bands over seeds),
 results.md (final validation loss, spread, gap to bf16 with its interval, step time) and
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import analysis
-from lm import data, layout, presets, recipes, report, suggested, training
+from lm import data, layout, presets, recipes, report, sharding, suggested, training
 from lm.model import ModelConfig, TransformerLM, fused_attention_compiles
 from lm.moe import moe_mlp_factory
 from lm.progress import ProgressBar
@@ -79,6 +80,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help=f"after the recipes, train bf16 once more ('{report.NOISE_FLOOR}') from "
                       f"the initial parameters times 1 + {NOISE_FLOOR_SCALE:g} N(0, 1): its gap to "
                       "bf16 is how far one run moves with no quantization at all")
+  parser.add_argument("--mesh", metavar="data=D,fsdp=F,tensor=T",
+                      help="train sharded over a mesh of all devices (D x F x T of them; an axis "
+                      "left out is 1): the batch split over data and fsdp, every weight split "
+                      "over fsdp (FSDP) and its MLP, head and vocabulary dims over tensor")
+  parser.add_argument("--quantized-gather", action="store_true",
+                      help="with --mesh and fsdp > 1: all-gather each quantized weight in its "
+                      "quantized form (each device quantizes its shard), not in high precision")
   parser.add_argument("--time-budget-s", type=float,
                       help="stop training once the run has taken this many seconds; the outputs "
                       "mark the recipe that was cut short and those not run")
@@ -116,7 +124,8 @@ def with_overrides(train: presets.TrainConfig, assignments: list[str]) -> preset
   return dataclasses.replace(train, **changes)
 
 
-def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipes.RecipeModel]:
+def build_models(recipe_names: list[str], config, moe: bool,
+                 weight_gather: dict | None = None) -> dict[str, recipes.RecipeModel]:
   """Every recipe's model, built before any trains: a bad recipe fails now, not in an hour."""
   models = {}
   for name in recipe_names:
@@ -124,21 +133,38 @@ def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipe
     if moe:
       recipe = recipes.for_moe_block(recipe)
     plain_model = TransformerLM(config, moe_mlp_factory(recipe) if moe else None)
-    models[name] = recipes.model_for_recipe(plain_model, recipe)
+    models[name] = recipes.model_for_recipe(plain_model, recipe, weight_gather)
   return models
+
+
+def mesh_of(args) -> jax.sharding.Mesh | None:
+  """--mesh's mesh (None: one device), checked with --quantized-gather before anything runs."""
+  if args.mesh is None:
+    if args.quantized_gather:
+      raise ValueError("--quantized-gather gathers sharded weights: it needs --mesh")
+    return None
+  return sharding.make_mesh(sharding.parse_mesh(args.mesh))
 
 
 class RecipeTrainer:
   """One recipe's optimizer and jitted steps, compiled once and reused for every seed."""
 
   def __init__(self, name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig,
-               validation_batches: jax.Array):
+               validation_batches: jax.Array, mesh: jax.sharding.Mesh | None = None):
     self.name, self.model, self.train_config = name, model, train_config
     self.validation_batches = validation_batches
     self.optimizer = training.make_optimizer(train_config)
-    self.train_step = training.make_train_step(model, self.optimizer)
-    self.eval_step = training.make_eval_step(model)
+    self.shardings = None
+    if mesh is not None:
+      placement = training.placement_for(model, self.sample_tokens(), mesh)
+      self.shardings = training.step_shardings(self.optimizer, placement)
+    self.train_step = training.make_train_step(model, self.optimizer, self.shardings)
+    self.eval_step = training.make_eval_step(model, self.shardings)
     self.compile_seconds: float | None = None  # the first seed's first step
+
+  def sample_tokens(self) -> jax.Array:
+    seq_len = self.validation_batches.shape[-1] - 1
+    return jnp.zeros((self.train_config.batch_size, seq_len), jnp.int32)
 
   def train(self, initial_params, corpus: data.ByteCorpus, seed: int,
             deadline: float) -> report.RecipeResult:
@@ -148,9 +174,8 @@ class RecipeTrainer:
     train_config = self.train_config
     seq_len = self.validation_batches.shape[-1] - 1
     tokens_per_step = train_config.batch_size * seq_len
-    sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
     state = training.init_train_state(self.model, initial_params, jax.random.key(seed),
-                                      sample_tokens, self.optimizer)
+                                      self.sample_tokens(), self.optimizer, self.shardings)
 
     def validation_loss() -> float:
       return float(np.mean([self.eval_step(state, windows) for windows in self.validation_batches]))
@@ -197,7 +222,8 @@ def write_outputs(out: pathlib.Path, results: list[report.RecipeResult], not_run
   report.write_results_table(out / report.RESULTS_TABLE, results, not_run, entropy, title, extra)
 
 
-def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entropy) -> dict:
+def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entropy,
+             mesh: jax.sharding.Mesh | None) -> dict:
   model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(model).items()}
   return {"preset": args.preset, "seed": args.seed, "seeds": seeds_of(args), "moe": args.moe,
           "model": model_config,
@@ -208,7 +234,15 @@ def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entr
                      "train_files": corpus.n_train_files,
                      "validation_files": corpus.n_validation_files},
           "unigram_entropy_nats": entropy, "unigram_entropy_bits": data.nats_to_bits(entropy),
-          "device": str(jax.devices()[0]), "jax": jax.__version__}
+          "device": str(jax.devices()[0]), "jax": jax.__version__,
+          "mesh": None if mesh is None else dict(mesh.shape),
+          "quantized_gather": args.quantized_gather}
+
+
+def where(mesh: jax.sharding.Mesh | None) -> str:
+  if mesh is None:
+    return str(jax.devices()[0])
+  return f"mesh {sharding.describe(mesh)} of {mesh.size} x {jax.devices()[0].device_kind}"
 
 
 def seeds_of(args) -> list[int]:
@@ -226,7 +260,8 @@ def validation_set(corpus: data.ByteCorpus, train_config: presets.TrainConfig, s
                                        train_config.batch_size, seq_len)
 
 
-def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out) -> tuple:
+def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out,
+                  weight_gather: dict | None) -> tuple:
   """(model, params of each seed, text for results.md) of 'suggested_nvfp4'."""
   first_seed = min(shared_params)
   model_runs = None if args.sensitivity_model_runs == "none" else args.sensitivity_model_runs
@@ -244,7 +279,8 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
           f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
           "scanned layers.\n")
   print(text + table)
-  model = recipes.model_for_recipe(TransformerLM(suggestion.config), suggestion.recipe)
+  model = recipes.model_for_recipe(TransformerLM(suggestion.config), suggestion.recipe,
+                                   weight_gather)
   relaid = {seed: layout.relayout(p, model_config, suggestion.config.scanned_layers)
             for seed, p in shared_params.items()}
   return model, relaid, text
@@ -261,8 +297,12 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   recipe_names = recipes.parse_recipe_names(args.recipes)
   if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
     raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")
+  mesh = mesh_of(args)
+  if mesh is not None:
+    sharding.check_batch(train_config.batch_size, mesh)
+  weight_gather = sharding.weight_gather(mesh) if args.quantized_gather else None
   models = build_models([n for n in recipe_names if n != recipes.SUGGESTED_RECIPE], model_config,
-                        args.moe)
+                        args.moe, weight_gather)
   # Every recipe starts from these: the bf16 (plain) model's parameters.
   plain_model = build_models([recipes.PLAIN_RECIPE], model_config, args.moe)[recipes.PLAIN_RECIPE]
 
@@ -281,7 +321,7 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
                                                  sample_tokens)[training.PARAMS] for seed in seeds}
   n_params = sum(p.size for p in jax.tree.leaves(shared_params[seeds[0]]))
   print(f"model: {n_params:,} parameters, preset {args.preset!r}, {train_config.steps} steps of "
-        f"{train_config.batch_size}x{seq_len} tokens, seeds {seeds}, on {jax.devices()[0]}, "
+        f"{train_config.batch_size}x{seq_len} tokens, seeds {seeds}, on {where(mesh)}, "
         f"attention: {model_config.attention_implementation or 'xla'}")
   if args.moe and "fp8_delayed" in recipe_names:
     print("--moe: under fp8_delayed the experts' grouped GEMMs use current scaling "
@@ -292,7 +332,7 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
         "the same for every recipe and seed")
 
   title = f"byte LM on the Python stdlib, preset {args.preset} ({n_params / 1e6:.1f}M parameters)"
-  info = run_info(args, model_config, train_config, n_params, corpus, entropy)
+  info = run_info(args, model_config, train_config, n_params, corpus, entropy, mesh)
   deadline = start + (args.time_budget_s or math.inf)
   # (name, model or None: built when its turn comes, starting parameters of each seed)
   runs = [(name, models.get(name), shared_params) for name in recipe_names]
@@ -308,8 +348,8 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
       break
     if name == recipes.SUGGESTED_RECIPE:
       model, params, notes = suggested_run(args, model_config, train_config, shared_params,
-                                           corpus, args.out)
-    trainer = RecipeTrainer(name, model, train_config, validation_batches)
+                                           corpus, args.out, weight_gather)
+    trainer = RecipeTrainer(name, model, train_config, validation_batches, mesh)
     for seed in seeds:
       if seed != seeds[0] and time.perf_counter() > deadline:
         break

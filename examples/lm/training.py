@@ -4,21 +4,29 @@ The steps thread every non-'params' variable collection (jaxquant's 'quant_state
 delayed scaling, say): they apply the model with those collections mutable, differentiate
 the loss with respect to them too, and let the recipe's `advance_state` turn both into
 the next step's collections. They know no collection and no recipe by name.
+
+With `--mesh`, `step_shardings` puts the state on the mesh of a `Placement`
+(lm/sharding.py): the params and the optimizer's per-parameter state sharded as the
+placement says, the collections and the RNG key replicated, each batch split over the
+batch axes; the steps are jitted with these shardings in and out.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Optional
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding
 
 from lm.model import AUX_LOSSES
 from lm.presets import TrainConfig
 from lm.recipes import RecipeModel
+from lm.sharding import Placement
 
 PARAMS = "params"
 
@@ -43,10 +51,14 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_matrices))
 
 
+def _init_rngs(key: jax.Array, rng_streams: tuple[str, ...]) -> dict:
+  keys = jax.random.split(key, 1 + len(rng_streams))
+  return {PARAMS: keys[0], **dict(zip(rng_streams, keys[1:]))}
+
+
 def _init_fn(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
              rng_streams: tuple[str, ...]) -> Callable[[], dict]:
-  keys = jax.random.split(key, 1 + len(rng_streams))
-  rngs = {PARAMS: keys[0], **dict(zip(rng_streams, keys[1:]))}
+  rngs = _init_rngs(key, rng_streams)
   # Unboxed: jaxquant's own layers (the MoE block's) box their weights with role metadata,
   # which differs between recipes and would make the param trees differ.
   return lambda: nn.unbox(model.init(rngs, sample_tokens))
@@ -57,10 +69,41 @@ def init_variables(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
   return jax.jit(_init_fn(model, key, sample_tokens, rng_streams))()
 
 
+def placement_for(model: RecipeModel, sample_tokens: jax.Array, mesh: Mesh) -> Placement:
+  """Where model's params go on mesh, from the logical axis names its initializers give
+  them (init only traced)."""
+  rngs = _init_rngs(jax.random.key(0), model.rng_streams)
+  boxed = jax.eval_shape(lambda: model.module.init(rngs, sample_tokens))[PARAMS]
+  return Placement.for_params(boxed, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+  """Where the steps' inputs and outputs live on a mesh."""
+
+  state: TrainState  # a NamedSharding per part (one for all collections, one for the key)
+  batch: NamedSharding
+  replicated: NamedSharding  # the loss
+
+
+def step_shardings(optimizer: optax.GradientTransformation, placement: Placement
+                   ) -> StepShardings:
+  """The params as placement shards them, the optimizer's per-parameter state (Adam's
+  moments) like its parameter, everything else replicated."""
+  opt_state = optax.tree_map_params(
+      optimizer, lambda _, sharding: sharding,
+      jax.eval_shape(optimizer.init, placement.param_shapes), placement.params,
+      transform_non_params=lambda _: placement.replicated)
+  state = TrainState(params=placement.params, opt_state=opt_state,
+                     collections=placement.replicated, rng=placement.replicated)
+  return StepShardings(state, placement.batch, placement.replicated)
+
+
 def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
-                     sample_tokens: jax.Array, optimizer: optax.GradientTransformation
-                     ) -> TrainState:
-  """A train state for model that starts from shared_params (the same for every recipe).
+                     sample_tokens: jax.Array, optimizer: optax.GradientTransformation,
+                     shardings: Optional[StepShardings] = None) -> TrainState:
+  """A train state for model that starts from shared_params (the same for every recipe),
+  placed as `shardings.state` says if given.
 
   The model's parameters must have the same paths and shapes as shared_params, else the
   recipes would not start alike. Its init is only traced, unless it has collections to
@@ -78,10 +121,27 @@ def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
   names = [name for name in abstract if name not in (PARAMS, AUX_LOSSES)]
   variables = jax.jit(init)() if names else {}
   collections = {name: variables[name] for name in names}
+  if shardings is not None:
+    return _placed_state(shared_params, collections, rng, optimizer, shardings.state)
   # A copy: the train step donates its state, and the next recipe needs the originals.
   params = jax.tree.map(jnp.copy, shared_params)
   return TrainState(params=params, opt_state=optimizer.init(params), collections=collections,
                     rng=rng)
+
+
+def _placed_state(shared_params: Any, collections: dict, rng: jax.Array,
+                  optimizer: optax.GradientTransformation, state_shardings: TrainState
+                  ) -> TrainState:
+  """The train state created on the mesh, from a copy of shared_params: the train step
+  donates its state, the next recipe needs the originals, and jit may hand back an input
+  it returns unchanged as the same buffer."""
+
+  def start(params, collections, rng):
+    params = jax.tree.map(jnp.copy, params)
+    return TrainState(params=params, opt_state=optimizer.init(params), collections=collections,
+                      rng=rng)
+
+  return jax.jit(start, out_shardings=state_shardings)(shared_params, collections, rng)
 
 
 def perturbed(params: Any, key: jax.Array, relative_scale: float) -> Any:
@@ -113,7 +173,8 @@ def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Arra
   return loss + aux_loss, (loss, updated)
 
 
-def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation
+def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation,
+                    shardings: Optional[StepShardings] = None
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]]:
 
   def train_step(state: TrainState, windows: jax.Array):
@@ -130,10 +191,14 @@ def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation
     collections = model.advance_state(forward_collections, collection_grads)
     return TrainState(params=params, opt_state=opt_state, collections=collections, rng=rng), loss
 
-  return jax.jit(train_step, donate_argnums=0)
+  if shardings is None:
+    return jax.jit(train_step, donate_argnums=0)
+  return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings.state, shardings.batch),
+                 out_shardings=(shardings.state, shardings.replicated))
 
 
-def make_eval_step(model: RecipeModel) -> Callable[[TrainState, jax.Array], jax.Array]:
+def make_eval_step(model: RecipeModel, shardings: Optional[StepShardings] = None
+                   ) -> Callable[[TrainState, jax.Array], jax.Array]:
 
   def eval_step(state: TrainState, windows: jax.Array) -> jax.Array:
     # Collections are mutable here too (a layer may write its state on every call), but
@@ -141,4 +206,7 @@ def make_eval_step(model: RecipeModel) -> Callable[[TrainState, jax.Array], jax.
     _, (loss, _) = _apply(model, state.params, state.collections, windows, state.rng)
     return loss
 
-  return jax.jit(eval_step)
+  if shardings is None:
+    return jax.jit(eval_step)
+  return jax.jit(eval_step, in_shardings=(shardings.state, shardings.batch),
+                 out_shardings=shardings.replicated)
