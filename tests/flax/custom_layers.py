@@ -209,21 +209,23 @@ MAXTEXT_HEAD_ROLE = "logits_dense"
 # ---- (c) NNX ----
 
 class NnxDense(nnx.Module):
-  """The model's own NNX GEMM layer: `x @ self.w[...]`."""
+  """The model's own NNX GEMM layer: `x @ self.w[...]`, or `x @ self.w.value` as code
+  written before Flax 0.12 deprecated `.value` reads it (`read_value=True`)."""
 
-  def __init__(self, d_in, d_out, rngs):
+  def __init__(self, d_in, d_out, rngs, read_value=False):
     self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d_in, d_out)))
+    self.read_value = read_value
 
   def __call__(self, x):
-    return x @ self.w[...]
+    return x @ (self.w.value if self.read_value else self.w[...])
 
 
 class NnxCustomLM(nnx.Module):
   """tokens -> logits fp32; an MLP block and a head, each an `NnxDense` (or nnx.Linear)."""
 
-  def __init__(self, rngs, stock=False):
+  def __init__(self, rngs, stock=False, read_value=False):
     dense = ((lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)) if stock
-             else (lambda i, o: NnxDense(i, o, rngs)))
+             else (lambda i, o: NnxDense(i, o, rngs, read_value)))
     self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
     self.wi = dense(D, FF)
     self.wo = dense(FF, D)

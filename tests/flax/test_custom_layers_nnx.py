@@ -1,4 +1,5 @@
-"""Swap-in of an NNX model whose GEMMs are its own modules (`x @ self.w[...]`)."""
+"""Swap-in of an NNX model whose GEMMs are its own modules (`x @ self.w[...]`, and
+`x @ self.w.value`)."""
 
 import jax
 import jax.numpy as jnp
@@ -69,11 +70,18 @@ def _step(model, optimizer, data):
   return loss
 
 
-def test_fp8_grads_equal_stock_layers():
+# `.value`, deprecated by Flax 0.12 but still in users' models, must reach the GEMM too.
+_VALUE_DEPRECATION = pytest.mark.filterwarnings(
+    "ignore:'.value' access is now deprecated:DeprecationWarning")
+
+
+@pytest.mark.parametrize("read_value", [False, pytest.param(True, marks=_VALUE_DEPRECATION)],
+                         ids=["w[...]", "w.value"])
+def test_fp8_grads_equal_stock_layers(read_value):
   data = windows()
   recipe = head_in_bf16(recipes.fp8_current_factory)
   stock = jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(0), stock=True), recipe)
-  custom = jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(1)), recipe)
+  custom = jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(1), read_value=read_value), recipe)
   for name in cl.NNX_ROLES:  # the stock layers' weights in the custom modules
     getattr(custom, name).w.set_value(getattr(stock, name).kernel.get_value())
   custom.embed.embedding.set_value(stock.embed.embedding.get_value())
