@@ -245,8 +245,8 @@ def test_relayout_moves_the_parameters_between_scan_layouts():
   back = layout.relayout(unrolled, dataclasses.replace(config, scanned_layers=0), 2)
   jax.tree.map(np.testing.assert_array_equal, back, params)
   one_scanned = layout.relayout(params, config, 1)
-  expected = jax.eval_shape(TransformerLM(dataclasses.replace(config, scanned_layers=1)).init,
-                            jax.random.key(0), tokens)["params"]
+  expected = nn.unbox(jax.eval_shape(TransformerLM(dataclasses.replace(config, scanned_layers=1)).init,
+                                    jax.random.key(0), tokens)["params"])
   assert jax.tree.map(jnp.shape, one_scanned) == jax.tree.map(jnp.shape, expected)
   np.testing.assert_array_equal(one_scanned["decoder"]["layer_1"]["attention"]["qkv"]["kernel"],
                                 params["decoder"]["layers"]["layer"]["attention"]["qkv"]["kernel"][1])
