@@ -84,9 +84,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="train sharded over a mesh of all devices (D x F x T of them; an axis "
                       "left out is 1): the batch split over data and fsdp, every weight split "
                       "over fsdp (FSDP) and its MLP, head and vocabulary dims over tensor")
-  parser.add_argument("--quantized-gather", action="store_true",
-                      help="with --mesh and fsdp > 1: all-gather each quantized weight in its "
-                      "quantized form (each device quantizes its shard), not in high precision")
   parser.add_argument("--time-budget-s", type=float,
                       help="stop training once the run has taken this many seconds; the outputs "
                       "mark the recipe that was cut short and those not run")
@@ -124,8 +121,7 @@ def with_overrides(train: presets.TrainConfig, assignments: list[str]) -> preset
   return dataclasses.replace(train, **changes)
 
 
-def build_models(recipe_names: list[str], config, moe: bool,
-                 weight_gather: dict | None = None) -> dict[str, recipes.RecipeModel]:
+def build_models(recipe_names: list[str], config, moe: bool) -> dict[str, recipes.RecipeModel]:
   """Every recipe's model, built before any trains: a bad recipe fails now, not in an hour."""
   models = {}
   for name in recipe_names:
@@ -133,15 +129,13 @@ def build_models(recipe_names: list[str], config, moe: bool,
     if moe:
       recipe = recipes.for_moe_block(recipe)
     plain_model = TransformerLM(config, moe_mlp_factory(recipe) if moe else None)
-    models[name] = recipes.model_for_recipe(plain_model, recipe, weight_gather)
+    models[name] = recipes.model_for_recipe(plain_model, recipe)
   return models
 
 
 def mesh_of(args) -> jax.sharding.Mesh | None:
-  """--mesh's mesh (None: one device), checked with --quantized-gather before anything runs."""
+  """--mesh's mesh (None: one device)."""
   if args.mesh is None:
-    if args.quantized_gather:
-      raise ValueError("--quantized-gather gathers sharded weights: it needs --mesh")
     return None
   return sharding.make_mesh(sharding.parse_mesh(args.mesh))
 
@@ -235,8 +229,7 @@ def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entr
                      "validation_files": corpus.n_validation_files},
           "unigram_entropy_nats": entropy, "unigram_entropy_bits": data.nats_to_bits(entropy),
           "device": str(jax.devices()[0]), "jax": jax.__version__,
-          "mesh": None if mesh is None else dict(mesh.shape),
-          "quantized_gather": args.quantized_gather}
+          "mesh": None if mesh is None else dict(mesh.shape)}
 
 
 def where(mesh: jax.sharding.Mesh | None) -> str:
@@ -260,8 +253,7 @@ def validation_set(corpus: data.ByteCorpus, train_config: presets.TrainConfig, s
                                        train_config.batch_size, seq_len)
 
 
-def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out,
-                  weight_gather: dict | None) -> tuple:
+def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out) -> tuple:
   """(model, params of each seed, text for results.md) of 'suggested_nvfp4'."""
   first_seed = min(shared_params)
   model_runs = None if args.sensitivity_model_runs == "none" else args.sensitivity_model_runs
@@ -279,8 +271,7 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
           f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
           "scanned layers.\n")
   print(text + table)
-  model = recipes.model_for_recipe(TransformerLM(suggestion.config), suggestion.recipe,
-                                   weight_gather)
+  model = recipes.model_for_recipe(TransformerLM(suggestion.config), suggestion.recipe)
   relaid = {seed: layout.relayout(p, model_config, suggestion.config.scanned_layers)
             for seed, p in shared_params.items()}
   return model, relaid, text
@@ -300,9 +291,8 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   mesh = mesh_of(args)
   if mesh is not None:
     sharding.check_batch(train_config.batch_size, mesh)
-  weight_gather = sharding.weight_gather(mesh) if args.quantized_gather else None
   models = build_models([n for n in recipe_names if n != recipes.SUGGESTED_RECIPE], model_config,
-                        args.moe, weight_gather)
+                        args.moe)
   # Every recipe starts from these: the bf16 (plain) model's parameters.
   plain_model = build_models([recipes.PLAIN_RECIPE], model_config, args.moe)[recipes.PLAIN_RECIPE]
 
@@ -348,7 +338,7 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
       break
     if name == recipes.SUGGESTED_RECIPE:
       model, params, notes = suggested_run(args, model_config, train_config, shared_params,
-                                           corpus, args.out, weight_gather)
+                                           corpus, args.out)
     trainer = RecipeTrainer(name, model, train_config, validation_batches, mesh)
     for seed in seeds:
       if seed != seeds[0] and time.perf_counter() > deadline:

@@ -149,15 +149,9 @@ def for_moe_block(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:
   return jq_recipes.CustomRecipe(qfactory, backward=recipe.backward, name=recipe.name)
 
 
-def model_for_recipe(plain_model: nn.Module, recipe: jq_recipes.CustomRecipe,
-                     weight_gather: Optional[dict] = None) -> RecipeModel:
-  """What trains under the recipe: bf16 the plain model, the rest its quantized swap-in.
-
-  weight_gather: `--quantized-gather`'s description of the mesh (lm/sharding.py), handed
-  to quantize_model as is; None leaves the weights' gathers to XLA.
-  """
+def model_for_recipe(plain_model: nn.Module, recipe: jq_recipes.CustomRecipe) -> RecipeModel:
+  """What trains under the recipe: bf16 the plain model, the rest its quantized swap-in."""
   if recipe.name == PLAIN_RECIPE:
     return RecipeModel(plain_model, keep_forward_state, rng_streams=())
-  options = {} if weight_gather is None else {"weight_gather": weight_gather}
-  return RecipeModel(quantize_model(plain_model, recipe, **options), update_quant_state,
+  return RecipeModel(quantize_model(plain_model, recipe), update_quant_state,
                      rng_streams=(QUANT_RNG,))

@@ -13,7 +13,6 @@ included, so the numbers are those of one device up to the order of the sums.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from typing import Any, Optional
 
@@ -21,7 +20,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxquant.flax import quantize_model
 
 from lm.model import EMBED, HEADS, LAYERS, MLP, NORM, QKV, TABLE, VOCAB
 
@@ -145,20 +143,3 @@ def _check_divisible(specs: Any, shapes: Any, mesh: Mesh) -> None:
         raise ValueError(f"--mesh {describe(mesh)}: parameter {jax.tree_util.keystr(path)} "
                          f"{shape.shape} has dim {dim} of {size}, which does not split over "
                          f"{' x '.join(axes)} = {shards} devices")
-
-
-def weight_gather(mesh: Mesh) -> dict:
-  """`--quantized-gather`: what `quantize_model(..., weight_gather=...)` receives.
-
-  A description that assumes nothing about jaxquant.flax's internals: the mesh, the mesh
-  axis the weights are all-gathered over (fsdp), and the logical axis rules. Each kernel's
-  PartitionSpec follows from the logical names its initializer gives it (lm/model.py)
-  mapped with these rules, exactly as `Placement` shards it.
-  """
-  if mesh.shape[FSDP] == 1:
-    raise ValueError(f"--quantized-gather gathers the weights over the fsdp axis, but --mesh "
-                     f"{describe(mesh)} does not split it (fsdp=1)")
-  if "weight_gather" not in inspect.signature(quantize_model).parameters:
-    raise NotImplementedError("--quantized-gather is not wired yet: "
-                              "jaxquant.flax.quantize_model takes no weight_gather option")
-  return dict(mesh=mesh, axis=FSDP, rules=LOGICAL_AXIS_RULES)

@@ -27,7 +27,6 @@ data x fsdp x tensor mesh, and the pure FSDP mesh runs the per-tensor recipes on
 """
 
 import dataclasses
-import inspect
 import json
 import pathlib
 import sys
@@ -44,8 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import train_lm  # noqa: E402  (needs examples/ on the path)
-from jaxquant.flax import quantize_model  # noqa: E402
-from lm import data, presets, recipes, sharding, training  # noqa: E402
+from lm import data, recipes, sharding, training  # noqa: E402
 from lm.model import ModelConfig, TransformerLM  # noqa: E402
 
 # Every dim tiles every format's blocks in the shards of the data=2,fsdp=2,tensor=2 mesh:
@@ -195,22 +193,6 @@ def test_mesh_and_shapes_are_checked(eight_devices):
     _placement("tensor=8", odd)
 
 
-def test_quantized_gather_seam(eight_devices):
-  """--quantized-gather hands quantize_model a description of the mesh once it takes a
-  weight_gather option; until then it refuses, saying so."""
-  with pytest.raises(ValueError, match="needs --mesh"):
-    train_lm.mesh_of(train_lm.parse_args(["--quantized-gather"]))
-  with pytest.raises(ValueError, match="fsdp=1"):
-    sharding.weight_gather(sharding.make_mesh(sharding.parse_mesh("data=8"), eight_devices))
-  mesh = sharding.make_mesh(sharding.parse_mesh(MESH_3D), eight_devices)
-  if "weight_gather" in inspect.signature(quantize_model).parameters:
-    assert sharding.weight_gather(mesh) == dict(mesh=mesh, axis="fsdp",
-                                                rules=sharding.LOGICAL_AXIS_RULES)
-  else:
-    with pytest.raises(NotImplementedError, match="not wired yet"):
-      sharding.weight_gather(mesh)
-
-
 def test_script_trains_on_a_mesh(tmp_path, eight_devices):
   """train_lm.py --mesh end to end (bf16, the tiny preset): the steps and evaluations run
   sharded and the outputs say on which mesh."""
@@ -218,4 +200,4 @@ def test_script_trains_on_a_mesh(tmp_path, eight_devices):
                            "--mesh", MESH_3D, "--out", str(tmp_path)])
   assert [r.recipe for r in results] == ["bf16"] and len(results[0].val_losses) == 2
   info = json.loads((tmp_path / "curves.json").read_text())["run"]
-  assert info["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and info["quantized_gather"] is False
+  assert info["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
