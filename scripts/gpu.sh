@@ -15,10 +15,10 @@
 # to fetch them), installed into /tmp/site.
 #
 # Logs go to $OUT (default ./out); a benchmark merges its records into
-# benchmarks/results/<gpu>/<name>.json and copies that file to $OUT/results/<gpu>/ (two folders
-# down: what the device tool brings back), to be copied back into the tree. XLA's Triton GEMM autotuning is turned off for the
-# benchmarks and the example: it took minutes to compile the quantized training steps, and
-# cuBLAS(Lt) takes those dots instead.
+# benchmarks/results/<gpu>/<name>.json and copies that file to $OUT/results/<gpu>/ (two
+# folders down: what the device tool brings back), to be copied back into the tree. XLA's
+# Triton GEMM autotuning is turned off for the benchmarks and the example: it took minutes
+# to compile the quantized training steps, and cuBLAS(Lt) takes those dots instead.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
