@@ -136,6 +136,8 @@ def test_busy_idle_and_per_step_times():
   assert "idle (host gaps) ms | 2.50 |" in ts.markdown({"x": s})
 
 
+@pytest.mark.skipif(not ts.XPLANE_READABLE, reason="jaxlib 0.12's ProfileData.from_file aborts "
+                    "the process on this trace; trace_summary reads the JSON trace there")
 def test_a_real_trace_reads_alike_from_xplane_and_json(tmp_path):
   f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
   x = jnp.ones((64, 64))
