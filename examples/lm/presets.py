@@ -80,8 +80,8 @@ PRESETS = {
 #   last batches a seed happened to draw;
 # - 3000 steps: on the H100, bf16 from seeds 0, 1, 2 spread 1.14 % (sd / mean) after
 #   1000 steps (the loss still falling), 0.33 % with 1000 steps of three times the batch,
-#   0.19 % and 0.30 % in two runs of 3000 steps (docs/example.md): the same seed ended up
-#   to 0.7 % apart between those runs, so the GPU's own non-determinism now dominates.
+#   0.19 %, 0.30 % and 0.54 % in three runs of 3000 steps (docs/example.md): the same seed
+#   ended up to 0.8 % apart between runs, so the GPU's own non-determinism now dominates.
 #   A seed takes ~77 s on an H100 (23 ms a bf16 step): a 10-minute call trains two
 #   recipes from three seeds;
 # - evaluations every 500 steps: each costs ~0.6 s (bf16) to ~1.1 s (NVFP4) on an H100.
