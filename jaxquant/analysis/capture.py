@@ -161,29 +161,16 @@ def _nnx_tap_class():
 
 def wrap_nnx_gemms(model) -> None:
   """Wraps, in place, every jaxquant NNX GEMM layer reachable from model in a tap."""
-  from flax import nnx
   from jaxquant.flax import nnx as jq_nnx
 
   tap_class = _nnx_tap_class()
-  wrapped: dict[int, object] = {}
-  seen: set[int] = set()
 
-  def visit(node):
-    if id(node) in seen:
-      return
-    seen.add(id(node))
-    impl = nnx.graph.get_node_impl(node)
-    for key, child in impl.node_dict(node).items():
-      if isinstance(child, nnx.Variable) or not nnx.graph.is_node(child):
-        continue
-      if isinstance(child, jq_nnx.QUANTIZED_MODULES):
-        if id(child) not in wrapped:
-          wrapped[id(child)] = tap_class(child)
-        impl.set_key(node, key, wrapped[id(child)])
-      elif not isinstance(child, tap_class):
-        visit(child)
+  def replace(child, path):
+    if isinstance(child, jq_nnx.QUANTIZED_MODULES):
+      return tap_class(child)
+    return child if isinstance(child, tap_class) else None
 
-  visit(model)
+  jq_nnx.replace_submodules(model, replace)
 
 
 def zero_probes(shapes: dict[str, list[jax.ShapeDtypeStruct]]) -> dict[str, list[jax.Array]]:

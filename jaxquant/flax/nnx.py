@@ -218,34 +218,51 @@ def swap_modules(model: nnx.Module, recipe: Optional[recipes.CustomRecipe], *,
   if type(model) in _SWAPPED:
     raise TypeError(f"quantize_model: the model itself is a {type(model).__name__}; wrap it "
                     "in a module, or build jaxquant.flax.nnx's layer directly")
-  twins: dict[int, nnx.Module] = {}
-  seen: set[int] = set()
+
+  def replace(child, path):
+    if type(child) in _SWAPPED:
+      twin = _quantized_twin(child, rngs)
+      twin.bind_role(_path(path), recipe, annotate=annotate)
+      return twin
+    if isinstance(child, NATIVE_MODULES):
+      child.bind_role(_path(path), recipe)
+      if rngs is not None and child.quant_rngs is None:
+        child.quant_rngs = nnx.data(rngs)
+      return child
+    return None
+
+  replace_submodules(model, replace)
+  return model
+
+
+def replace_submodules(model: nnx.Module, replace) -> None:
+  """Walks every module reachable from `model`, each once, replacing in place.
+
+  `replace(child, path)` is asked once per module (every reference to it gets the same
+  answer): a new module to put in its place, the module itself to keep it as it is, or
+  None to keep it and walk into its own submodules.
+  """
+  answers: dict[int, Optional[nnx.Module]] = {}
+  walked: set[int] = set()
 
   def visit(node, path):
-    if id(node) in seen:
+    if id(node) in walked:
       return
-    seen.add(id(node))
+    walked.add(id(node))
     impl = nnx.graph.get_node_impl(node)
     for key, child in impl.node_dict(node).items():
       if isinstance(child, nnx.Variable) or not nnx.graph.is_node(child):
         continue
       child_path = path + (key,)
-      if type(child) in _SWAPPED:
-        if id(child) not in twins:
-          twins[id(child)] = _quantized_twin(child, rngs)
-          twins[id(child)].bind_role(_path(child_path), recipe, annotate=annotate)
-        if getattr(impl, "set_key", None) is None:
-          raise TypeError(f"quantize_model: cannot replace the layer at {_path(child_path)!r} "
-                          f"inside an immutable {type(node).__name__}; use nnx.List / nnx.Dict")
-        impl.set_key(node, key, twins[id(child)])
-      elif isinstance(child, NATIVE_MODULES):
-        if id(child) not in seen:
-          seen.add(id(child))
-          child.bind_role(_path(child_path), recipe)
-          if rngs is not None and child.quant_rngs is None:
-            child.quant_rngs = nnx.data(rngs)
-      else:
+      if id(child) not in answers:
+        answers[id(child)] = replace(child, child_path)
+      new = answers[id(child)]
+      if new is None:
         visit(child, child_path)
+      elif new is not child:
+        if getattr(impl, "set_key", None) is None:
+          raise TypeError(f"cannot replace the module at {_path(child_path)!r} inside an "
+                          f"immutable {type(node).__name__}; use nnx.List / nnx.Dict")
+        impl.set_key(node, key, new)
 
   visit(model, ())
-  return model
