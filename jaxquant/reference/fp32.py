@@ -102,19 +102,28 @@ def _pack_f32(sign, mag_code):
   return from_bits((sign << 31) | mag)
 
 
+def _significand_quotient(ma, mb):
+  """(floor(ma * 2^26 / mb), whether a remainder is left) for significands ma < 2^24 and
+  0 < mb < 2^24: long division in radix 2^8 on the hardware's exact integer division.
+  Each partial remainder is below mb, so shifted by 8 bits it still fits in uint32; five
+  divisions instead of 27 shift-and-subtract steps keep the division small in the HLO
+  (a train step inlines it once per scalar scale it computes, and XLA's compile time
+  grows with it)."""
+  q, r = lax.div(ma, mb), lax.rem(ma, mb)
+  for step in (8, 8, 8, 2):  # 26 quotient bits below the integer part
+    shifted = r << np.uint32(step)
+    q = (q << np.uint32(step)) | lax.div(shifted, mb)
+    r = lax.rem(shifted, mb)
+  return q, r != 0
+
+
 @jax.jit
 def _div_exact(a, b):
   sa, ma, ea = decompose(a)
   sb, mb, eb = decompose(b)
   sign = sa ^ sb
-  mb_safe = jnp.maximum(mb, 1)
-  q = jnp.zeros_like(ma)
-  r = ma
-  for _ in range(27):  # q = floor(ma * 2^26 / mb): 26 or 27 significant bits
-    ge = r >= mb_safe
-    q = (q << 1) | ge.astype(jnp.uint32)
-    r = jnp.where(ge, r - mb_safe, r) << 1
-  mant = (q << 1) | (r != 0).astype(jnp.uint32)
+  q, inexact = _significand_quotient(ma, jnp.maximum(mb, 1))  # 26 or 27 significant bits
+  mant = (q << 1) | inexact.astype(jnp.uint32)
   code = round_to_grid(mant, ea - eb - 27, -126, 23)
   res = _pack_f32(sign, code)
   a_zero, b_zero = ma == 0, mb == 0
