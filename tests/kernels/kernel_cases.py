@@ -47,6 +47,8 @@ def assert_same_bits(got, want, what: str) -> None:
   for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
     g, w = bits(g), bits(w)
     assert g.shape == w.shape, f"{what}[{i}]: shape {g.shape} != {w.shape}"
+    # 1-D at least: np.argwhere of a 0-d comparison is empty whatever its value.
+    g, w = np.atleast_1d(g), np.atleast_1d(w)
     bad = np.argwhere(g != w)
     assert bad.size == 0, (f"{what}[{i}]: {len(bad)} of {g.size} differ, first at {tuple(bad[0])}: "
                            f"{g[tuple(bad[0])]:#x} vs {w[tuple(bad[0])]:#x}")

@@ -54,6 +54,8 @@ def scale_bits(qd) -> np.ndarray:
 def assert_bits_equal(got, want, what):
   got, want = np.asarray(got), np.asarray(want)
   assert got.shape == want.shape, f"{what}: shape {got.shape} != oracle {want.shape}"
+  # 1-D at least: np.argwhere of a 0-d comparison is empty whatever its value.
+  got, want = np.atleast_1d(got), np.atleast_1d(want)
   bad = np.argwhere(got != want)
   assert bad.size == 0, (f"{what}: {len(bad)} of {got.size} differ; first at {tuple(bad[0])}: "
                          f"got {got[tuple(bad[0])]:#x}, oracle {want[tuple(bad[0])]:#x}")
