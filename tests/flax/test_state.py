@@ -1,12 +1,17 @@
 """Delayed-scaling state of the Linen swap-in: per-step update, scan + remat, gradient
 accumulation, and an orbax checkpoint round trip."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 import jaxquant.flax as jqf
-from jaxquant import recipes
+from jaxquant import recipes, scaling
+from jaxquant.quantizers import DelayedFloat8Quantizer
+from jaxquant.roles import QuantizerRole
 
 import tiny_transformers as tt
 
@@ -85,3 +90,57 @@ def test_orbax_round_trip_then_identical_next_step(tmp_path):
   after_restored = step(*restored, windows, jax.random.key(7))
   jax.tree.map(np.testing.assert_array_equal, after_restored, after)
   assert any(s.scaling.scale != 1.0 for s in _role_states(after[2]))
+
+
+def _per_role_update(state, grad):
+  """The update of one role alone: scaling's own functions, layer by layer."""
+  s = state.scaling
+  for layer in np.ndindex(*s.amax_history.shape[:-1]):
+    one = scaling.DelayedScalingState(s.amax_history[layer], s.scale[layer])
+    if grad is not None and state.role.tensor_type == "grad_output":
+      one = scaling.record_grad_amax(one, scaling.DelayedScalingState(
+          grad.scaling.amax_history[layer], grad.scaling.scale[layer]))
+    one = scaling.update(one, jqf.state._delayed(state.quantizer))
+    s = scaling.DelayedScalingState(s.amax_history.at[layer].set(one.amax_history),
+                                    s.scale.at[layer].set(one.scale))
+  return s
+
+
+def test_update_advances_each_role_as_it_would_alone():
+  """The update runs once per group of like states; every role must still get the bits of
+  its own update: quantizers of other margins and history lengths, scanned and single
+  layers, grad_output amaxes, and amaxes that are subnormal, zero, inf or NaN."""
+  rng = np.random.default_rng(5)
+  quantizers = [DelayedFloat8Quantizer(), DelayedFloat8Quantizer(margin=2, history_len=16),
+                DelayedFloat8Quantizer("e5m2", history_len=16, amax_algo="most_recent")]
+  special = np.array([1e-40, 0.0, np.inf, np.nan, 3e-39, 448.0], np.float32)
+  tree, grads = {}, {}
+  for i, q in enumerate(quantizers):
+    for layers in ((), (3,)):
+      for t in ROLES:
+        shape = layers + (q.history_len,)
+        hist = rng.uniform(0, 10, shape).astype(np.float32)
+        hist.flat[rng.integers(0, hist.size, 4)] = rng.choice(special, 4)
+        scale = rng.uniform(0.5, 2, layers).astype(np.float32)
+        role = QuantizerRole("linear", t, f"m{i}{len(layers)}")
+        state = jqf.state.RoleState(scaling.DelayedScalingState(jnp.asarray(hist), jnp.asarray(scale)),
+                                    role, q)
+        grad_hist = np.zeros(shape, np.float32)
+        grad_hist[..., 0] = rng.choice(np.concatenate([special, [7.0, 0.25]]), layers)
+        grad = dataclasses.replace(state, scaling=scaling.DelayedScalingState(
+            jnp.asarray(grad_hist), jnp.zeros(layers, jnp.float32)))
+        key = f"m{i}_{len(layers)}_{t}"
+        tree[key], grads[key] = state, grad
+  tree["not_a_state"] = jnp.ones(2)
+  grads["not_a_state"] = jnp.zeros(2)
+  for with_grads in (True, False):
+    got = jax.jit(jqf.update_quant_state)(tree, grads if with_grads else None)
+    assert got["not_a_state"] is not None
+    for key, state in tree.items():
+      if key == "not_a_state":
+        continue
+      want = _per_role_update(state, grads[key] if with_grads else None)
+      bits = lambda a: np.asarray(a).view(np.uint32)
+      np.testing.assert_array_equal(bits(got[key].scaling.amax_history), bits(want.amax_history), key)
+      np.testing.assert_array_equal(bits(got[key].scaling.scale), bits(want.scale), key)
+      assert got[key].role == state.role and got[key].quantizer == state.quantizer
