@@ -10,6 +10,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxquant import scaling
 from jaxquant.formats import INPUT_DTYPES, Family
@@ -19,7 +20,8 @@ from jaxquant.quantizers import (QUANTIZER_TYPES, BlockFloat8Quantizer, DelayedF
 from jaxquant.reference import fp8, fp32, hadamard, mxfp8, nvfp4
 from jaxquant.tensor import QuantizedData, QuantizedTensor, Usage, check_usages
 
-__all__ = ["quantize", "dequantize", "dequantize_data", "split_scales", "outer_scale", "check_input"]
+__all__ = ["quantize", "dequantize", "dequantize_data", "split_scales", "outer_scale",
+           "outer_scales", "check_input"]
 
 
 def check_input(x, quantizer) -> None:
@@ -96,6 +98,24 @@ def outer_scale(qd: QuantizedData):
   if family is Family.NVFP4:
     return nvfp4.decode_scale(qd)
   return None
+
+
+def outer_scales(*operands):
+  """`outer_scale` of each operand (None for one that is not quantized), the NVFP4 S_decs
+  from one vectorized computation: its exact fp32 divisions are integer emulations on
+  GPUs, and a copy per operand of every GEMM multiplied a step's compile time. The
+  arithmetic is elementwise, so each S_dec has the bits `outer_scale` gives it."""
+  is_nvfp4 = [isinstance(op, QuantizedData) and op.format.family is Family.NVFP4
+              for op in operands]
+  if sum(is_nvfp4) < 2:
+    return tuple(outer_scale(op) if isinstance(op, QuantizedData) else None for op in operands)
+  amaxes = [op.amax for op, nv in zip(operands, is_nvfp4) if nv]
+  sizes = [a.size for a in amaxes]
+  s_dec = iter(jnp.split(nvfp4.global_scales(jnp.concatenate([a.ravel() for a in amaxes]))[1],
+                         list(np.cumsum(sizes[:-1]))))
+  return tuple(next(s_dec).reshape(op.amax.shape) if nv
+               else outer_scale(op) if isinstance(op, QuantizedData) else None
+               for op, nv in zip(operands, is_nvfp4))
 
 
 def split_scales(qd: QuantizedData):

@@ -13,6 +13,7 @@ from jaxquant import recipes, reference, scaling
 from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
                                  HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 from jaxquant.roles import QuantizerRole
+from jaxquant.tensor import QuantizedData
 
 KEY = jax.random.key(7)
 SHAPE = (64, 128)
@@ -187,3 +188,28 @@ def test_qfactory_must_return_a_quantizer():
   bad = recipes.CustomRecipe(lambda r: "fp8", name="mine")
   with pytest.raises(TypeError, match=r"'fp8'.*weight.*mlp/wi|mlp/wi.*'fp8'"):
     bad.quantizer(role)
+
+
+def test_outer_scales_of_a_pair_are_each_operands_own():
+  """The GEMM's outer scales computed together (NVFP4's S_dec of both operands in one
+  vectorized computation) have the bits of each operand's own, amaxes zero, subnormal,
+  inf and NaN included, per tensor and per token, beside FP8 and high-precision operands."""
+  amaxes = np.array([3.5, 0.0, 1e-40, np.inf, np.nan, 2688.0, 7e-3, 1e30], np.float32)
+  per_tensor = NVFP4Quantizer().format("rowwise")
+  per_token = NVFP4Quantizer(per_token=True).format("rowwise")
+  fp8_tensor = Float8Quantizer().format("rowwise")
+  data = jnp.zeros((8, 8), jnp.uint8)
+  nvfp4 = lambda amax, fmt: QuantizedData(data, None, jnp.asarray(amax), fmt)
+  operands = [nvfp4(amaxes[i], per_tensor) for i in range(len(amaxes))]
+  operands += [nvfp4(amaxes, per_token), nvfp4(amaxes[::-1].copy(), per_token),
+               QuantizedData(data, jnp.float32(0.125), None, fp8_tensor), jnp.ones((8, 8))]
+  bits = lambda a: np.asarray(a, np.float32).view(np.uint32)
+  for a in operands:
+    for b in operands:
+      together = jax.jit(reference.outer_scales)(a, b)
+      for op, got in zip((a, b), together):
+        want = reference.outer_scale(op) if isinstance(op, QuantizedData) else None
+        if want is None:
+          assert got is None
+        else:
+          np.testing.assert_array_equal(bits(got), bits(want))
