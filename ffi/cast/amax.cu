@@ -2,31 +2,13 @@
 // per tensor of the Hadamard-transformed columnwise data (NVFP4 with RHT takes its
 // columnwise global amax after the transform).
 //
-// Per-tensor results combine across CTAs with an integer atomicMax on the bit pattern of
-// the (non-negative or NaN) magnitude, into an output zeroed on the same stream: no host
-// synchronisation, safe to capture in a CUDA graph.
+// Per-tensor results combine across CTAs (tile.cuh's publish_cta_amax) into an output
+// zeroed on the same stream.
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
 namespace jaxquant {
 namespace {
-
-__device__ __forceinline__ float block_amax(float a) {
-  __shared__ float warp_amax[kWarps];
-  a = group_amax(a, 32);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) warp_amax[warp] = a;
-  __syncthreads();
-  a = 0.0f;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) a = amax_combine(a, warp_amax[w]);
-  }
-  return a;
-}
-
-__device__ __forceinline__ void publish_amax(float a, float* out) {
-  if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(out), __float_as_uint(a));
-}
 
 template <typename T>
 __device__ __forceinline__ float vec_amax(const Vec16<T>& w) {
@@ -55,7 +37,7 @@ __global__ __launch_bounds__(kThreads) void amax_tensor_kernel(const T* __restri
     for (int j = 0; j < 4; ++j) a = amax_combine(a, vec_amax(w[j]));
   }
   for (; i < vectors; i += stride) a = amax_combine(a, vec_amax(xv[-i]));
-  publish_amax(block_amax(a), out);
+  publish_cta_amax<kWarps>(a, out);
 }
 
 // One warp per row.
@@ -96,7 +78,7 @@ __global__ __launch_bounds__(kThreads) void amax_rht_kernel(const T* __restrict_
 #pragma unroll
     for (int i = 0; i < 16; ++i) a = amax_combine(a, abs_bits(y[i]));
   }
-  publish_amax(block_amax(a), out);
+  publish_cta_amax<kWarps>(a, out);
 }
 
 ffi::Error amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> result,

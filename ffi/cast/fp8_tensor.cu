@@ -1,6 +1,8 @@
 // Per-tensor FP8 cast with the transposed columnwise copy in the same pass
 // (NUMERICS.md "Per-tensor FP8"). The scale comes from a device-side scalar: the amax
 // (current scaling, the scale is derived here) or the scale itself (delayed scaling).
+// With delayed scaling the cast also takes the input's amax as it reads it
+// (cfg.observe_amax), the one the step records: no second pass over the tensor.
 // Tiles and the work split are tile.cuh's staged cast tiles.
 #include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
@@ -19,6 +21,7 @@ struct Fp8TensorOut {
   float* row_scale;   // the decode scale (scale_inv): one float
   uint8_t* col_data;  // [K, M]
   float* col_scale;   // the same
+  float* amax;        // the input's amax (cfg.observe_amax), zeroed before the launch; or null
 };
 
 // Four codes of x * scale, packed little-endian; only `may_be_nan` inputs pay for the
@@ -54,12 +57,13 @@ __device__ __forceinline__ TensorScale tensor_scale(const float* amax_or_scale,
   return {scale, !(scale > 0.0f && scale <= kFltMax)};
 }
 
-// The codes of one 16-byte vector of a row, stored at dst.
+// The codes of one 16-byte vector of a row, stored at dst; returns the vector's amax.
 template <typename T, int32_t kElement>
-__device__ __forceinline__ void store_row_vector(const Vec16<T>& v, const TensorScale& s,
-                                                 uint8_t* dst) {
+__device__ __forceinline__ float store_row_vector(const Vec16<T>& v, const TensorScale& s,
+                                                  uint8_t* dst) {
   constexpr int V = kVec<T>;
-  const bool nan = s.may_make_nan || isnan(chunk_amax(v, 1));
+  const float amax = chunk_amax(v, 1);
+  const bool nan = s.may_make_nan || isnan(amax);
   uint32_t codes[V / 4];
 #pragma unroll
   for (int j = 0; j < V; j += 4) {
@@ -72,6 +76,7 @@ __device__ __forceinline__ void store_row_vector(const Vec16<T>& v, const Tensor
   } else {
     *reinterpret_cast<uint32_t*>(dst) = codes[0];
   }
+  return amax;
 }
 
 // The rowwise usage alone keeps x's layout: a tensor of 16-byte vectors in, of codes out,
@@ -86,16 +91,21 @@ __global__ __launch_bounds__(kThreads) void fp8_tensor_rows_kernel(
   const Vec16<T>* xv = reinterpret_cast<const Vec16<T>*>(x);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  float seen = 0.0f;
   for (; i + 3 * stride < vectors; i += 4 * stride) {
     Vec16<T> v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = xv[i + j * stride];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      store_row_vector<T, kElement>(v[j], s, out.row_data + (i + j * stride) * V);
+      seen = amax_combine(seen, store_row_vector<T, kElement>(v[j], s,
+                                                              out.row_data + (i + j * stride) * V));
     }
   }
-  for (; i < vectors; i += stride) store_row_vector<T, kElement>(xv[i], s, out.row_data + i * V);
+  for (; i < vectors; i += stride) {
+    seen = amax_combine(seen, store_row_vector<T, kElement>(xv[i], s, out.row_data + i * V));
+  }
+  if (out.amax != nullptr) publish_cta_amax<kWarps>(seen, out.amax);
 }
 
 template <typename T, int32_t kElement>
@@ -105,6 +115,9 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
   constexpr int V = kVec<T>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const TensorScale s = tensor_scale<T, kElement>(amax_or_scale, cfg, out);
+  // The amax of what this thread read: from the rowwise pass where there is one, else from
+  // the columnwise one (each covers every element of the tile once).
+  float seen = 0.0f;
 
   auto cast_tile = [&](const CastTile<T>& tile, TileOrigin o) {
     if (out.row_data != nullptr) {
@@ -114,7 +127,8 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
         const int r = row_pass_row(i);
         const int64_t m = o.m0 + r, k = o.k0 + q * V;
         if (m >= M || k >= K) continue;
-        store_row_vector<T, kElement>(tile.at(r, q), s, out.row_data + m * K + k);
+        seen = amax_combine(seen, store_row_vector<T, kElement>(tile.at(r, q), s,
+                                                                out.row_data + m * K + k));
       }
     }
     // Columnwise: lane l writes 4 codes (rows 4l .. 4l+3) of each transposed row k.
@@ -123,9 +137,10 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
       Vec16<T> c[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) c[j] = tile.at(4 * lane + j, warp);
-      const bool nan = s.may_make_nan ||
-                       isnan(amax_combine(amax_combine(chunk_amax(c[0], 1), chunk_amax(c[1], 1)),
-                                          amax_combine(chunk_amax(c[2], 1), chunk_amax(c[3], 1))));
+      const float amax = amax_combine(amax_combine(chunk_amax(c[0], 1), chunk_amax(c[1], 1)),
+                                      amax_combine(chunk_amax(c[2], 1), chunk_amax(c[3], 1)));
+      if (out.row_data == nullptr) seen = amax_combine(seen, amax);
+      const bool nan = s.may_make_nan || isnan(amax);
       // One branch per lane and tile, not per store.
       auto store_columns = [&](auto may_be_nan) {
         uint8_t* data = out.col_data + k_first * M + m;
@@ -144,6 +159,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
     }
   };
   for_each_cast_tile<kStages>(x, M, K, /*strip_shift=*/0, cast_tile, NoStripEnd{});
+  if (out.amax != nullptr) publish_cta_amax<kCastWarps>(seen, out.amax);
 }
 
 ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax_or_scale,
@@ -161,6 +177,16 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   Fp8TensorOut out{};
   if (auto err = take_cast_results(rets, cfg, "fp8_tensor_cast", out); err.failure()) return err;
+  if (cfg.observe_amax) {
+    auto amax = result_ptr<float>(rets, 2 * ((cfg.rowwise != 0) + (cfg.columnwise != 0)));
+    if (!amax.has_value()) return invalid("fp8_tensor_cast: missing the amax result");
+    out.amax = *amax;
+    if (auto err = cuda_error("fp8_tensor_cast: zeroing the amax",
+                              cudaMemsetAsync(out.amax, 0, sizeof(float), stream));
+        err.failure()) {
+      return err;
+    }
+  }
   return dispatch_float(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     // An empty tensor still gets its scale_inv: one CTA that touches no element.

@@ -16,10 +16,10 @@ from jaxquant.kernels.dequantize import dequantize_data
 from jaxquant.kernels.tensor_gemm import fp8_tensor_gemm
 from jaxquant.kernels.grouped import grouped_gemm
 from jaxquant.kernels.library import available, unavailable_reason
-from jaxquant.kernels.quantize import quantize_usages
+from jaxquant.kernels.quantize import quantize_usages, quantize_usages_and_amax
 
 library.load_error()  # register the FFI targets now, when the library exists
 
-__all__ = ["available", "unavailable_reason", "amax", "quantize_usages", "dequantize_data",
-           "grouped_gemm", "block_fp8_gemm", "dequant_gemm", "fp8_tensor_gemm", "KernelConfig",
-           "unsupported_reason"]
+__all__ = ["available", "unavailable_reason", "amax", "quantize_usages", "quantize_usages_and_amax",
+           "dequantize_data", "grouped_gemm", "block_fp8_gemm", "dequant_gemm", "fp8_tensor_gemm",
+           "KernelConfig", "unsupported_reason"]

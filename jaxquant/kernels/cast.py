@@ -4,9 +4,10 @@ Inputs: x [M, K]; the rowwise and columnwise global amaxes (the per-tensor FP8 a
 delayed scale, NVFP4's global amaxes; ignored by MXFP8 and block FP8); the SR seed
 (uint32[2] with stochastic rounding, else an unread uint32 scalar). Results, for each
 requested usage in order rowwise, columnwise: (data, scale) in the stored layout of
-tensor.py. The amaxes come in as arrays, not computed
-inside, so that under sharding they are global (kernels/amax.py pmax-es them) while each
-device casts only its own shard.
+tensor.py; with `config.observe_amax` (delayed scaling) then the input's amax, taken as
+the cast reads it. The amaxes the scales come from arrive as arrays, not computed inside,
+so that under sharding they are global (kernels/amax.py pmax-es them) while each device
+casts only its own shard.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _abstract_eval(x, row_amax, col_amax, seed, *, config: KernelConfig):
     rows, cols = stored_shape(usage, m, k)
     out.append(ShapedArray(fmt.data_shape(rows, cols), fmt.storage_dtype))
     out.append(ShapedArray(fmt.scale_shape(rows, cols), fmt.scale_dtype))
+  if config.observe_amax:
+    out.append(ShapedArray((), jnp.float32))
   return out
 
 
@@ -76,6 +79,8 @@ def _factors(config: KernelConfig, m: int, k: int):
   results = []
   for usage in config.usages:
     results += [dims[usage], scale_dims[usage]]
+  if config.observe_amax:
+    results.append(())
   return operands, results, sizes
 
 
@@ -116,13 +121,18 @@ def _partition(config: KernelConfig, mesh, arg_shapes, result_shape):
   for usage in config.usages:
     data = (m_axes, k_axes) if usage == "rowwise" else (k_axes, m_axes)
     result_specs += [sharding.pspec(*data), sharding.pspec() if per_tensor else sharding.pspec(*data)]
+  if config.observe_amax:
+    result_specs.append(sharding.pspec())
   sharded_axes = m_axes + k_axes
 
   def local(kernel, x, row_amax, col_amax, seed):
     if config.stochastic_rounding and sharded_axes:
       # Each shard counts its elements from zero: give each its own random stream.
       seed = seed + jnp.stack([jnp.uint32(0), sharding.shard_index(mesh, sharded_axes)])
-    return kernel(x, row_amax, col_amax, seed)
+    outs = list(kernel(x, row_amax, col_amax, seed))
+    if config.observe_amax:  # the shard's amax: the tensor's is the max over the shards
+      outs[-1] = sharding.pmax_amax(outs[-1], sharded_axes)
+    return outs
 
   return arg_specs, result_specs, local
 

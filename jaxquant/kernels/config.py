@@ -40,6 +40,9 @@ class KernelConfig:
   stochastic_rounding: bool = False
   amax_per_row: bool = False  # amax kernel only
   block_scales_only: bool = False  # dequantize only: leave the outer scale (NVFP4 S_dec) out
+  # Per-tensor FP8 cast only: one more result, the input's amax, taken as the cast reads it
+  # (delayed scaling records it; current scaling needs it before the cast).
+  observe_amax: bool = False
   out_dtype: Optional[str] = None  # dequantize only; not an FFI attribute (the output
   # buffer's dtype says it on the C++ side)
 
@@ -60,6 +63,7 @@ class KernelConfig:
         row_scaled=i32(self.format.row_scaled),
         amax_per_row=i32(self.amax_per_row),
         block_scales_only=i32(self.block_scales_only),
+        observe_amax=i32(self.observe_amax),
     )
 
   @property
@@ -83,6 +87,7 @@ def cast_config(quantizer: BaseQuantizer, usages: tuple[Usage, ...]) -> KernelCo
       pow2_scales=bool(getattr(quantizer, "pow2_scales", False)),
       eps=float(getattr(quantizer, "eps", 0.0)),
       given_scale=isinstance(quantizer, DelayedFloat8Quantizer),
+      observe_amax=isinstance(quantizer, DelayedFloat8Quantizer),
       rht=isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and "columnwise" in usages,
       stochastic_rounding=isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic_rounding,
   )

@@ -51,6 +51,14 @@ def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usag
   `scale` is the delayed-scaling scale (DelayedFloat8Quantizer); `key` the SR key.
   Raises ValueError for inputs no kernel takes (the caller may use the reference).
   """
+  return quantize_usages_and_amax(x2d, quantizer, usages, key=key, scale=scale)[0]
+
+
+def quantize_usages_and_amax(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, ...],
+                             *, key: Optional[jax.Array] = None,
+                             scale: Optional[jax.Array] = None):
+  """`quantize_usages`, plus the amax of x2d that delayed scaling records: taken by the
+  cast as it reads x2d, not by a pass of its own (None for the other quantizers)."""
   check_matrix(x2d, f"{type(quantizer).__name__} kernel")
   m, k = x2d.shape
   for usage in usages:
@@ -84,7 +92,7 @@ def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usag
       global_amax = row_amax if usage == "rowwise" else col_amax
     result[usage] = QuantizedData(outs[2 * i], outs[2 * i + 1], global_amax,
                                   config.usage_format(usage))
-  return result
+  return result, (outs[-1] if config.observe_amax else None)
 
 
 def nvfp4_amaxes(x2d, q: NVFP4Quantizer, usages):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.formats import Family
-from jaxquant.reference import fp8, hadamard, mxfp8, nvfp4
+from jaxquant.reference import fp8, fp32, hadamard, mxfp8, nvfp4
 
 USAGE_INDEX = {"rowwise": 0, "columnwise": 1}
 
@@ -47,4 +47,6 @@ def reference_cast(x, row_amax, col_amax, seed, *, config):
       qd = nvfp4.quantize(stored, fmt, random_bits=bits,
                           amax=row_amax if usage == "rowwise" else col_amax)
     out += [qd.data, qd.scale_inv]
+  if config.observe_amax:
+    out.append(fp32.abs_max(x2d))
   return out

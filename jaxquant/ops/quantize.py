@@ -65,9 +65,10 @@ def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"
       slots.update({u: qt.usage(u) for u in group})
       continue
     scale = state.scale if isinstance(base, DelayedFloat8Quantizer) else None
-    slots.update(kernels.quantize_usages(x2d, base, group, key=key, scale=scale))
+    usage_data, amax = kernels.quantize_usages_and_amax(x2d, base, group, key=key, scale=scale)
+    slots.update(usage_data)
     if isinstance(base, DelayedFloat8Quantizer):
-      new_state = record_amax(state, kernels.amax(x2d))
+      new_state = record_amax(state, amax)
   qt = QuantizedTensor(shape=shape, dtype=x.dtype, **slots)
   return (qt, new_state) if state is not None else qt
 

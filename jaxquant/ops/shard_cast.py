@@ -100,7 +100,6 @@ def cast_shard(shard: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, 
   recorded = None
   if isinstance(quantizer, DelayedFloat8Quantizer):
     row_amax = col_amax = scale
-    recorded = pmax_amax(_amax(shard, use_kernel=use_kernel), every_axis)
   elif isinstance(quantizer, Float8Quantizer):
     row_amax = col_amax = pmax_amax(_amax(shard, use_kernel=use_kernel), every_axis)
   elif isinstance(quantizer, NVFP4Quantizer):
@@ -117,4 +116,6 @@ def cast_shard(shard: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, 
       global_amax = row_amax if usage == "rowwise" else col_amax
     result[usage] = QuantizedData(outs[2 * i], outs[2 * i + 1], global_amax,
                                   config.usage_format(usage))
+  if config.observe_amax:  # this shard's amax, from the cast: the matrix's is their max
+    recorded = pmax_amax(outs[-1], every_axis)
   return result, recorded

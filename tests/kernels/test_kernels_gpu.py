@@ -106,14 +106,23 @@ def test_leading_dims_flattened():
   assert_same_bits(got, want, "mxfp8 3-D input")
 
 
-@pytest.mark.parametrize("usages", [("rowwise", "columnwise"), ("rowwise",)], ids="+".join)
+@pytest.mark.parametrize("usages", [("rowwise", "columnwise"), ("rowwise",), ("columnwise",)],
+                         ids="+".join)
 def test_delayed_scaling_bit_exact(usages):
-  x = random_input(5, (512, 1024), jnp.bfloat16)
+  """The codes, and the amax the cast observes as it reads (recorded in the state's
+  history): every kernel path (the tile cast with and without its rowwise pass, the
+  streaming rowwise cast), on fresh random inputs and on inputs with inf and NaN."""
   state = scaling.DelayedScalingState(jnp.zeros((16,), jnp.float32), jnp.float32(3.0))
   f = jax.jit(lambda x, s, impl: ops.quantize(x, DELAYED, usages, state=s, implementation=impl),
               static_argnums=2)
-  want = reference_on_cpu(lambda x, s: f(x, s, "reference"), x, state)
-  assert_same_bits(f(x, state, "kernel"), want, f"delayed {usages}")
+  inputs = [random_input(5, (512, 1024), jnp.bfloat16), random_input(15, (272, 1040), jnp.float32),
+            edge_input((256, 512), jnp.bfloat16, nan=False, inf=True),
+            edge_input((256, 512), jnp.float16, nan=True, inf=False)]
+  for i, x in enumerate(inputs):
+    want = reference_on_cpu(lambda x, s: f(x, s, "reference"), x, state)
+    got = f(x, state, "kernel")
+    assert_same_bits(got, want, f"delayed {usages} input {i}")
+    assert float(got[1].amax_history[0]) > 0 or np.isnan(got[1].amax_history[0])
 
 
 @pytest.mark.parametrize("usage", ["rowwise", "columnwise"])

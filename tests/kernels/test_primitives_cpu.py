@@ -21,7 +21,7 @@ from jaxquant import kernels, reference
 from jaxquant.kernels.config import KernelConfig, cast_config
 from jaxquant.ops import quantize as ops
 from jaxquant.quantizers import BlockFloat8Quantizer, MXFP8Quantizer, NVFP4Quantizer
-from kernel_cases import QUANTIZERS, SR_QUANTIZERS, assert_same_bits, random_input
+from kernel_cases import DELAYED, QUANTIZERS, SR_QUANTIZERS, assert_same_bits, random_input
 
 # One per code path; compiling the reference dominates on the CPU.
 CPU_CASES = {name: dict(QUANTIZERS, **SR_QUANTIZERS)[name] for name in (
@@ -80,6 +80,24 @@ def test_sharded_matches_unsharded(name, spec, eight_devices):
   assert not re.search(r"bf16\[\d+,\d+\][^ ]* all-gather", hlo), f"{name} {spec}: input gathered"
   padded = lambda s: tuple(s) + (None,) * (2 - len(tuple(s)))
   assert padded(got["rowwise"].data.sharding.spec) == padded(spec)
+
+
+@pytest.mark.parametrize("usages", [("rowwise", "columnwise"), ("rowwise",), ("columnwise",)],
+                         ids="+".join)
+def test_delayed_cast_observes_the_global_amax(usages, eight_devices):
+  """Delayed scaling's cast also returns the amax it read (the step records it): the
+  reference's abs_max of the whole matrix, one device or sharded (each shard's, pmax-ed)."""
+  x = random_input(6, (256, 512), jnp.bfloat16).at[200, 17].set(-3e4)
+  scale = jnp.float32(0.25)
+  cast = jax.jit(lambda x: kernels.quantize_usages_and_amax(x, DELAYED, usages, scale=scale))
+  want_data, want_amax = cast(x)
+  assert_same_bits(want_amax, reference.fp32.abs_max(x.astype(jnp.float32)), "amax, one device")
+  assert_same_bits(want_data, kernels.quantize_usages(x, DELAYED, usages, scale=scale), "data")
+  xs = jax.device_put(x, NamedSharding(_mesh(eight_devices), P("a", "b")))
+  got_data, got_amax = cast(xs)
+  assert_same_bits(got_amax, want_amax, "amax, sharded")
+  assert_same_bits(got_data, want_data, "data, sharded")
+  assert kernels.quantize_usages_and_amax(x, QUANTIZERS["fp8_e4m3"], usages)[1] is None
 
 
 def test_sharded_amax_is_global(eight_devices):

@@ -31,10 +31,14 @@ inline auto cast_binding() {
 // Points out's row_data / row_scale and col_data / col_scale at a cast's results: for each
 // usage cfg asks for, rowwise first, its codes then its scales (kernels/cast.py's
 // _abstract_eval). Usages not asked for stay null. `Out` is the family's result struct.
+// The observed amax (cfg.observe_amax, per-tensor FP8 only) follows them: the family takes it.
 template <typename Out>
 ffi::Error take_cast_results(ffi::RemainingRets& rets, const KernelConfig& cfg, const char* what,
                              Out& out) {
   using Scale = std::remove_pointer_t<decltype(out.row_scale)>;
+  if (cfg.observe_amax && cfg.family != kFp8Tensor) {
+    return invalid(std::string(what) + ": only the per-tensor FP8 cast observes the amax");
+  }
   size_t next = 0;
   auto take = [&](const char* usage, uint8_t*& data, Scale*& scale) {
     auto d = result_ptr<uint8_t>(rets, next++);

@@ -35,6 +35,7 @@ struct KernelConfig {
   int32_t row_scaled;     // NVFP4 per-token: one global amax per rowwise row
   int32_t amax_per_row;   // amax kernel: per row instead of per tensor
   int32_t block_scales_only;  // dequantize: leave the outer scale (NVFP4 S_dec) out
+  int32_t observe_amax;   // FP8 per-tensor cast: one more result, the input's amax
 };
 
 // Traits of every handler: for the same attributes and buffer shapes it launches the same
@@ -133,4 +134,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int32_t>("stochastic_rounding"),
     ::xla::ffi::StructMember<int32_t>("row_scaled"),
     ::xla::ffi::StructMember<int32_t>("amax_per_row"),
-    ::xla::ffi::StructMember<int32_t>("block_scales_only"));
+    ::xla::ffi::StructMember<int32_t>("block_scales_only"),
+    ::xla::ffi::StructMember<int32_t>("observe_amax"));

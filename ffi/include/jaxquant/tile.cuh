@@ -307,6 +307,23 @@ __device__ __forceinline__ float group_amax(float a, int lanes) {
   return a;
 }
 
+// Folds the amaxes `a` of every thread of a CTA of kCtaWarps warps (each thread must call
+// this) into the tensor amax at `out`, by an integer atomicMax on the bit pattern of the
+// (non-negative or NaN) magnitude. `out` is zeroed on the same stream before the kernel:
+// no host synchronisation, safe to capture in a CUDA graph.
+template <int kCtaWarps>
+__device__ __forceinline__ void publish_cta_amax(float a, float* out) {
+  __shared__ float warp_amax[kCtaWarps];
+  a = group_amax(a, 32);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_amax[warp] = a;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kCtaWarps; ++w) a = amax_combine(a, warp_amax[w]);
+    atomicMax(reinterpret_cast<unsigned int*>(out), __float_as_uint(a));
+  }
+}
+
 // ---- Amaxes on the raw bits of 2-byte inputs ------------------------------------------
 // For bf16 and fp16, x with its sign bit cleared orders like an unsigned integer (NaN above
 // inf), and an amax of such values is one of them: two magnitudes per 32-bit word reduce
