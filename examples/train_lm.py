@@ -84,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="train sharded over a mesh of all devices (D x F x T of them; an axis "
                       "left out is 1): the batch split over data and fsdp, every weight split "
                       "over fsdp (FSDP) and its MLP, head and vocabulary dims over tensor")
+  parser.add_argument("--quantized-gather", action="store_true",
+                      help="with --mesh: quantize each FSDP-sharded weight shard by shard and "
+                      "all-gather its codes and scales over fsdp instead of its fp32 values "
+                      "(quantize_model's weight_gather)")
   parser.add_argument("--time-budget-s", type=float,
                       help="stop training once the run has taken this many seconds; the outputs "
                       "mark the recipe that was cut short and those not run")
@@ -144,14 +148,18 @@ class RecipeTrainer:
   """One recipe's optimizer and jitted steps, compiled once and reused for every seed."""
 
   def __init__(self, name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig,
-               validation_batches: jax.Array, mesh: jax.sharding.Mesh | None = None):
-    self.name, self.model, self.train_config = name, model, train_config
+               validation_batches: jax.Array, mesh: jax.sharding.Mesh | None = None,
+               quantized_gather: bool = False):
+    self.name, self.train_config = name, train_config
     self.validation_batches = validation_batches
     self.optimizer = training.make_optimizer(train_config)
     self.shardings = None
     if mesh is not None:
       placement = training.placement_for(model, self.sample_tokens(), mesh)
       self.shardings = training.step_shardings(self.optimizer, placement)
+      if quantized_gather:
+        model = recipes.with_quantized_gather(model, mesh, placement.params, sharding.FSDP)
+    self.model = model
     self.train_step = training.make_train_step(model, self.optimizer, self.shardings)
     self.eval_step = training.make_eval_step(model, self.shardings)
     self.compile_seconds: float | None = None  # the first seed's first step
@@ -229,7 +237,8 @@ def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entr
                      "validation_files": corpus.n_validation_files},
           "unigram_entropy_nats": entropy, "unigram_entropy_bits": data.nats_to_bits(entropy),
           "device": str(jax.devices()[0]), "jax": jax.__version__,
-          "mesh": None if mesh is None else dict(mesh.shape)}
+          "mesh": None if mesh is None else dict(mesh.shape),
+          "quantized_gather": args.quantized_gather}
 
 
 def where(mesh: jax.sharding.Mesh | None) -> str:
@@ -289,6 +298,9 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
     raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")
   mesh = mesh_of(args)
+  if args.quantized_gather and (mesh is None or mesh.shape[sharding.FSDP] == 1):
+    raise ValueError("--quantized-gather gathers FSDP-sharded weights: it needs --mesh with "
+                     "fsdp > 1")
   if mesh is not None:
     sharding.check_batch(train_config.batch_size, mesh)
   models = build_models([n for n in recipe_names if n != recipes.SUGGESTED_RECIPE], model_config,
@@ -339,7 +351,8 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
     if name == recipes.SUGGESTED_RECIPE:
       model, params, notes = suggested_run(args, model_config, train_config, shared_params,
                                            corpus, args.out)
-    trainer = RecipeTrainer(name, model, train_config, validation_batches, mesh)
+    trainer = RecipeTrainer(name, model, train_config, validation_batches, mesh,
+                            args.quantized_gather)
     for seed in seeds:
       if seed != seeds[0] and time.perf_counter() > deadline:
         break

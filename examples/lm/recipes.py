@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import flax.linen as nn
 from jaxquant import recipes as jq_recipes
-from jaxquant.flax import quantize_model, update_quant_state
+from jaxquant.flax import ModelWeightGather, QuantizedModel, quantize_model, update_quant_state
 from jaxquant.flax.linen import QUANT_RNG
 from jaxquant.ops.grouped_dense import MODULE_TYPE as GROUPED_LINEAR
 from jaxquant.quantizers import Quantizer, needs_state
@@ -147,6 +147,16 @@ def for_moe_block(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:
     return quantizer
 
   return jq_recipes.CustomRecipe(qfactory, backward=recipe.backward, name=recipe.name)
+
+
+def with_quantized_gather(model: RecipeModel, mesh, param_shardings, axis: str) -> RecipeModel:
+  """The model with its quantized kernels all-gathered over `axis` in their quantized form
+  (quantize_model's weight_gather), given where its params are placed; the plain (bf16)
+  model, which quantizes nothing, as it is."""
+  if not isinstance(model.module, QuantizedModel):
+    return model
+  gather = ModelWeightGather(mesh, param_shardings, axis)
+  return dataclasses.replace(model, module=model.module.clone(weight_gather=gather))
 
 
 def model_for_recipe(plain_model: nn.Module, recipe: jq_recipes.CustomRecipe) -> RecipeModel:

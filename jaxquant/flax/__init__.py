@@ -2,7 +2,9 @@
 
 - `jaxquant.flax.linen`: Dense, DenseGeneral, Einsum (Flax's, plus a `recipe`).
 - `jaxquant.flax.nnx`: Linear, Einsum.
-- `quantize_model(model, recipe)`: quantize an ordinary Linen or NNX model's GEMMs.
+- `quantize_model(model, recipe)`: quantize an ordinary Linen or NNX model's GEMMs;
+  `weight_gather=ModelWeightGather(mesh, param_specs)` (Linen) all-gathers FSDP weights
+  in their quantized form.
 - `update_quant_state` / `combine_quant_state`: advance delayed-scaling state once per
   train step (`jaxquant.flax.state` explains the flow).
 - `weight_roles(tree_or_module)`: every annotated GEMM weight with its role and quantizer.
@@ -18,5 +20,6 @@ from jaxquant.flax.metadata import QuantizedWeight, weight_roles
 from jaxquant.flax.state import (QUANT_STATE, RoleState, combine_quant_state,
                                  update_quant_state)
 from jaxquant.flax.swap import QuantizedModel, intercepting, quantize_model
+from jaxquant.flax.weight_gather import ModelWeightGather
 from jaxquant.flax.nnx import QuantState
 from jaxquant.flax.report import SwapReport, swap_report

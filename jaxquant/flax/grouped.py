@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxquant import recipes
 from jaxquant.flax import interception
+from jaxquant.flax import session as sessions
 from jaxquant.flax.metadata import annotate_linen_weight, nnx_weight_metadata
 from jaxquant.ops.grouped_dense import MODULE_TYPE, grouped_dense
 from jaxquant.quantizers import needs_key, needs_state
@@ -67,6 +68,11 @@ def linen_call(module: GroupedDense, x, group_sizes, *,
   name = "/".join(module.path)
   what = f"GroupedDense {name!r}"
   recipe, quantizers = _quantizers(module.recipe, model_recipe, name, what)
+  session = sessions.current()
+  if session is not None and session.weight_gather is not None and quantizers["weight"] is not None:
+    raise ValueError(f"{what}: quantize_model's weight_gather does not reach grouped (MoE) "
+                     "layers, whose experts' kernels would be gathered in high precision; "
+                     "leave weight_gather out")
   kernel = module.param("kernel", module.kernel_init,
                         (module.num_groups, x.shape[-1], module.features), module.param_dtype)
   annotate_linen_weight(module, "kernel", QuantizerRole(MODULE_TYPE, "weight", name),

@@ -197,9 +197,14 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
   x, kernel, bias = module.promote_dtype(x, kernel, bias, dtype=module.dtype)
   variables = _state_variables(module, roles, quantizers)
   state = {t: v.value.scaling for t, v in variables.items()} or None
+  gather = None
+  if session is not None and session.weight_gather is not None:
+    gather = session.weight_gather.kernel_gather(
+        tuple(module.path) + ("kernel",), np.shape(kernel), plan.kernel_perm, plan.n_contracted,
+        what)
   y, new_state = contraction.quantized_gemm(
       plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=module_path(module),
-      what=what, key=_key(module, quantizers), state=state)
+      what=what, key=_key(module, quantizers), state=state, weight_gather=gather)
   record(sessions.QUANTIZED, shapes)
   if variables and module.is_mutable_collection(QUANT_STATE) and not module.is_initializing():
     for t, v in variables.items():

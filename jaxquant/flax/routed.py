@@ -82,6 +82,11 @@ def handle(call: Call):
                        "on_unfit='high_precision' to quantize_model")
     session.record(row(sessions.unfit_status(reason)))
     return call.fallback()
+  if session.weight_gather is not None and quantizers["weight"] is not None:
+    raise ValueError(f"{what}: quantize_model's weight_gather gathers the kernels of Dense, "
+                     "DenseGeneral and Einsum layers; a weight the model's own code contracts "
+                     "would be gathered in high precision. Map role "
+                     f"{ref.role_name!r} to None in the recipe, or leave weight_gather out")
   session.record(row(sessions.QUANTIZED))
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
   x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)

@@ -74,6 +74,8 @@ class Session:
   on_unfit: OnUnfit = "error"
   find_weight: Callable[[Any], Optional[WeightRef]] = lambda operand: None
   rows: list[Row] = dataclasses.field(default_factory=list)
+  # quantize_model's weight_gather (a jaxquant.flax.weight_gather.ModelWeightGather), or None.
+  weight_gather: Any = None
 
   def record(self, row: Row) -> None:
     self.rows.append(row)

@@ -42,6 +42,7 @@ from jaxquant import recipes
 from jaxquant.flax import grouped, interception, linen, routed
 from jaxquant.flax import session as sessions
 from jaxquant.flax.linen_routing import ModuleStack
+from jaxquant.flax.weight_gather import ModelWeightGather
 
 # Exactly these classes are swapped (their subclasses may override __call__).
 LINEN_GEMMS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
@@ -96,6 +97,7 @@ class QuantizedModel(nn.Module):
   annotate: bool = False
   on_unfit: sessions.OnUnfit = "error"
   require_gemm: bool = True
+  weight_gather: Optional[ModelWeightGather] = None
 
   def setup(self):
     nn.share_scope(self, self.module)
@@ -107,7 +109,8 @@ class QuantizedModel(nn.Module):
       with recipes.autocast(recipes.bf16):
         self.module(*args, **kwargs)
     stack = ModuleStack()
-    session = sessions.Session(self.recipe, self.on_unfit, stack.find_weight)
+    session = sessions.Session(self.recipe, self.on_unfit, stack.find_weight,
+                               weight_gather=self.weight_gather)
     with sessions.active(session), interception.routing(routed.handle):
       with nn.intercept_methods(_linen_interceptor(self.recipe, self.annotate, stack)):
         y = self.module(*args, **kwargs)
@@ -123,7 +126,8 @@ def intercepting(recipe: Optional[recipes.CustomRecipe], annotate: bool = False)
 
 def quantize_model(model: Any, recipe: Optional[recipes.CustomRecipe] = None, *,
                    annotate: bool = False, rngs: Any = None,
-                   on_unfit: sessions.OnUnfit = "error", require_gemm: bool = True) -> Any:
+                   on_unfit: sessions.OnUnfit = "error", require_gemm: bool = True,
+                   weight_gather: Optional[ModelWeightGather] = None) -> Any:
   """The model with its GEMMs quantized per `recipe` (None: autocast's, else bf16).
 
   Args:
@@ -138,13 +142,23 @@ def quantize_model(model: Any, recipe: Optional[recipes.CustomRecipe] = None, *,
       instead, and the swap report lists it with the reason.
     require_gemm: raise when a recipe that quantizes finds no weight GEMM in the model
       (everything would silently stay in high precision); False allows it.
+    weight_gather: Linen only: the params' shardings (`ModelWeightGather`); every
+      quantized Dense / DenseGeneral / Einsum kernel is then quantized shard by shard and
+      all-gathered in its quantized form over the FSDP axis (docs/sharding.md).
   """
   sessions.check_on_unfit(on_unfit)
+  if weight_gather is not None and not isinstance(weight_gather, ModelWeightGather):
+    raise TypeError("quantize_model: weight_gather must be a jaxquant.flax.ModelWeightGather, "
+                    f"got {type(weight_gather).__name__}")
   if isinstance(model, nn.Module):
     if rngs is not None:
       raise ValueError("quantize_model: rngs= is for NNX models; a Linen model takes its "
                        "'quant' key in apply(..., rngs={'quant': key})")
-    return QuantizedModel(model, recipe, annotate, on_unfit, require_gemm)
+    return QuantizedModel(model, recipe, annotate, on_unfit, require_gemm, weight_gather)
+  if weight_gather is not None:
+    raise ValueError("quantize_model: weight_gather= is for Linen models; an NNX model's "
+                     "layers do not read their params' shardings, and would gather every "
+                     "weight in high precision")
   from jaxquant.flax import nnx_routing  # NNX only for NNX models
   return nnx_routing.quantize_nnx_model(model, recipe, annotate=annotate, rngs=rngs,
                                         on_unfit=on_unfit, require_gemm=require_gemm)

@@ -29,6 +29,7 @@ data x fsdp x tensor mesh, and the pure FSDP mesh runs the per-tensor recipes on
 import dataclasses
 import json
 import pathlib
+import re
 import sys
 
 import flax.linen as nn
@@ -67,6 +68,10 @@ MESH_FSDP = "fsdp=8"
 # from amaxes reduced over all eight shards; the block formats stay on the 3-axis mesh,
 # whose shards their blocks tile (the compile time of eight more steps).
 FSDP_RECIPES = ("bf16", "fp8_current")
+# Also with the quantized weight gather (quantize_model's weight_gather, train_lm.py
+# --quantized-gather) on the 3-axis mesh: the gathered codes and scales are those of the
+# gathered weight, so the losses are the one-device ones as closely as without it.
+GATHER_RECIPES = ("fp8_current", "fp8_delayed", "fp8_block", "nvfp4")
 
 
 def _config(recipe_name: str) -> ModelConfig:
@@ -84,9 +89,9 @@ def _tokens(config: ModelConfig) -> jax.Array:
   return jnp.zeros((BATCH, config.seq_len), jnp.int32)
 
 
-def _train(recipe_name: str, batches, mesh_text=None):
-  """(losses, final state) of STEPS steps of the example's train step, on one device or
-  on the mesh."""
+def _train(recipe_name: str, batches, mesh_text=None, quantized_gather=False):
+  """(losses, final state, the step's StableHLO) of STEPS steps of the example's train
+  step, on one device or on the mesh (with the quantized weight gather if asked)."""
   config = _config(recipe_name)
   plain = TransformerLM(config)
   params = training.init_variables(plain, jax.random.key(0), _tokens(config))[training.PARAMS]
@@ -97,14 +102,17 @@ def _train(recipe_name: str, batches, mesh_text=None):
     mesh = sharding.make_mesh(sharding.parse_mesh(mesh_text), jax.devices()[:8])
     placement = training.placement_for(model, _tokens(config), mesh)
     shardings = training.step_shardings(optimizer, placement)
+    if quantized_gather:
+      model = recipes.with_quantized_gather(model, mesh, placement.params, sharding.FSDP)
   state = training.init_train_state(model, params, jax.random.key(1), _tokens(config), optimizer,
                                     shardings)
   step = training.make_train_step(model, optimizer, shardings)
+  hlo = step.lower(state, batches[0]).as_text()
   losses = []
   for windows in batches:
     state, loss = step(state, windows)
     losses.append(float(loss))
-  return np.array(losses), state
+  return np.array(losses), state, hlo
 
 
 # MXFP8 (mxfp8, and hybrid's forward) on the sharded CPU program: the reference's exact
@@ -119,14 +127,18 @@ SHARDED_RECIPES = [pytest.param(name, marks=_HOST_CALLBACK_DEADLOCK)
 
 @pytest.mark.parametrize("recipe_name", SHARDED_RECIPES)
 def test_sharded_losses_match_one_device(recipe_name, batches, eight_devices):
-  single, _ = _train(recipe_name, batches)
+  single, _, _ = _train(recipe_name, batches)
   assert max(single[1:]) < single[0] - 0.5, single  # the updates moved the params
-  meshes = [MESH_3D] + ([MESH_FSDP] if recipe_name in FSDP_RECIPES else [])
-  for mesh_text in meshes:
-    sharded, state = _train(recipe_name, batches, mesh_text)
+  runs = [(MESH_3D, False)] + ([(MESH_FSDP, False)] if recipe_name in FSDP_RECIPES else []) + \
+         ([(MESH_3D, True)] if recipe_name in GATHER_RECIPES else [])
+  for mesh_text, quantized_gather in runs:
+    sharded, state, hlo = _train(recipe_name, batches, mesh_text, quantized_gather)
+    what = mesh_text + (" with the quantized gather" if quantized_gather else "")
     trained_rtol = RTOL if recipe_name == recipes.PLAIN_RECIPE else RTOL_TRAINED
-    np.testing.assert_allclose(sharded[0], single[0], rtol=RTOL, err_msg=mesh_text)
-    np.testing.assert_allclose(sharded[1:], single[1:], rtol=trained_rtol, err_msg=mesh_text)
+    np.testing.assert_allclose(sharded[0], single[0], rtol=RTOL, err_msg=what)
+    np.testing.assert_allclose(sharded[1:], single[1:], rtol=trained_rtol, err_msg=what)
+    # The quantized gather moves 8-bit codes (and scales); without it no collective does.
+    assert bool(re.search(r"all_gather.*xui8>", hlo)) == quantized_gather, what
     # The step kept the state where it was placed: the scanned MLP input kernel
     # [layers, d_model, d_ff] split by fsdp and tensor, Adam's moments alike.
     kernel = state.params["decoder"]["layers"]["layer"]["mlp"]["wi"]["kernel"]
@@ -191,6 +203,13 @@ def test_mesh_and_shapes_are_checked(eight_devices):
   with pytest.raises(ValueError, match=r"\['mlp'\]\['wi'\]\['bias'\] \(1, 100\) has dim 1 of 100, "
                      "which does not split over tensor = 8 devices"):
     _placement("tensor=8", odd)
+
+
+def test_quantized_gather_needs_an_fsdp_mesh(tmp_path):
+  for extra in ([], ["--mesh", "data=8"]):
+    with pytest.raises(ValueError, match="--quantized-gather .* needs --mesh with fsdp > 1"):
+      train_lm.main(["--preset", "tiny", "--recipes", "fp8_current", "--steps", "1",
+                     "--quantized-gather", "--out", str(tmp_path)] + extra)
 
 
 def test_script_trains_on_a_mesh(tmp_path, eight_devices):
