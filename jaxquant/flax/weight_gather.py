@@ -17,13 +17,7 @@ from typing import Any, Union
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxquant.ops.weight_gather import WeightGather
-
-
-def _entry_axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+from jaxquant.ops.weight_gather import WeightGather, entry_axes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,7 +66,7 @@ class ModelWeightGather:
     ndim = len(kernel_shape)
     entries = entries + (None,) * max(0, ndim - len(entries))
     stacked, entries = entries[:len(entries) - ndim], entries[len(entries) - ndim:]
-    if any(_entry_axes(e) for e in stacked):
+    if any(entry_axes(e) for e in stacked):
       raise ValueError(f"{what}: the param's spec {P(*stacked, *entries)} shards an axis the "
                        f"layer does not see (a scanned stack's); its kernel is {kernel_shape}")
     order = tuple(kernel_perm)
@@ -87,7 +81,7 @@ class ModelWeightGather:
     the shards of the merged dim, which no PartitionSpec of it describes."""
     axes, whole_before = [], None
     for d in dims:
-      these = _entry_axes(entries[d])
+      these = entry_axes(entries[d])
       if these and whole_before is not None:
         raise ValueError(f"{what}: kernel axis {d} is sharded ({entries[d]}) but axis "
                          f"{whole_before} before it in the GEMM's merged dim is not: the GEMM's "

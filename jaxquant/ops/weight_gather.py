@@ -41,7 +41,8 @@ Axes = tuple[str, ...]
 _OTHER_USAGE = {"rowwise": "columnwise", "columnwise": "rowwise"}
 
 
-def _entry_axes(entry) -> Axes:
+def entry_axes(entry) -> Axes:
+  """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
@@ -77,8 +78,8 @@ class WeightGather:
       raise ValueError(f"WeightGather.kernel_spec {self.kernel_spec} has {len(spec)} entries; "
                        "a dense kernel [K, N] has 2")
     object.__setattr__(self, "kernel_spec", P(*spec, *(None,) * (2 - len(spec))))
-    object.__setattr__(self, "axis", _entry_axes(self.axis))
-    used = [a for entry in self.kernel_spec for a in _entry_axes(entry)]
+    object.__setattr__(self, "axis", entry_axes(self.axis))
+    used = [a for entry in self.kernel_spec for a in entry_axes(entry)]
     for a in used + list(self.axis):
       if a not in names:
         raise ValueError(f"WeightGather: mesh axis {a!r} is not in the mesh's axes {names}")
@@ -87,14 +88,14 @@ class WeightGather:
         raise ValueError(f"WeightGather: the kernel spec {self.kernel_spec} does not shard "
                          f"over axis {a!r}: there is nothing to gather over it")
     for dim, entry in zip("KN", self.kernel_spec):
-      axes = _entry_axes(entry)
+      axes = entry_axes(entry)
       if set(axes) & set(self.axis) and not set(axes) <= set(self.axis):
         raise ValueError(f"WeightGather: kernel dim {dim} is split over {axes}, mixing "
                          f"gathered axes {self.axis} with others; a dim is gathered whole or not")
 
   def kernel_axes(self) -> tuple[Axes, Axes]:
     """The mesh axes splitting K and N."""
-    return tuple(_entry_axes(e) for e in self.kernel_spec)
+    return tuple(entry_axes(e) for e in self.kernel_spec)
 
   def stored_axes(self, usage: Usage, *, gathered: bool = False) -> tuple[Axes, Axes]:
     """The mesh axes splitting the rows and cols of the weight w = kernelᵀ [N, K] in a
@@ -246,7 +247,7 @@ def gather_operand(operand, usage: Usage, gather: Optional[WeightGather]):
     narrow = leaf.dtype.itemsize == 1
     moved = jax.lax.bitcast_convert_type(leaf, jnp.uint8) if narrow else leaf
     for dim, entry in enumerate(spec):
-      axes = tuple(a for a in _entry_axes(entry) if a in gather.axis)
+      axes = tuple(a for a in entry_axes(entry) if a in gather.axis)
       if axes:
         moved = jax.lax.all_gather(moved, axes, axis=dim, tiled=True)
     return jax.lax.bitcast_convert_type(moved, leaf.dtype) if narrow else moved
