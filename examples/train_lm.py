@@ -116,6 +116,10 @@ def with_overrides(train: presets.TrainConfig, assignments: list[str]) -> preset
       if name != "eval_batches":
         raise ValueError(f"--set {assignment!r}: only eval_batches may be 'all' (the whole split)")
       changes[name] = None
+    elif isinstance(current, bool):
+      if text.lower() not in ("true", "false"):
+        raise ValueError(f"--set {assignment!r}: {name} takes true or false")
+      changes[name] = text.lower() == "true"
     else:
       kind = float if isinstance(current, float) else int
       try:
@@ -160,8 +164,9 @@ class RecipeTrainer:
       if quantized_gather:
         model = recipes.with_quantized_gather(model, mesh, placement.params, sharding.FSDP)
     self.model = model
-    self.train_step = training.make_train_step(model, self.optimizer, self.shardings)
-    self.eval_step = training.make_eval_step(model, self.shardings)
+    self.train_step = training.make_train_step(model, self.optimizer, self.shardings,
+                                               train_config.deterministic)
+    self.eval_step = training.make_eval_step(model, self.shardings, train_config.deterministic)
     self.compile_seconds: float | None = None  # the first seed's first step
 
   def sample_tokens(self) -> jax.Array:
@@ -291,9 +296,12 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   args = parse_args(argv)
   preset = presets.PRESETS[args.preset]
   model_config = preset.model
-  if jax.default_backend() == "gpu" and fused_attention_compiles(model_config):
-    model_config = dataclasses.replace(model_config, attention_implementation="cudnn")
   train_config = with_overrides(with_steps(preset.train, args.steps), args.set)
+  # Deterministic steps keep XLA's attention: cuDNN's deterministic backward fails at run
+  # time at the gpu preset's shapes (JAX 0.11.2, H100).
+  if (jax.default_backend() == "gpu" and not train_config.deterministic
+      and fused_attention_compiles(model_config)):
+    model_config = dataclasses.replace(model_config, attention_implementation="cudnn")
   recipe_names = recipes.parse_recipe_names(args.recipes)
   if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
     raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")

@@ -55,7 +55,7 @@ def briefly_trained(config: ModelConfig, params: Any, train_config: TrainConfig,
   optimizer = training.make_optimizer(train_config)
   sample = jnp.zeros((train_config.batch_size, config.seq_len), jnp.int32)
   state = training.init_train_state(model, params, jax.random.key(0), sample, optimizer)
-  step = training.make_train_step(model, optimizer)
+  step = training.make_train_step(model, optimizer, deterministic=train_config.deterministic)
   for _ in range(train_config.sensitivity_steps):
     state, _ = step(state, next(batches))
   return state.params

@@ -30,6 +30,17 @@ from lm.sharding import Placement
 
 PARAMS = "params"
 
+# XLA options that make a GPU step reproducible bit for bit: without them two runs of one
+# seed part within a few hundred steps (atomic adds in the embedding's scatter-add
+# gradient and in cuDNN attention's backward; GEMM algorithms picked by timing, which
+# may pick others on another run), and the seed-to-seed spread of a recipe's final loss
+# then measures the GPU's noise as much as the seeds'. XLA:CPU is deterministic already.
+DETERMINISTIC_XLA_OPTIONS = {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 0}
+
+
+def compiler_options(deterministic: bool) -> Optional[dict]:
+  return dict(DETERMINISTIC_XLA_OPTIONS) if deterministic else None
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -174,7 +185,7 @@ def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Arra
 
 
 def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation,
-                    shardings: Optional[StepShardings] = None
+                    shardings: Optional[StepShardings] = None, deterministic: bool = False
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]]:
 
   def train_step(state: TrainState, windows: jax.Array):
@@ -191,14 +202,15 @@ def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation,
     collections = model.advance_state(forward_collections, collection_grads)
     return TrainState(params=params, opt_state=opt_state, collections=collections, rng=rng), loss
 
+  options = compiler_options(deterministic)
   if shardings is None:
-    return jax.jit(train_step, donate_argnums=0)
+    return jax.jit(train_step, donate_argnums=0, compiler_options=options)
   return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings.state, shardings.batch),
-                 out_shardings=(shardings.state, shardings.replicated))
+                 out_shardings=(shardings.state, shardings.replicated), compiler_options=options)
 
 
-def make_eval_step(model: RecipeModel, shardings: Optional[StepShardings] = None
-                   ) -> Callable[[TrainState, jax.Array], jax.Array]:
+def make_eval_step(model: RecipeModel, shardings: Optional[StepShardings] = None,
+                   deterministic: bool = False) -> Callable[[TrainState, jax.Array], jax.Array]:
 
   def eval_step(state: TrainState, windows: jax.Array) -> jax.Array:
     # Collections are mutable here too (a layer may write its state on every call), but
@@ -206,7 +218,8 @@ def make_eval_step(model: RecipeModel, shardings: Optional[StepShardings] = None
     _, (loss, _) = _apply(model, state.params, state.collections, windows, state.rng)
     return loss
 
+  options = compiler_options(deterministic)
   if shardings is None:
-    return jax.jit(eval_step)
+    return jax.jit(eval_step, compiler_options=options)
   return jax.jit(eval_step, in_shardings=(shardings.state, shardings.batch),
-                 out_shardings=shardings.replicated)
+                 out_shardings=shardings.replicated, compiler_options=options)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 import flax.linen as nn  # noqa: E402
 import train_lm  # noqa: E402  (needs examples/ on the path)
+from jaxquant import kernels as jq_kernels  # noqa: E402
 from jaxquant.flax import weight_roles  # noqa: E402
 from jaxquant.quantizers import NVFP4Quantizer  # noqa: E402
 from lm import data, layout, presets, recipes, report, stats, suggested, training  # noqa: E402
@@ -225,11 +226,54 @@ def test_whole_split_batches_tile_the_split():
     data.whole_split_batches(tokens[:30], batch_size=4, seq_len=10)
 
 
+def _train_twice_from_scratch(recipe_name: str, config, steps: int) -> list:
+  """The params after `steps` deterministic steps, from two trainings of seed 0, each with
+  its own compilation (autotuning included)."""
+  plain = TransformerLM(config)
+  model = recipes.model_for_recipe(plain, recipes.recipe_for(recipe_name, config))
+  tokens = jnp.zeros((TINY.train.batch_size, config.seq_len), jnp.int32)
+  params = training.init_variables(plain, jax.random.key(0), tokens)[training.PARAMS]
+  optimizer = training.make_optimizer(TINY.train)
+  corpus = data.load_stdlib_corpus()
+  finals = []
+  for _ in range(2):
+    jax.clear_caches()
+    state = training.init_train_state(model, params, jax.random.key(0), tokens, optimizer)
+    step = training.make_train_step(model, optimizer, deterministic=True)
+    batches = data.train_batches(corpus.train, 0, TINY.train.batch_size, config.seq_len)
+    for _ in range(steps):
+      state, _ = step(state, next(batches))
+    finals.append(jax.tree.map(np.asarray, state.params))
+  return finals
+
+
+KERNELS_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu" or not jq_kernels.available(),
+                                    reason="needs a GPU and jaxquant's CUDA library")
+
+
+# bf16 holds the step's own atomics (the embedding's scatter-add gradient, attention's
+# backward); fp8_current adds the FP8 GEMMs and the amax kernels, nvfp4 stochastic rounding
+# keyed by the step's RNG. Each compiles twice, so compiling the quantized recipes with the
+# exact pure-JAX reference is left to the GPU, where the kernels run.
+@pytest.mark.parametrize("recipe_name", [
+    "bf16",
+    pytest.param("fp8_current", marks=[pytest.mark.gpu, KERNELS_ON_GPU]),
+    pytest.param("nvfp4", marks=[pytest.mark.gpu, KERNELS_ON_GPU])])
+def test_deterministic_steps_train_a_seed_to_the_same_bits(recipe_name):
+  # XLA's attention, as train_lm.py takes with deterministic steps (presets.py says why).
+  first, second = _train_twice_from_scratch(recipe_name, ONE_LAYER, steps=20)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32),
+                                  err_msg=jax.tree_util.keystr(path))
+
+
 def test_set_overrides_training_fields():
   train = train_lm.with_overrides(TINY.train, ["final_learning_rate_fraction=0",
-                                               "eval_batches=all", "eval_every=5"])
-  assert (train.final_learning_rate_fraction, train.eval_batches, train.eval_every) == (0.0, None, 5)
-  for bad in ("lr=1", "steps=1.5", "steps=all"):
+                                               "eval_batches=all", "eval_every=5",
+                                               "deterministic=true"])
+  assert (train.final_learning_rate_fraction, train.eval_batches, train.eval_every,
+          train.deterministic) == (0.0, None, 5, True)
+  for bad in ("lr=1", "steps=1.5", "steps=all", "deterministic=1"):
     with pytest.raises(ValueError, match="--set"):
       train_lm.with_overrides(TINY.train, [bad])
 
