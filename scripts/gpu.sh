@@ -147,6 +147,9 @@ run_example() {
   for f in results.md curves.json val_loss.png; do
     if [ -f "$OUT/lm/$f" ]; then cp "$OUT/lm/$f" "$OUT/$f"; else echo "missing: $f"; fi
   done
+  for f in sensitivity.md sensitivity.png; do  # written with suggested_nvfp4 only
+    [ -f "$OUT/lm/$f" ] && cp "$OUT/lm/$f" "$OUT/$f"
+  done
   rm -rf "$OUT/lm"
   kill "$clock_log" 2>/dev/null
   return "$status"
