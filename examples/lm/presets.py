@@ -84,13 +84,14 @@ PRESETS = {
 #   gradient noise) shrink to nothing, so the final parameters depend less on the last
 #   batches a seed happened to draw;
 # - 3000 steps (49M tokens, 5.5 passes over the 9M-byte train split), with the model
-#   small enough not to overfit them. On the H100, bf16 from seeds 0, 1, 2 ended at
-#   (sd / mean): `gpu`'s 58M-parameter model 0.19 %, 0.30 % and 0.54 % in three runs
-#   (the same seed up to 0.8 % apart between runs; its loss about 0.84 nats); a 19M
-#   model (d_model 512) 0.53 % (0.816 nats, seed 2's loss rising again from step 2500);
-#   this model 0.19 % (0.828 nats, every seed still falling at the end), but 0.73 % with
-#   twice the batch and 0.31 % (two seeds) with 6000 steps, where every seed's loss rose
-#   from step 3000 (docs/example.md);
+#   small enough that its validation loss still falls at the end. On the H100, bf16 from
+#   seeds 0, 1, 2 ended at (sd / mean): `gpu`'s 58M-parameter model 0.19 %, 0.30 % and
+#   0.54 % in three runs (the same seed up to 0.8 % apart between runs; its loss about
+#   0.84 nats); a 19M model (d_model 512) 0.53 % (0.816 nats, seed 2's loss rising again
+#   from step 2500); this model 0.19 % and 0.39 % in two runs (0.82-0.83 nats, every
+#   seed's loss still falling at the end), 0.73 % with twice the batch and 0.31 % (two
+#   seeds) with 6000 steps, where every seed's loss rose from step 3000
+#   (docs/example.md). None is reliably under 0.2 %;
 # - a peak learning rate of 1e-3: the smaller model's;
 # - evaluations every 500 steps.
 # A bf16 step takes 9 ms on an H100, a seed with its evaluations ~30 s.
