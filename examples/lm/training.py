@@ -31,10 +31,9 @@ from lm.sharding import Placement
 PARAMS = "params"
 
 # XLA options that make a GPU step reproducible bit for bit: without them two runs of one
-# seed part within a few hundred steps (atomic adds in the embedding's scatter-add
-# gradient and in cuDNN attention's backward; GEMM algorithms picked by timing, which
-# may pick others on another run), and the seed-to-seed spread of a recipe's final loss
-# then measures the GPU's noise as much as the seeds'. XLA:CPU is deterministic already.
+# seed part within a few hundred steps (reductions by atomic adds, such as a scatter-add
+# gradient's, and GEMM algorithms picked by timing, which another run may pick otherwise).
+# XLA:CPU is deterministic already.
 DETERMINISTIC_XLA_OPTIONS = {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 0}
 
 
