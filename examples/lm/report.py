@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from lm import stats
-from lm.recipes import PLAIN_RECIPE
+from lm.recipes import CUSTOM_RECIPE, PLAIN_RECIPE, SUGGESTED_RECIPE
 
 CURVES_JSON = "curves.json"
 CURVES_PNG = "val_loss.png"
@@ -22,6 +22,8 @@ RESULTS_TABLE = "results.md"
 # (chaotic training dynamics, and on GPUs non-deterministic reductions), so it says how far
 # apart two single runs may end by chance.
 NOISE_FLOOR = "bf16_perturbed"
+# The policy the sensitivity analysis suggests, against the rule it is to beat, seed by seed.
+POLICY_COMPARISON = (SUGGESTED_RECIPE, CUSTOM_RECIPE)
 
 
 @dataclasses.dataclass
@@ -72,19 +74,31 @@ class RecipeSummary:
     return [r.seed for r in self.runs if r.completed]
 
 
+def _final_losses(results: list[RecipeResult], recipe: str) -> dict[int, float]:
+  """recipe's final validation loss by seed, of the runs that completed."""
+  return {r.seed: r.final_val_loss for r in results if r.recipe == recipe and r.completed}
+
+
+def paired_gap(results: list[RecipeResult], recipe: str,
+               baseline: str) -> Optional[stats.Summary]:
+  """recipe's relative gap to baseline, taken per seed (both completed) and summarized:
+  mean, sd and the paired t-interval; None without a common seed."""
+  losses, reference = _final_losses(results, recipe), _final_losses(results, baseline)
+  gaps = [relative_gap(loss, reference[seed]) for seed, loss in losses.items()
+          if seed in reference]
+  return stats.summarize(gaps) if gaps else None
+
+
 def summarize(results: list[RecipeResult]) -> list[RecipeSummary]:
   """One summary per recipe, in the order the recipes first ran."""
   by_recipe: dict[str, list[RecipeResult]] = {}
   for r in results:
     by_recipe.setdefault(r.recipe, []).append(r)
-  baseline = {r.seed: r.final_val_loss for r in by_recipe.get(PLAIN_RECIPE, []) if r.completed}
   summaries = []
   for recipe, runs in by_recipe.items():
-    done = [r for r in runs if r.completed]
-    gaps = [relative_gap(r.final_val_loss, baseline[r.seed]) for r in done if r.seed in baseline]
-    summaries.append(RecipeSummary(
-        recipe, tuple(runs), stats.summarize([r.final_val_loss for r in done]) if done else None,
-        stats.summarize(gaps) if gaps else None))
+    done = [r.final_val_loss for r in runs if r.completed]
+    summaries.append(RecipeSummary(recipe, tuple(runs), stats.summarize(done) if done else None,
+                                   paired_gap(results, recipe, PLAIN_RECIPE)))
   return summaries
 
 
@@ -94,8 +108,13 @@ def _summary_json(summary: Optional[stats.Summary]) -> Optional[dict]:
 
 def write_curves_json(path: pathlib.Path, results: list[RecipeResult], run_info: dict) -> None:
   """{"run": run_info, "recipes": {recipe: {"final_val_loss": summary, "gap_to_bf16":
-  summary, "seeds": {seed: run}}}}; a summary is {n, mean, std, interval}."""
+  summary, "seeds": {seed: run}}}}, plus "suggested_nvfp4_vs_custom": summary when both
+  ran; a summary is {n, mean, std, interval}."""
   payload = {"run": run_info, "recipes": {}}
+  recipe, baseline = POLICY_COMPARISON
+  comparison = paired_gap(results, recipe, baseline)
+  if comparison is not None:
+    payload[f"{recipe}_vs_{baseline}"] = _summary_json(comparison)
   for summary in summarize(results):
     payload["recipes"][summary.recipe] = {
         "final_val_loss": _summary_json(summary.loss),
@@ -186,8 +205,7 @@ def _loss_text(summary: RecipeSummary) -> str:
   return f"{summary.loss.mean:.4f} ± {summary.loss.std:.4f}"
 
 
-def _gap_text(summary: RecipeSummary) -> str:
-  gap = summary.gap
+def _gap_text(gap: Optional[stats.Summary]) -> str:
   if gap is None:
     return "n/a"
   if gap.interval is None:
@@ -215,7 +233,7 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
               if summary.loss is not None and summary.loss.std is not None else "n/a")
     step_ms = 1e3 * statistics.median(s for r in runs for s in r.window_step_seconds)
     lines.append(f"| {summary.recipe} | {len(summary.completed_seeds)} of {len(runs)} | "
-                 f"{loss_text} | {spread} | {_gap_text(summary)} | {step_ms:.1f} | "
+                 f"{loss_text} | {spread} | {_gap_text(summary.gap)} | {step_ms:.1f} | "
                  f"{runs[0].compile_seconds:.1f} | {sum(r.wall_seconds for r in runs):.0f} |")
   lines.extend(f"| {name} | not run | n/a | n/a | n/a | n/a | n/a | n/a |" for name in not_run)
   lines.append("")
@@ -242,6 +260,14 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
         cells.append(f"{run.final_val_loss:.4f}" + ("" if gap is None or summary.recipe == PLAIN_RECIPE
                                                     else f" ({gap:+.2%})"))
       lines.append(f"| {summary.recipe} | " + " | ".join(cells) + " |")
+    lines.append("")
+  recipe, baseline = POLICY_COMPARISON
+  comparison = paired_gap(results, recipe, baseline)
+  if comparison is not None:
+    lines.append(f"{recipe} against {baseline} (the same number of modules in bf16, chosen by "
+                 f"the sensitivity analysis instead of by layer), per seed then averaged: "
+                 f"{_gap_text(comparison)}" + (" (95% paired t-interval)." if comparison.interval
+                                                else "."))
     lines.append("")
   if any(r.recipe == NOISE_FLOOR for r in results):
     lines.append(f"{NOISE_FLOOR}: bf16 again, from slightly perturbed initial parameters "

@@ -204,6 +204,39 @@ def test_recipe_names():
     recipes.parse_recipe_names("fp9")
 
 
+def _finished(recipe: str, seed: int, final_loss: float, steps: int = 10) -> report.RecipeResult:
+  return report.RecipeResult(recipe, planned_steps=steps, eval_steps=[0, steps],
+                             val_losses=[5.0, final_loss], train_losses=[], window_step_seconds=[0.01],
+                             compile_seconds=1.0, seed=seed)
+
+
+def test_suggested_policy_is_compared_with_custom_seed_by_seed(tmp_path):
+  """results.md and curves.json give suggested_nvfp4's gap to custom, taken per seed (a seed
+  that one of them did not finish is left out) with its paired t-interval."""
+  finals = {"bf16": [0.80, 0.82, 0.81], "custom": [0.81, 0.83, 0.80],
+            "suggested_nvfp4": [0.82, 0.82, 0.85]}
+  results = [_finished(recipe, seed, loss) for recipe, losses in finals.items()
+             for seed, loss in enumerate(losses)]
+  results.append(dataclasses.replace(_finished("suggested_nvfp4", 3, 0.5), eval_steps=[0, 5]))
+  results.append(_finished("custom", 3, 0.9))
+  gaps = [s / c - 1 for s, c in zip(finals["suggested_nvfp4"], finals["custom"])]
+  got = report.paired_gap(results, "suggested_nvfp4", "custom")
+  assert got.n == 3 and got.mean == pytest.approx(np.mean(gaps))
+  half_width = 4.303 * np.std(gaps, ddof=1) / np.sqrt(3)  # t(0.975, 2)
+  assert got.interval == pytest.approx((np.mean(gaps) - half_width, np.mean(gaps) + half_width),
+                                       rel=1e-3)
+  table = report.results_table(results, [], 3.0)
+  low, high = got.interval
+  assert (f"suggested_nvfp4 against custom (the same number of modules in bf16, chosen by the "
+          f"sensitivity analysis instead of by layer), per seed then averaged: {got.mean:+.2%} "
+          f"[{low:+.2%}, {high:+.2%}] (95% paired t-interval).") in table
+  report.write_curves_json(tmp_path / "curves.json", results, {})
+  saved = json.loads((tmp_path / "curves.json").read_text())["suggested_nvfp4_vs_custom"]
+  assert saved["n"] == 3 and saved["mean"] == pytest.approx(got.mean)
+  assert report.paired_gap(results[:3], "suggested_nvfp4", "custom") is None
+  assert "against custom" not in report.results_table(results[:6], [], 3.0)
+
+
 def test_student_t_quantiles_match_the_tables():
   # Two-sided 95% critical values of Student's t (any statistics table).
   for dof, expected in ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (9, 2.262), (30, 2.042)):
