@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help=f"{recipes.SUGGESTED_RECIPE}: also measure each module's (or role's) "
                       "effect on the loss and gradient (one compilation each) besides its "
                       "GEMM SQNRs, which rank it")
+  parser.add_argument("--sensitivity-rank", choices=analysis.RANK_BY, default="gemm_sqnr",
+                      help=f"{recipes.SUGGESTED_RECIPE}: keep in bf16 the modules of the worst "
+                      "GEMM SQNR, or of the largest loss change (needs --sensitivity-model-runs "
+                      "module)")
   parser.add_argument("--noise-floor", action="store_true",
                       help=f"after the recipes, train bf16 once more ('{report.NOISE_FLOOR}') from "
                       f"the initial parameters times 1 + {NOISE_FLOOR_SCALE:g} N(0, 1): its gap to "
@@ -273,13 +277,14 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
   model_runs = None if args.sensitivity_model_runs == "none" else args.sensitivity_model_runs
   start = time.perf_counter()
   suggestion = suggested.suggest(model_config, shared_params[first_seed], train_config,
-                                 corpus.train, first_seed, model_runs)
+                                 corpus.train, first_seed, model_runs, args.sensitivity_rank)
   out.mkdir(parents=True, exist_ok=True)
   table = suggestion.report.table()
   (out / SENSITIVITY_TABLE).write_text(table)
   analysis.plot_sensitivity(suggestion.report, out / SENSITIVITY_PNG)
   text = (f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
-          f"modules in bf16, ranked most sensitive to NVFP4 by jaxquant.analysis after "
+          f"modules in bf16, ranked most sensitive to NVFP4 ({args.sensitivity_rank}) by "
+          f"jaxquant.analysis after "
           f"{train_config.sensitivity_steps} bf16 steps of seed {first_seed} "
           f"({time.perf_counter() - start:.0f} s; {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}): "
           f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
@@ -305,6 +310,9 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   recipe_names = recipes.parse_recipe_names(args.recipes)
   if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
     raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")
+  if args.sensitivity_rank == "loss_change" and args.sensitivity_model_runs != "module":
+    raise ValueError("--sensitivity-rank loss_change ranks by each module's model-level effect: "
+                     "it needs --sensitivity-model-runs module")
   mesh = mesh_of(args)
   if args.quantized_gather and (mesh is None or mesh.shape[sharding.FSDP] == 1):
     raise ValueError("--quantized-gather gathers FSDP-sharded weights: it needs --mesh with "

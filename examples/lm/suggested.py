@@ -69,7 +69,8 @@ def kept_by_custom(report: analysis.SensitivityReport, config: ModelConfig) -> i
 
 
 def suggest(config: ModelConfig, params: Any, train_config: TrainConfig, train_tokens,
-            seed: int, model_runs: Optional[str] = None) -> Suggestion:
+            seed: int, model_runs: Optional[str] = None,
+            rank_by: analysis.RankBy = "gemm_sqnr") -> Suggestion:
   batches = data.train_batches(train_tokens, seed, train_config.batch_size, config.seq_len)
   trained = briefly_trained(config, params, train_config, batches)
   unrolled = dataclasses.replace(config, scanned_layers=0)
@@ -79,8 +80,8 @@ def suggest(config: ModelConfig, params: Any, train_config: TrainConfig, train_t
                                 jnp.asarray(next(batches)), base, next_token_loss,
                                 key=jax.random.key(seed), model_runs=model_runs)
   k = kept_by_custom(report, unrolled)
-  suggested = analysis.suggest_recipe(report, base, keep_high_precision=k)
-  kept = tuple(m.name for m in report.modules[:k])
+  suggested = analysis.suggest_recipe(report, base, keep_high_precision=k, rank_by=rank_by)
+  kept = tuple(m.name for m in analysis.ranked_modules(report, rank_by)[:k])
   first_kept_layer = min((recipes.layer_index(name) for name in kept
                           if recipes.layer_index(name) is not None), default=config.n_layers)
   train_layout = dataclasses.replace(config, scanned_layers=min(config.scanned_layers,

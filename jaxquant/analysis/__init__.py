@@ -3,12 +3,14 @@
 - `sensitivity(model, variables, batch, recipe, loss_fn)`: every quantized role's error
   alone, at its GEMMs (SQNR of fprop, dgrad, wgrad) and at the model (loss, gradient
   norm, gradient error), ranked by module (`SensitivityReport`, `.table()`).
-- `suggest_recipe(report, recipe, keep_high_precision=k)`: `recipe` with the k most
-  sensitive modules in bf16.
+- `suggest_recipe(report, recipe, keep_high_precision=k, rank_by=...)`: `recipe` with the
+  k most sensitive modules in bf16, ranked by their GEMMs' worst SQNR (the report's order)
+  or by the model's loss change (`ranked_modules`).
 - `plot_sensitivity(report, path)`: the ranking as a figure (needs matplotlib).
 """
 
 from jaxquant.analysis.plot import plot_sensitivity
 from jaxquant.analysis.measure import (ModelEffect, ModuleSensitivity, RoleSensitivity,
                                            SensitivityReport, sensitivity)
-from jaxquant.analysis.suggest import KeepHighPrecision, suggest_recipe
+from jaxquant.analysis.suggest import (RANK_BY, KeepHighPrecision, RankBy, ranked_modules,
+                                      suggest_recipe)

@@ -15,7 +15,8 @@ The roles come from running the model under a recording recipe through the swap-
 (`jaxquant.flax.quantize_model`), so the analysis reaches every GEMM the swap-in does,
 named as a recipe sees it. Modules are ranked by the worst SQNR of their three GEMMs
 with all their roles quantized, as the recipe runs them; `suggest.suggest_recipe` keeps
-the top ones in bf16. The GEMM SQNR is the ranking key, not the gradient error: with
+the top ones in bf16 (or those of the largest loss change, `rank_by="loss_change"`). The
+GEMM SQNR is the report's ranking key, not the gradient error: with
 stochastic rounding in the backward pass every module's gradient error is large and
 alike (unbiased noise, which training averages out), while a module whose operands the
 formats cannot represent (outlier channels, say) shows as an SQNR far below the others'.

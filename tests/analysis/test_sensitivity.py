@@ -126,6 +126,36 @@ def test_suggested_recipe_keeps_the_top_module_in_bf16(fp8_report):
     analysis.suggest_recipe(fp8_report, recipes.fp8_current, keep_high_precision=4)
 
 
+def _module(name: str, worst_sqnr_db: float, loss_change=None) -> analysis.ModuleSensitivity:
+  effect = None if loss_change is None else analysis.ModelEffect(
+      loss=1.0 + loss_change, grad_norm=1.0, loss_change=loss_change, grad_norm_change=0.0,
+      grad_error=0.1)
+  sqnr = {"fprop": worst_sqnr_db, "dgrad": worst_sqnr_db + 1, "wgrad": worst_sqnr_db + 2}
+  return analysis.ModuleSensitivity("linear", name, sqnr, (), effect)
+
+
+def test_suggest_ranks_by_loss_change_when_asked():
+  """rank_by="loss_change" keeps the modules whose quantization raises the loss most,
+  whatever their GEMM SQNRs; it refuses a report measured without model runs."""
+  report = analysis.SensitivityReport("fp8_current", 1.0, 1.0, (
+      _module("early", 10.0, loss_change=0.001), _module("middle", 15.0, loss_change=-0.002),
+      _module("late", 25.0, loss_change=0.03)))
+  by_loss = analysis.ranked_modules(report, "loss_change")
+  assert [m.name for m in by_loss] == ["late", "early", "middle"]
+  assert [m.name for m in analysis.ranked_modules(report)] == ["early", "middle", "late"]
+  for rank_by, kept in (("loss_change", {"late", "early"}), ("gemm_sqnr", {"early", "middle"})):
+    suggested = analysis.suggest_recipe(report, recipes.fp8_current, keep_high_precision=2,
+                                        rank_by=rank_by)
+    assert {name for _, name in suggested.qfactory.kept} == kept
+  without = analysis.SensitivityReport("fp8_current", 1.0, 1.0, (
+      _module("early", 10.0, loss_change=0.001), _module("late", 25.0)))
+  with pytest.raises(ValueError, match="late lack: measure with sensitivity"):
+    analysis.suggest_recipe(without, recipes.fp8_current, keep_high_precision=1,
+                            rank_by="loss_change")
+  with pytest.raises(ValueError, match="rank_by must be one of"):
+    analysis.ranked_modules(report, "grad_error")
+
+
 def test_report_table_lists_every_module_and_role(fp8_report):
   table = fp8_report.table()
   for name in MODULES:
