@@ -106,8 +106,9 @@ def test_seeds_start_apart_and_are_summarized(tiny_run):
 ONE_LAYER = dataclasses.replace(TINY.model, n_layers=1, scanned_layers=1)
 
 
-def _train(recipe_name: str, steps: int):
-  """(collections, rng) of a one-layer tiny model's train state before and after `steps` steps."""
+def _train(recipe_name: str, steps: int, deterministic: bool = False):
+  """((collections, rng) before, the train state after `steps` steps) of a one-layer tiny
+  model from seed 0."""
   plain = TransformerLM(ONE_LAYER)
   model = recipes.model_for_recipe(plain, recipes.recipe_for(recipe_name, ONE_LAYER))
   tokens = jnp.zeros((TINY.train.batch_size, ONE_LAYER.seq_len), jnp.int32)
@@ -116,16 +117,17 @@ def _train(recipe_name: str, steps: int):
   state = training.init_train_state(model, params, jax.random.key(0), tokens, optimizer)
   # Copies: the step donates its input state.
   before = (jax.tree.map(np.asarray, state.collections), np.asarray(jax.random.key_data(state.rng)))
-  step = training.make_train_step(model, optimizer)
+  step = training.make_train_step(model, optimizer, deterministic=deterministic)
   batches = data.train_batches(data.load_stdlib_corpus().train, 0, TINY.train.batch_size,
                                ONE_LAYER.seq_len)
   for _ in range(steps):
     state, _ = step(state, next(batches))
-  return before, (state.collections, np.asarray(jax.random.key_data(state.rng)))
+  return before, state
 
 
 def test_delayed_scales_follow_the_amaxes_of_all_three_roles():
-  (old_state, old_rng), (new_state, new_rng) = _train("fp8_delayed", steps=2)
+  (old_state, old_rng), state = _train("fp8_delayed", steps=2)
+  new_state, new_rng = state.collections, np.asarray(jax.random.key_data(state.rng))
   old = old_state["quant_state"]["decoder"]["layers"]["layer"]["mlp"]["wi"]
   new = new_state["quant_state"]["decoder"]["layers"]["layer"]["mlp"]["wi"]
   for tensor_type in ("input", "weight", "grad_output"):  # grad_output: from the backward pass
@@ -259,27 +261,6 @@ def test_whole_split_batches_tile_the_split():
     data.whole_split_batches(tokens[:30], batch_size=4, seq_len=10)
 
 
-def _train_twice_from_scratch(recipe_name: str, config, steps: int) -> list:
-  """The params after `steps` deterministic steps, from two trainings of seed 0, each with
-  its own compilation (autotuning included)."""
-  plain = TransformerLM(config)
-  model = recipes.model_for_recipe(plain, recipes.recipe_for(recipe_name, config))
-  tokens = jnp.zeros((TINY.train.batch_size, config.seq_len), jnp.int32)
-  params = training.init_variables(plain, jax.random.key(0), tokens)[training.PARAMS]
-  optimizer = training.make_optimizer(TINY.train)
-  corpus = data.load_stdlib_corpus()
-  finals = []
-  for _ in range(2):
-    jax.clear_caches()
-    state = training.init_train_state(model, params, jax.random.key(0), tokens, optimizer)
-    step = training.make_train_step(model, optimizer, deterministic=True)
-    batches = data.train_batches(corpus.train, 0, TINY.train.batch_size, config.seq_len)
-    for _ in range(steps):
-      state, _ = step(state, next(batches))
-    finals.append(jax.tree.map(np.asarray, state.params))
-  return finals
-
-
 KERNELS_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu" or not jq_kernels.available(),
                                     reason="needs a GPU and jaxquant's CUDA library")
 
@@ -294,7 +275,12 @@ KERNELS_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu" or not jq_ker
     pytest.param("nvfp4", marks=[pytest.mark.gpu, KERNELS_ON_GPU])])
 def test_deterministic_steps_train_a_seed_to_the_same_bits(recipe_name):
   # XLA's attention, as train_lm.py takes with deterministic steps (presets.py says why).
-  first, second = _train_twice_from_scratch(recipe_name, ONE_LAYER, steps=20)
+  # Each training compiles its own step (autotuning included).
+  finals = []
+  for _ in range(2):
+    jax.clear_caches()
+    finals.append(jax.tree.map(np.asarray, _train(recipe_name, 20, deterministic=True)[1].params))
+  first, second = finals
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32),
                                   err_msg=jax.tree_util.keystr(path))
