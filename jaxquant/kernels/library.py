@@ -24,6 +24,7 @@ TARGETS = {
     "jaxquant_fp8_block_cast": "JaxquantFp8BlockCast",
     "jaxquant_mxfp8_cast": "JaxquantMxfp8Cast",
     "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
+    "jaxquant_nvfp4_decode_scale": "JaxquantNvfp4DecodeScale",
     "jaxquant_dequantize": "JaxquantDequantize",
     "jaxquant_grouped_gemm": "JaxquantGroupedGemm",
     "jaxquant_block_fp8_gemm": "JaxquantBlockFp8Gemm",

@@ -134,7 +134,7 @@ def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.
   GEMM rounds its fp32 sums to `out_dtype` itself: no fp32 result to write and convert."""
   va = kernels.dequantize_data(a, jnp.bfloat16, block_scales_only=True)
   vb = kernels.dequantize_data(b, jnp.bfloat16, block_scales_only=True)
-  oa, ob = outer_scales(a, b)
+  oa, ob = outer_scales(a, b, s_dec_of=kernels.decode_scale)
   if oa is None and ob is None and jnp.dtype(out_dtype) in (jnp.float32, jnp.bfloat16):
     return jax.lax.dot_general(va, vb, _TN, preferred_element_type=out_dtype)
   return _scaled_dot(va, vb, oa, ob, out_dtype)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -100,20 +100,22 @@ def outer_scale(qd: QuantizedData):
   return None
 
 
-def outer_scales(*operands):
+def outer_scales(*operands, s_dec_of: Optional[Callable[[jax.Array], jax.Array]] = None):
   """`outer_scale` of each operand (None for one that is not quantized), the NVFP4 S_decs
-  from one vectorized computation: its exact fp32 divisions are integer emulations on
-  GPUs, and a copy per operand of every GEMM multiplied a step's compile time. The
-  arithmetic is elementwise, so each S_dec has the bits `outer_scale` gives it."""
+  from one computation over all their amaxes: `s_dec_of(amaxes)`, by default the exact
+  `nvfp4.global_scales` (the GPU GEMMs pass the kernel). Its exact fp32 divisions are
+  integer emulations on GPUs, and a copy per operand of every GEMM multiplied a step's
+  compile time. The arithmetic is elementwise, so each S_dec has the bits `outer_scale`
+  gives it."""
   is_nvfp4 = [isinstance(op, QuantizedData) and op.format.family is Family.NVFP4
               for op in operands]
-  if sum(is_nvfp4) < 2:
-    return tuple(outer_scale(op) if isinstance(op, QuantizedData) else None for op in operands)
   amaxes = [op.amax for op, nv in zip(operands, is_nvfp4) if nv]
-  sizes = [a.size for a in amaxes]
-  s_dec = iter(jnp.split(nvfp4.global_scales(jnp.concatenate([a.ravel() for a in amaxes]))[1],
-                         list(np.cumsum(sizes[:-1]))))
-  return tuple(next(s_dec).reshape(op.amax.shape) if nv
+  s_decs = iter(())
+  if amaxes:
+    s_dec_of = s_dec_of or (lambda amax: nvfp4.global_scales(amax)[1])
+    flat = s_dec_of(jnp.concatenate([jnp.ravel(a) for a in amaxes]))
+    s_decs = iter(jnp.split(flat, list(np.cumsum([a.size for a in amaxes[:-1]]))))
+  return tuple(next(s_decs).reshape(op.amax.shape) if nv
                else outer_scale(op) if isinstance(op, QuantizedData) else None
                for op, nv in zip(operands, is_nvfp4))
 

@@ -155,6 +155,30 @@ def test_amax_bit_exact(mode, dtype):
   assert_same_bits(f(x), want, f"amax {mode}")
 
 
+def global_amaxes() -> np.ndarray:
+  """NVFP4 global amaxes at NUMERICS.md's edges, then random magnitudes over all of fp32:
+  zeros, the least subnormal and the largest finite (S_enc clamped to FLT_MAX, S_dec then
+  subnormal), the smallest amax whose S_enc is finite, inf (S_enc 0, so 1), NaN, 2688
+  (S_enc 1) and its neighbours."""
+  specials = np.float32([0.0, -0.0, 1e-45, 1.1754942e-38, 1.1754944e-38, 7.899322e-36, 7.899323e-36,
+                         1e-30, 0.5, 1.0, 6.0, 448.0, np.nextafter(np.float32(2688), 0),
+                         2688.0, np.nextafter(np.float32(2688), np.float32(np.inf)), 1e30,
+                         3.4028235e38, np.inf, np.nan])
+  randoms = np.random.default_rng(11).integers(0, 0x7F800000, 4096, dtype=np.uint32)
+  return np.concatenate([specials, randoms.view(np.float32)])
+
+
+def test_nvfp4_decode_scale_bit_exact():
+  """S_dec of global amaxes (the NVFP4 GEMMs' outer scales): the kernel against the
+  reference's exact divisions, as a vector, a scalar and a sharded-shape slice."""
+  amaxes = jnp.asarray(global_amaxes())
+  want = reference_on_cpu(lambda a: reference.nvfp4.global_scales(a)[1], amaxes)
+  decode = jax.jit(kernels.decode_scale)
+  assert_same_bits(decode(amaxes), want, "decode scales")
+  for i in (0, 2, 5, 13, 16, len(amaxes) - 1):
+    assert_same_bits(decode(amaxes[i]), want[i], f"decode scale of amax {float(amaxes[i])!r}")
+
+
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_dequantize_bit_exact(name, out_dtype):

@@ -109,6 +109,49 @@ def test_sharded_amax_is_global(eight_devices):
   assert_same_bits(rows, reference.fp32.abs_max(x, axis=1), "per-row amax sharded")
 
 
+def test_decode_scale_primitive_one_device_sharded_and_batched(eight_devices):
+  """On the CPU the decode-scale primitive lowers to the reference: the same S_decs for a
+  vector, split over eight devices, under vmap and for a scalar; bad amaxes are refused.
+  Subnormal amaxes and S_decs only on one device: there the reference's exact arithmetic
+  takes a host callback, which crashes XLA:CPU across eight fake devices."""
+  edges = jnp.float32([0.0, -0.0, np.inf, 1e-45, 3.4028235e38, 2688.0])
+  assert_same_bits(jax.jit(kernels.decode_scale)(edges), reference.nvfp4.global_scales(edges)[1],
+                   "edge amaxes")
+  amaxes = jnp.float32(np.random.default_rng(4).lognormal(0.0, 10.0, 64)).at[:2].set(
+      jnp.float32([0.0, np.inf]))
+  want = reference.nvfp4.global_scales(amaxes)[1]
+  assert_same_bits(jax.jit(kernels.decode_scale)(amaxes), want, "one device")
+  sharded = jax.device_put(amaxes, NamedSharding(_mesh(eight_devices), P(("a", "b"))))
+  got = jax.jit(kernels.decode_scale)(sharded)
+  assert_same_bits(got, want, "sharded")
+  assert got.sharding.spec == P(("a", "b"))
+  assert_same_bits(jax.vmap(kernels.decode_scale)(amaxes.reshape(4, 16)), want.reshape(4, 16),
+                   "vmap")
+  assert_same_bits(kernels.decode_scale(amaxes[5]), want[5], "scalar")
+  with pytest.raises(ValueError, match="NVFP4 global amax"):
+    kernels.decode_scale(amaxes.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match="a scalar or a vector"):
+    kernels.decode_scale(amaxes.reshape(8, 8))
+
+
+def test_nvfp4_gemm_lowers_both_decode_scales_to_one_kernel_call(monkeypatch):
+  """For CUDA, an NVFP4 GEMM that dequantizes first takes both operands' S_dec from one
+  decode-scale call and inlines no exact-division emulation (reference.fp32's integer long
+  division, which set a quantized step's compile time when every GEMM inlined it).
+  Lowered without a GPU: the library's load is stood in for."""
+  from jaxquant.kernels import library
+  from jaxquant.ops import gemm as gemm_ops
+  monkeypatch.setattr(library, "load_error", lambda: None)
+  operand = lambda rows, name: jax.eval_shape(
+      lambda: reference.quantize(jnp.zeros((rows, 256), jnp.bfloat16), QUANTIZERS[name]).rowwise)
+  for a, b in ((operand(128, "nvfp4"), operand(64, "nvfp4")),
+               (operand(128, "nvfp4_per_token"), operand(64, "nvfp4"))):
+    text = jax.jit(gemm_ops._dequantize_first_gemm).trace(a, b).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("@jaxquant_nvfp4_decode_scale(") == 1, text
+    assert "_div_exact" not in text
+
+
 DEQUANTIZE_SHARDED_CASES = [
     # (quantizer, usage, spec, whole): whole = every shard holds whole blocks, nothing gathered
     ("mxfp8_e4m3", "rowwise", P("a", "b"), True),
