@@ -279,9 +279,9 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
   suggestion = suggested.suggest(model_config, shared_params[first_seed], train_config,
                                  corpus.train, first_seed, model_runs, args.sensitivity_rank)
   out.mkdir(parents=True, exist_ok=True)
-  table = suggestion.report.table()
+  table = suggestion.report.table(args.sensitivity_rank)  # in the order that chose
   (out / SENSITIVITY_TABLE).write_text(table)
-  analysis.plot_sensitivity(suggestion.report, out / SENSITIVITY_PNG)
+  analysis.plot_sensitivity(suggestion.report, out / SENSITIVITY_PNG, rank_by=args.sensitivity_rank)
   text = (f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
           f"modules in bf16, ranked most sensitive to NVFP4 ({args.sensitivity_rank}) by "
           f"jaxquant.analysis after "

@@ -119,9 +119,11 @@ class SensitivityReport:
         return m
     raise KeyError(f"no ranked module {name!r}; ranked: {[m.name for m in self.modules]}")
 
-  def table(self) -> str:
+  def table(self, rank_by: str = "gemm_sqnr") -> str:
+    """Markdown: the modules ranked by `rank_by` ("gemm_sqnr", the order of `modules`, or
+    "loss_change", which needs model_runs="module"), then their roles."""
     from jaxquant.analysis.table import format_report
-    return format_report(self)
+    return format_report(self, rank_by)
 
 
 def _stateless(quantizer: Optional[Quantizer]) -> Optional[Quantizer]:

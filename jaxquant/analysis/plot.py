@@ -7,14 +7,15 @@ import pathlib
 from typing import Optional, Union
 
 from jaxquant.analysis.gemm_error import GEMMS
+from jaxquant.analysis.suggest import RankBy, ranked_modules
 from jaxquant.roles import TENSOR_TYPES
 
 
 def plot_sensitivity(report, path: Optional[Union[str, pathlib.Path]] = None, *,
-                     top: Optional[int] = None):
-  """Two panels over the ranked modules (most sensitive at the top): the SQNR (dB) of
-  each module's fprop, dgrad and wgrad with all its roles quantized (the ranking), and
-  each of its roles' worst GEMM SQNR quantized alone.
+                     top: Optional[int] = None, rank_by: RankBy = "gemm_sqnr"):
+  """Two panels over the modules ranked by `rank_by` (most sensitive at the top,
+  `ranked_modules`): the SQNR (dB) of each module's fprop, dgrad and wgrad with all its
+  roles quantized, and each of its roles' worst GEMM SQNR quantized alone.
 
   Saves to `path` if given; returns the matplotlib Figure.
   """
@@ -25,7 +26,8 @@ def plot_sensitivity(report, path: Optional[Union[str, pathlib.Path]] = None, *,
     import matplotlib.pyplot as plt
   except ImportError as error:
     raise ImportError("plot_sensitivity needs matplotlib (pip install matplotlib)") from error
-  modules = list(report.modules[:top] if top else report.modules)
+  ranked = ranked_modules(report, rank_by)
+  modules = list(ranked[:top] if top else ranked)
   rows = list(range(len(modules)))[::-1]  # rank 1 at the top
   names = [m.name for m in modules]
   figure, (module_panel, role_panel) = plt.subplots(1, 2, figsize=(11, 1.5 + 0.3 * len(modules)),
@@ -47,7 +49,8 @@ def plot_sensitivity(report, path: Optional[Union[str, pathlib.Path]] = None, *,
   role_panel.set_xlabel("worst SQNR of the GEMMs it feeds (dB), role quantized alone")
   role_panel.grid(axis="x", alpha=0.3)
   role_panel.legend(fontsize=8)
-  figure.suptitle(f"Sensitivity to {report.recipe_name}: most sensitive GEMM modules at the top")
+  figure.suptitle(f"Sensitivity to {report.recipe_name}: most sensitive GEMM modules at the top "
+                  f"(by {rank_by})")
   figure.tight_layout()
   if path is not None:
     figure.savefig(path)

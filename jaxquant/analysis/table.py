@@ -6,6 +6,11 @@ import math
 from typing import Optional
 
 from jaxquant.analysis.gemm_error import GEMMS
+from jaxquant.analysis.suggest import RankBy, ranked_modules
+
+# How the table's heading names each ranking.
+_RANKED_BY = {"gemm_sqnr": "ranked by the worst SQNR of its GEMMs",
+              "loss_change": "ranked by the change of the model's loss (largest increase first)"}
 
 
 def _percent(value: Optional[float]) -> str:
@@ -18,15 +23,17 @@ def _db(value: Optional[float]) -> str:
   return "inf" if math.isinf(value) else f"{value:.1f}"
 
 
-def format_report(report) -> str:
-  """Markdown tables: modules ranked (most sensitive first), then roles in that order."""
+def format_report(report, rank_by: RankBy = "gemm_sqnr") -> str:
+  """Markdown tables: modules ranked by `rank_by` (most sensitive first, `ranked_modules`),
+  then roles in that order."""
+  modules = ranked_modules(report, rank_by)
   lines = [f"Sensitivity to recipe {report.recipe_name!r}, each module (role) quantized alone, "
-           "ranked by the worst SQNR of its GEMMs. High precision: loss "
+           f"{_RANKED_BY[rank_by]}. High precision: loss "
            f"{report.loss:.4f}, gradient norm {report.grad_norm:.4g}.", "",
            "| rank | module | " + " | ".join(f"{g} SQNR (dB)" for g in GEMMS) +
            " | loss change | gradient norm change | gradient error |",
            "| --- | --- | " + " | ".join("---" for _ in GEMMS) + " | --- | --- | --- |"]
-  for rank, module in enumerate(report.modules, 1):
+  for rank, module in enumerate(modules, 1):
     effect = module.model
     sqnr = module.gemm_sqnr_db or {}
     lines.append(f"| {rank} | {module.name} | " + " | ".join(_db(sqnr.get(g)) for g in GEMMS) +
@@ -36,7 +43,7 @@ def format_report(report) -> str:
   lines += ["", "| module | role | quantizer | " + " | ".join(f"{g} SQNR (dB)" for g in GEMMS) +
             " | gradient error | loss change |",
             "| --- | --- | --- | " + " | ".join("---" for _ in GEMMS) + " | --- | --- |"]
-  for module in report.modules:
+  for module in modules:
     for role in module.roles:
       sqnr = role.gemm_sqnr_db or {}
       with_partner = "".join(f" (with {t}'s columnwise)" for t in role.quantized_with)

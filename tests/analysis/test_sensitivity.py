@@ -156,6 +156,20 @@ def test_suggest_ranks_by_loss_change_when_asked():
     analysis.ranked_modules(report, "grad_error")
 
 
+def test_report_table_ranks_as_asked():
+  """The table lists the modules in the order that chose the suggestion."""
+  report = analysis.SensitivityReport("fp8_current", 1.0, 1.0, (
+      _module("early", 10.0, loss_change=0.001), _module("middle", 15.0, loss_change=-0.002),
+      _module("late", 25.0, loss_change=0.03)))
+  for rank_by, order in (("gemm_sqnr", ["early", "middle", "late"]),
+                         ("loss_change", ["late", "early", "middle"])):
+    table = report.table(rank_by)
+    assert [table.index(f"| {rank} | {name} |") for rank, name in enumerate(order, 1)] == sorted(
+        table.index(f"| {rank} | {name} |") for rank, name in enumerate(order, 1))
+  assert "ranked by the change of the model's loss" in report.table("loss_change")
+  assert "ranked by the worst SQNR" in report.table()
+
+
 def test_report_table_lists_every_module_and_role(fp8_report):
   table = fp8_report.table()
   for name in MODULES:
