@@ -48,9 +48,11 @@ NOISE_FLOOR_SCALE = 1e-3
 # suggested_nvfp4's sensitivity report, next to the other outputs.
 SENSITIVITY_TABLE = "sensitivity.md"
 SENSITIVITY_PNG = "sensitivity.png"
-RECIPE_HELP = ("'all' or a comma-separated list of: " + ", ".join(recipes.RECIPE_NAMES) +
-               f". '{recipes.CUSTOM_RECIPE}' is a per-role policy: NVFP4 with the last layers "
-               "and the head in bf16 (NVIDIA's NVFP4 recipe)")
+RECIPE_HELP = ("'all' (" + ", ".join(recipes.RECIPE_NAMES) + ") or a comma-separated list of "
+               f"those and {recipes.SUGGESTED_RECIPE}. '{recipes.CUSTOM_RECIPE}' is a per-role "
+               "policy: NVFP4 with the last layers and the head in bf16 (NVIDIA's NVFP4 recipe); "
+               f"'{recipes.SUGGESTED_RECIPE}' keeps as many GEMM modules in bf16, chosen by "
+               "jaxquant.analysis after a short bf16 training (see --sensitivity-rank)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
