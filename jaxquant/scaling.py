@@ -39,9 +39,20 @@ def max_amax(a, b) -> jax.Array:
   return fp32.abs_max(jnp.stack([a, b]), axis=0)
 
 
+def with_current_slot(history: jax.Array, value) -> jax.Array:
+  """`history` ([..., history_len]) with slot 0 of its last axis replaced by `value`.
+
+  A concatenation, not `history.at[..., 0].set(value)`: JAX lowers that to a scatter,
+  which XLA:GPU runs as a kernel of its own and fuses with nothing, and a delayed-scaling
+  step writes a slot for every role it records, in forward, in backward and in `update`.
+  """
+  value = jnp.broadcast_to(jnp.asarray(value, history.dtype), history.shape[:-1])
+  return jnp.concatenate([value[..., None], history[..., 1:]], axis=-1)
+
+
 def record_amax(state: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
   """Folds an observed amax into the current history slot (max, NaN propagating)."""
-  hist = state.amax_history.at[0].set(max_amax(state.amax_history[0], amax))
+  hist = with_current_slot(state.amax_history, max_amax(state.amax_history[0], amax))
   return dataclasses.replace(state, amax_history=hist)
 
 
@@ -62,7 +73,7 @@ def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> Del
     new_scale = fp32.div(new_scale, fp32.exp2(jnp.int32(quantizer.margin)))
   keep = fp32.is_zero(a) | ~fp32.is_finite(a)
   scale = jnp.where(keep, state.scale, new_scale)
-  hist = jnp.roll(hist, -1).at[0].set(0.0)
+  hist = with_current_slot(jnp.roll(hist, -1), 0.0)
   return DelayedScalingState(hist, scale)
 
 
@@ -80,7 +91,7 @@ def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> Del
 def fold_grad_amax(cotangent: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
   """A state cotangent with `amax` folded into slot 0 by max (NaN propagating)."""
   hist = cotangent.amax_history
-  return DelayedScalingState(hist.at[0].set(max_amax(hist[0], amax)), cotangent.scale)
+  return DelayedScalingState(with_current_slot(hist, max_amax(hist[0], amax)), cotangent.scale)
 
 
 def record_grad_amax(state: DelayedScalingState,

@@ -89,7 +89,8 @@ def update_grouped_state(state, quantizers: Mapping[str, Optional[Quantizer]], s
 
 
 def _record(state, amax):
-  hist = state.amax_history.at[:, 0].set(scaling.max_amax(state.amax_history[:, 0], amax))
+  hist = scaling.with_current_slot(state.amax_history,
+                                   scaling.max_amax(state.amax_history[:, 0], amax))
   return scaling.DelayedScalingState(hist, state.scale)
 
 

@@ -74,3 +74,18 @@ def test_fan_out_combines_parallel_uses_by_max():
   g = jax.jit(jax.grad(loss))(scaling.init_state(Q["grad_output"]))
   assert float(g.amax_history[0]) == max(_amax(dy1), _amax(dy2))
 
+
+
+def test_a_delayed_scaling_step_writes_its_history_slots_without_scatters():
+  """Recording amaxes (forward and backward) and the update write slot 0 of each history by
+  concatenation: a scatter would be a kernel of its own on GPUs, fused with nothing."""
+  x1, kernel, dy1 = _arrays(0)
+  x2, _, dy2 = _arrays(1)
+
+  def step(kernel, state):
+    state_grad, new_state = _two_threaded_calls(kernel, state, x1, dy1, x2, dy2)
+    return {t: scaling.update(scaling.record_grad_amax(s, state_grad[t]), Q[t])
+            for t, s in new_state.items()}
+
+  hlo = jax.jit(step).lower(kernel, _init()).as_text()
+  assert "scatter" not in hlo
