@@ -40,6 +40,7 @@ import jax
 from jaxquant import recipes
 from jaxquant.analysis import capture, gemm_error
 from jaxquant.analysis.runners import LossFn, runner_for
+from jaxquant.analysis.suggest import RankBy
 from jaxquant.quantizers import (DelayedFloat8Quantizer, Float8Quantizer, HybridQuantizer,
                                  Quantizer, for_usage)
 from jaxquant.roles import QuantizerRole, gemm_roles
@@ -119,7 +120,7 @@ class SensitivityReport:
         return m
     raise KeyError(f"no ranked module {name!r}; ranked: {[m.name for m in self.modules]}")
 
-  def table(self, rank_by: str = "gemm_sqnr") -> str:
+  def table(self, rank_by: RankBy = "gemm_sqnr") -> str:
     """Markdown: the modules ranked by `rank_by` ("gemm_sqnr", the order of `modules`, or
     "loss_change", which needs model_runs="module"), then their roles."""
     from jaxquant.analysis.table import format_report
