@@ -1,8 +1,9 @@
 """Train a byte-level decoder-only transformer under each low-precision recipe, and compare.
 
-The corpus is this interpreter's standard library source (no download). Every recipe
-starts from the same parameters and sees the same batches in the same order, so the
-validation-loss gaps between recipes come from the number formats alone. With --seeds N
+The corpus is this interpreter's standard library source (no download), with the
+gpu_seeds_long preset also the sources of the installed packages the example depends on
+(jax, flax, numpy, ...). Every recipe starts from the same parameters and sees the same
+batches in the same order, so the validation-loss gaps between recipes come from the number formats alone. With --seeds N
 each recipe trains from N seeds (each sets the parameters and the data order, the same
 for every recipe); the results give the mean and spread over seeds and each recipe's
 gap to bf16 with a 95% paired t-interval.
@@ -12,6 +13,7 @@ gap to bf16 with a 95% paired t-interval.
   python examples/train_lm.py --recipes bf16,mxfp8 --steps 100
   python examples/train_lm.py --noise-floor           # + bf16 again from a perturbed start
   python examples/train_lm.py --preset gpu_seeds --seeds 3 --recipes bf16,mxfp8,hybrid
+  python examples/train_lm.py --preset gpu_seeds_long --seeds 3 --recipes bf16,nvfp4
   python examples/train_lm.py --recipes bf16,custom,suggested_nvfp4   # an analysed policy
   python examples/train_lm.py --mesh data=2,fsdp=2,tensor=2   # sharded over 8 devices
 
@@ -71,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="override a training field of the preset, e.g. --set "
                       "final_learning_rate_fraction=0 --set eval_batches=all (the whole "
-                      "validation split); fields: " + ", ".join(
+                      "validation split) --set corpus_packages=jax,flax (comma-separated); "
+                      "fields: " + ", ".join(
                           f.name for f in dataclasses.fields(presets.TrainConfig)))
   parser.add_argument("--sensitivity-model-runs", choices=("none", "module", "role"),
                       default="none",
@@ -122,6 +125,8 @@ def with_overrides(train: presets.TrainConfig, assignments: list[str]) -> preset
       if name != "eval_batches":
         raise ValueError(f"--set {assignment!r}: only eval_batches may be 'all' (the whole split)")
       changes[name] = None
+    elif isinstance(current, tuple):  # a comma-separated list of names
+      changes[name] = tuple(part for part in text.split(",") if part)
     elif isinstance(current, bool):
       if text.lower() not in ("true", "false"):
         raise ValueError(f"--set {assignment!r}: {name} takes true or false")
@@ -242,7 +247,8 @@ def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entr
           "model": model_config,
           "train": dataclasses.asdict(train_config), "parameters": n_params,
           "noise_floor_scale": NOISE_FLOOR_SCALE if args.noise_floor else None,
-          "corpus": {"root": str(corpus.root), "train_bytes": int(corpus.train.size),
+          "corpus": {"root": str(corpus.root), "packages": list(corpus.packages),
+                     "train_bytes": int(corpus.train.size),
                      "validation_bytes": int(corpus.validation.size),
                      "train_files": corpus.n_train_files,
                      "validation_files": corpus.n_validation_files},
@@ -326,10 +332,12 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   # Every recipe starts from these: the bf16 (plain) model's parameters.
   plain_model = build_models([recipes.PLAIN_RECIPE], model_config, args.moe)[recipes.PLAIN_RECIPE]
 
-  corpus = data.load_stdlib_corpus()
+  corpus = data.load_corpus(train_config.corpus_packages)
   entropy = data.unigram_entropy_nats(corpus.validation)
-  print(f"corpus: {corpus.root}: {corpus.train.size:,} train bytes ({corpus.n_train_files} files), "
-        f"{corpus.validation.size:,} validation bytes ({corpus.n_validation_files} files)")
+  packages = f" and {', '.join(corpus.packages)}" if corpus.packages else ""
+  print(f"corpus: {corpus.root}{packages}: {corpus.train.size:,} train bytes "
+        f"({corpus.n_train_files} files), {corpus.validation.size:,} validation bytes "
+        f"({corpus.n_validation_files} files)")
   print(f"unigram byte entropy of the validation split: {entropy:.4f} nats "
         f"({data.nats_to_bits(entropy):.4f} bits) per byte")
 

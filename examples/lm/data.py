@@ -1,19 +1,23 @@
-"""The corpus: the running interpreter's standard library sources, as byte tokens.
+"""The corpus: the running interpreter's standard library sources, as byte tokens, and
+optionally those of installed packages the example depends on anyway (jax, flax, ...).
 
-Every machine with Python has it, so the example needs no download. Test directories and
-site-packages are skipped (their size depends on how Python was installed), paths are
-sorted, and each file goes to train or validation by a hash of its relative path, so the
-split is the same on every run and machine with the same Python version.
+Every machine with Python has them, so the example needs no download. Test directories and
+site-packages are skipped in the standard library (their size depends on how Python was
+installed), test directories in the packages; paths are sorted, and each file goes to train
+or validation by a hash of its relative path (a package's files by `package/...`), so the
+split is the same on every run and machine with the same Python and package versions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
+import importlib.metadata
 import math
 import pathlib
 import sysconfig
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -27,9 +31,10 @@ _TRAIN_STREAM, _VALIDATION_STREAM = 0, 1
 class ByteCorpus:
   train: np.ndarray  # uint8, the train files concatenated
   validation: np.ndarray  # uint8, the validation files concatenated
-  root: pathlib.Path
+  root: pathlib.Path  # the standard library's
   n_train_files: int
   n_validation_files: int
+  packages: tuple[str, ...] = ()  # "name version" of each package whose sources joined
 
 
 def stdlib_source_files(root: pathlib.Path) -> list[pathlib.Path]:
@@ -44,17 +49,50 @@ def is_validation_file(relative_path: str, validation_percent: int) -> bool:
   return int.from_bytes(digest[:4], "little") % 100 < validation_percent
 
 
-def load_stdlib_corpus(validation_percent: int = 10) -> ByteCorpus:
+def package_source_files(package: str) -> list[tuple[str, pathlib.Path]]:
+  """(path relative to the package's parent folder, path) of an installed package's .py
+  files outside test directories, sorted; every folder of a namespace package (orbax)."""
+  try:
+    module = importlib.import_module(package)
+  except ImportError as error:
+    raise RuntimeError(f"the corpus takes the sources of package {package!r}, which is not "
+                       f"installed ({error})") from None
+  files = []
+  for folder in getattr(module, "__path__", []):
+    folder = pathlib.Path(folder)
+    for path in sorted(folder.rglob("*.py")):
+      relative = path.relative_to(folder.parent)
+      if not SKIPPED_DIRS.intersection(relative.parts[:-1]):
+        files.append((relative.as_posix(), path))
+  if not files:
+    raise RuntimeError(f"package {package!r} has no Python sources to add to the corpus")
+  return files
+
+
+def _version(package: str) -> str:
+  module = importlib.import_module(package)
+  version = getattr(module, "__version__", None)
+  if version is None:  # namespace packages (orbax) carry none: their distribution's
+    distributions = importlib.metadata.packages_distributions().get(package, [])
+    version = importlib.metadata.version(distributions[0]) if distributions else "unknown"
+  return f"{package} {version}"
+
+
+def load_corpus(packages: Sequence[str] = (), validation_percent: int = 10) -> ByteCorpus:
+  """The standard library's sources, then those of each of `packages` in turn."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  files = [(path.relative_to(root).as_posix(), path) for path in stdlib_source_files(root)]
+  for package in packages:
+    files += package_source_files(package)
   splits: dict[bool, list[bytes]] = {False: [], True: []}
-  for path in stdlib_source_files(root):
-    splits[is_validation_file(path.relative_to(root).as_posix(), validation_percent)].append(
-        path.read_bytes())
+  for relative, path in files:
+    splits[is_validation_file(relative, validation_percent)].append(path.read_bytes())
   if not splits[False] or not splits[True]:
-    raise RuntimeError(f"found no usable standard-library sources under {root}")
+    raise RuntimeError(f"found no usable sources for both splits under {root} and {packages}")
   as_tokens = lambda chunks: np.frombuffer(b"".join(chunks), dtype=np.uint8)
   return ByteCorpus(train=as_tokens(splits[False]), validation=as_tokens(splits[True]), root=root,
-                    n_train_files=len(splits[False]), n_validation_files=len(splits[True]))
+                    n_train_files=len(splits[False]), n_validation_files=len(splits[True]),
+                    packages=tuple(_version(package) for package in packages))
 
 
 def unigram_entropy_nats(tokens: np.ndarray) -> float:

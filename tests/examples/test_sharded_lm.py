@@ -81,7 +81,7 @@ def _config(recipe_name: str) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def batches() -> list[np.ndarray]:
-  stream = data.train_batches(data.load_stdlib_corpus().train, 0, BATCH, MODEL.seq_len)
+  stream = data.train_batches(data.load_corpus().train, 0, BATCH, MODEL.seq_len)
   return [next(stream) for _ in range(STEPS)]
 
 

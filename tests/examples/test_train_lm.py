@@ -118,7 +118,7 @@ def _train(recipe_name: str, steps: int, deterministic: bool = False):
   # Copies: the step donates its input state.
   before = (jax.tree.map(np.asarray, state.collections), np.asarray(jax.random.key_data(state.rng)))
   step = training.make_train_step(model, optimizer, deterministic=deterministic)
-  batches = data.train_batches(data.load_stdlib_corpus().train, 0, TINY.train.batch_size,
+  batches = data.train_batches(data.load_corpus().train, 0, TINY.train.batch_size,
                                ONE_LAYER.seq_len)
   for _ in range(steps):
     state, _ = step(state, next(batches))
@@ -154,13 +154,32 @@ def test_moe_block_is_wired_in_with_the_recipe_and_its_aux_loss():
 
 
 def test_validation_split_is_deterministic_and_disjoint():
-  root = data.load_stdlib_corpus().root
+  root = data.load_corpus().root
   files = [p.relative_to(root).as_posix() for p in data.stdlib_source_files(root)]
   assert files == sorted(files)
   assert not any("site-packages" in f or "/test/" in f"/{f}" for f in files)
   validation = [f for f in files if data.is_validation_file(f, 10)]
   assert 0 < len(validation) < len(files) / 5
   assert validation == [f for f in files if data.is_validation_file(f, 10)]
+
+
+def test_package_sources_join_the_corpus_split_by_their_package_paths():
+  stdlib = data.load_corpus()
+  corpus = data.load_corpus(("optax",))
+  files = data.package_source_files("optax")
+  assert files and all(relative.startswith("optax/") for relative, _ in files)
+  assert not any("/tests/" in f"/{relative}" for relative, _ in files)
+  in_validation = [data.is_validation_file(relative, 10) for relative, _ in files]
+  sizes = [path.stat().st_size for _, path in files]
+  # The standard library's bytes first, then the package's, each file in its own split.
+  assert corpus.n_validation_files == stdlib.n_validation_files + sum(in_validation)
+  assert corpus.n_train_files == stdlib.n_train_files + len(files) - sum(in_validation)
+  assert corpus.validation.size == stdlib.validation.size + sum(
+      size for size, v in zip(sizes, in_validation) if v)
+  np.testing.assert_array_equal(corpus.train[:stdlib.train.size], stdlib.train)
+  assert len(corpus.packages) == 1 and corpus.packages[0].startswith("optax ")
+  with pytest.raises(RuntimeError, match="no_such_package_xyz"):
+    data.load_corpus(("no_such_package_xyz",))
 
 
 def test_train_windows_repeat_for_the_same_seed():
@@ -289,9 +308,10 @@ def test_deterministic_steps_train_a_seed_to_the_same_bits(recipe_name):
 def test_set_overrides_training_fields():
   train = train_lm.with_overrides(TINY.train, ["final_learning_rate_fraction=0",
                                                "eval_batches=all", "eval_every=5",
-                                               "deterministic=true"])
+                                               "deterministic=true",
+                                               "corpus_packages=optax,numpy"])
   assert (train.final_learning_rate_fraction, train.eval_batches, train.eval_every,
-          train.deterministic) == (0.0, None, 5, True)
+          train.deterministic, train.corpus_packages) == (0.0, None, 5, True, ("optax", "numpy"))
   for bad in ("lr=1", "steps=1.5", "steps=all", "deterministic=1"):
     with pytest.raises(ValueError, match="--set"):
       train_lm.with_overrides(TINY.train, [bad])
