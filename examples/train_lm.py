@@ -3,10 +3,10 @@
 The corpus is this interpreter's standard library source (no download), with the
 gpu_seeds_long preset also the sources of the installed packages the example depends on
 (jax, flax, numpy, ...). Every recipe starts from the same parameters and sees the same
-batches in the same order, so the validation-loss gaps between recipes come from the number formats alone. With --seeds N
-each recipe trains from N seeds (each sets the parameters and the data order, the same
-for every recipe); the results give the mean and spread over seeds and each recipe's
-gap to bf16 with a 95% paired t-interval.
+batches in the same order, so the validation-loss gaps between recipes come from the
+number formats alone. With --seeds N each recipe trains from N seeds (each sets the
+parameters and the data order, the same for every recipe); the results give the mean and
+spread over seeds and each recipe's gap to bf16 with a 95% paired t-interval.
 
   python examples/train_lm.py                         # all recipes, the cpu preset
   python examples/train_lm.py --preset gpu            # ~58M parameters, for one H100
