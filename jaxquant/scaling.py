@@ -35,8 +35,7 @@ def max_amax(a, b) -> jax.Array:
   Not jnp.maximum: XLA:CPU flushes subnormal operands of max to zero; amaxes are >= 0,
   so the max of their magnitudes is their max.
   """
-  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  return fp32.abs_max(jnp.stack([a, b]), axis=0)
+  return fp32.abs_maximum(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
 
 
 def with_current_slot(history: jax.Array, value) -> jax.Array:

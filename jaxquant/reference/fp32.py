@@ -53,6 +53,13 @@ def abs_max(x: jax.Array, axis=None) -> jax.Array:
   return from_bits(jnp.where(m > _EXP, jnp.uint32(_QNAN), m))
 
 
+def abs_maximum(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Elementwise max(|a|, |b|), as `abs_max` of the two: an elementwise op, not a reduction,
+  so that XLA fuses it with its neighbours instead of giving it a kernel of its own."""
+  mag = jnp.maximum(bits(a) & _ABS, bits(b) & _ABS)
+  return from_bits(jnp.where(mag > _EXP, jnp.uint32(_QNAN), mag))
+
+
 def decompose(x):
   """fp32 -> (sign bit, significand in [2^23, 2^24) or 0, unbiased exponent of its MSB).
 

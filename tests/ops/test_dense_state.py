@@ -89,3 +89,14 @@ def test_a_delayed_scaling_step_writes_its_history_slots_without_scatters():
 
   hlo = jax.jit(step).lower(kernel, _init()).as_text()
   assert "scatter" not in hlo
+
+
+def test_amaxes_fold_into_a_history_slot_without_reductions():
+  """The max of the recorded and the observed amax is elementwise: a reduction would be a
+  kernel of its own on GPUs, one per role recorded in forward and backward."""
+  state, amax = _init()["input"], jnp.float32(3.0)
+  for fold in (scaling.record_amax, scaling.fold_grad_amax):
+    hlo = jax.jit(fold).lower(state, amax).as_text()
+    assert "reduce" not in hlo, fold.__name__
+  merged = jax.jit(scaling.combine).lower(state, state).as_text()
+  assert "reduce" not in merged

@@ -1,7 +1,8 @@
 """The GPU's exact fp32 division (`fp32._div_exact`, integer arithmetic only) bit for bit
 against IEEE division as numpy performs it on this CPU (round to nearest even, subnormals
 kept), over random bit patterns and the cases that need care. Integer operations are exact
-on every backend, so the CPU runs the GPU's code path here."""
+on every backend, so the CPU runs the GPU's code path here. Likewise `fp32.abs_maximum`,
+the magnitude max that delayed scaling folds amaxes with."""
 
 import jax
 import numpy as np
@@ -38,3 +39,18 @@ def test_device_division_is_ieee_bit_for_bit():
   assert np.all(got[nan] == 0x7FC00000), "NaN quotients are the canonical quiet NaN"
   mismatch = np.flatnonzero((got != want) & ~nan)
   assert mismatch.size == 0, [(a[i], b[i], hex(got[i]), hex(want[i])) for i in mismatch[:5]]
+
+
+def test_abs_maximum_is_the_larger_magnitude_bit_for_bit():
+  """Against numpy's max of magnitudes (no flushing on the host), NaN as the canonical quiet
+  NaN: random bit patterns, subnormals and the special values, on the CPU, whose XLA
+  flushes subnormal operands of float max (the reason abs_maximum compares bits)."""
+  a, b = _operands(np.random.default_rng(12), 1 << 16)
+  got = np.asarray(jax.jit(fp32.abs_maximum)(a, b)).view(np.uint32)
+  with np.errstate(invalid="ignore"):
+    want = np.fmax(np.abs(a), np.abs(b)).view(np.uint32)
+  nan = np.isnan(a) | np.isnan(b)
+  assert np.all(got[nan] == 0x7FC00000)
+  mismatch = np.flatnonzero((got != want) & ~nan)
+  assert mismatch.size == 0, [(a[i], b[i], hex(got[i]), hex(want[i])) for i in mismatch[:5]]
+  assert np.count_nonzero((np.abs(a) < np.finfo(np.float32).tiny) & (a != 0)) > 1000
