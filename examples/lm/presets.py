@@ -111,8 +111,9 @@ PRESETS["gpu_seeds"] = Preset(
 # 0-5 and 6-11), no closer than gpu_seeds' 0.56 % in the same call, and 6000 steps 0.24 %
 # apart (seeds 0-5; 0.29 % over seeds 0-7 with a peak learning rate of 2e-3), the loss still
 # falling 0.7-1 % over the last 1000 steps (docs/example.md). A bf16 step takes 9 ms on
-# an H100, a seed with its evaluations about a minute: a run of bf16 and one or two recipes
-# from three seeds fits ten minutes.
+# an H100 and a quantized one 10-15 ms (gpu_seeds'), so a seed of bf16 takes about a
+# minute and of NVFP4 about a minute and a half: bf16 and one recipe from three seeds fit a
+# ten-minute device call (two FP8 recipes barely, by these estimates).
 PRESETS["gpu_seeds_long"] = Preset(
     PRESETS["gpu_seeds"].model,
     dataclasses.replace(PRESETS["gpu_seeds"].train, steps=6000, corpus_packages=(
