@@ -50,8 +50,9 @@ def with_current_slot(history: jax.Array, value) -> jax.Array:
 
 
 def record_amax(state: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
-  """Folds an observed amax into the current history slot (max, NaN propagating)."""
-  hist = with_current_slot(state.amax_history, max_amax(state.amax_history[0], amax))
+  """Folds an observed amax into the current history slot (max, NaN propagating); with
+  leading axes ([..., history_len], one history per group), one amax per history."""
+  hist = with_current_slot(state.amax_history, max_amax(state.amax_history[..., 0], amax))
   return dataclasses.replace(state, amax_history=hist)
 
 

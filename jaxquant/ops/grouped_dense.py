@@ -88,12 +88,6 @@ def update_grouped_state(state, quantizers: Mapping[str, Optional[Quantizer]], s
   return out
 
 
-def _record(state, amax):
-  hist = scaling.with_current_slot(state.amax_history,
-                                   scaling.max_amax(state.amax_history[:, 0], amax))
-  return scaling.DelayedScalingState(hist, state.scale)
-
-
 def _usage_key(key, usage):
   return None if key is None else jax.random.fold_in(key, 0 if usage == "rowwise" else 1)
 
@@ -143,7 +137,7 @@ def _forward(cfg, x, kernel, group_sizes, bias, keys, state):
       key=_usage_key(keys["weight"], "rowwise"))
   for t, amax in (("input", x_amax), ("weight", w_amax)):
     if amax is not None:
-      new_state[t] = _record(state[t], amax)
+      new_state[t] = scaling.record_amax(state[t], amax)
   acc = grouped_matmul(x_row.values, w_vals, layout, tile=cfg.tile,
                        a_exact=_exact_dtype(qx, "rowwise", x.dtype),
                        b_exact=_exact_dtype(qw, "rowwise", kernel.dtype))

@@ -48,15 +48,17 @@ def is_finite(x):
 
 def abs_max(x: jax.Array, axis=None) -> jax.Array:
   """max |x| with NaN propagating, exact on subnormals (compares magnitude bits)."""
-  mag = bits(x) & _ABS
-  m = jnp.max(mag, axis=axis, initial=jnp.uint32(0))
-  return from_bits(jnp.where(m > _EXP, jnp.uint32(_QNAN), m))
+  return _from_magnitude(jnp.max(bits(x) & _ABS, axis=axis, initial=jnp.uint32(0)))
 
 
 def abs_maximum(a: jax.Array, b: jax.Array) -> jax.Array:
   """Elementwise max(|a|, |b|), as `abs_max` of the two: an elementwise op, not a reduction,
   so that XLA fuses it with its neighbours instead of giving it a kernel of its own."""
-  mag = jnp.maximum(bits(a) & _ABS, bits(b) & _ABS)
+  return _from_magnitude(jnp.maximum(bits(a) & _ABS, bits(b) & _ABS))
+
+
+def _from_magnitude(mag):
+  """The fp32 of magnitude bits, any NaN as the canonical quiet NaN."""
   return from_bits(jnp.where(mag > _EXP, jnp.uint32(_QNAN), mag))
 
 
