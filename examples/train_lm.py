@@ -232,14 +232,6 @@ class RecipeTrainer:
     return result
 
 
-def write_outputs(out: pathlib.Path, results: list[report.RecipeResult], not_run: list[str],
-                  entropy: float, title: str, info: dict, extra: str = "") -> None:
-  out.mkdir(parents=True, exist_ok=True)
-  report.write_curves_json(out / report.CURVES_JSON, results, {**info, "not_run": not_run})
-  report.plot_validation_curves(out / report.CURVES_PNG, results, entropy, title)
-  report.write_results_table(out / report.RESULTS_TABLE, results, not_run, entropy, title, extra)
-
-
 def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entropy,
              mesh: jax.sharding.Mesh | None) -> dict:
   model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(model).items()}
@@ -253,7 +245,8 @@ def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entr
                      "train_files": corpus.n_train_files,
                      "validation_files": corpus.n_validation_files},
           "unigram_entropy_nats": entropy, "unigram_entropy_bits": data.nats_to_bits(entropy),
-          "device": str(jax.devices()[0]), "jax": jax.__version__,
+          "device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
+          "jax": jax.__version__,
           "mesh": None if mesh is None else dict(mesh.shape),
           "quantized_gather": args.quantized_gather}
 
@@ -280,7 +273,8 @@ def validation_set(corpus: data.ByteCorpus, train_config: presets.TrainConfig, s
 
 
 def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out) -> tuple:
-  """(model, params of each seed, text for results.md) of 'suggested_nvfp4'."""
+  """(model, params of each seed, text for results.md, the GEMM modules kept in bf16) of
+  'suggested_nvfp4'."""
   first_seed = min(shared_params)
   model_runs = None if args.sensitivity_model_runs == "none" else args.sensitivity_model_runs
   start = time.perf_counter()
@@ -301,7 +295,7 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
   model = recipes.model_for_recipe(TransformerLM(suggestion.config), suggestion.recipe)
   relaid = {seed: layout.relayout(p, model_config, suggestion.config.scanned_layers)
             for seed, p in shared_params.items()}
-  return model, relaid, text
+  return model, relaid, text, list(suggestion.kept)
 
 
 def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
@@ -359,8 +353,8 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
         f"({validation_batches.shape[0] * train_config.batch_size * seq_len:,} predicted bytes), "
         "the same for every recipe and seed")
 
-  title = f"byte LM on the Python stdlib, preset {args.preset} ({n_params / 1e6:.1f}M parameters)"
-  info = run_info(args, model_config, train_config, n_params, corpus, entropy, mesh)
+  info = {**run_info(args, model_config, train_config, n_params, corpus, entropy, mesh),
+          "notes": ""}
   deadline = start + (args.time_budget_s or math.inf)
   # (name, model or None: built when its turn comes, starting parameters of each seed)
   runs = [(name, models.get(name), shared_params) for name in recipe_names]
@@ -370,13 +364,14 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
                   for seed, p in shared_params.items()}))
   run_names = [name for name, _, _ in runs]
   results: list[report.RecipeResult] = []
-  notes = ""
   for index, (name, model, params) in enumerate(runs):
     if results and time.perf_counter() > deadline:
       break
     if name == recipes.SUGGESTED_RECIPE:
-      model, params, notes = suggested_run(args, model_config, train_config, shared_params,
-                                           corpus, args.out)
+      model, params, notes, kept = suggested_run(args, model_config, train_config,
+                                                 shared_params, corpus, args.out)
+      # Recorded, so that runs merged later (lm/merge.py) are checked to share the policy.
+      info = {**info, "notes": notes, "suggested_policy": kept}
     trainer = RecipeTrainer(name, model, train_config, validation_batches, mesh,
                             args.quantized_gather)
     for seed in seeds:
@@ -385,10 +380,10 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
       results.append(trainer.train(params[seed], corpus, seed, deadline))
       # After every run, so a run cut short (--time-budget-s, or killed) still leaves what it
       # finished, and names the rest as not run.
-      write_outputs(args.out, results, run_names[index + 1:], entropy, title, info, notes)
+      report.write_outputs(args.out, results, {**info, "not_run": run_names[index + 1:]})
   ran = {r.recipe for r in results}
   not_run = [name for name in run_names if name not in ran]
-  write_outputs(args.out, results, not_run, entropy, title, info, notes)
+  report.write_outputs(args.out, results, {**info, "not_run": not_run})
   print()
   print(report.results_table(results, not_run, entropy), end="")
   for summary in report.summarize(results):
@@ -397,7 +392,7 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
       print(f"{summary.recipe}: final validation loss {summary.loss.mean:.4f}{spread} nats per "
             f"byte; unigram byte entropy {entropy:.4f}")
   print(f"outputs in {args.out}: {report.CURVES_PNG}, {report.RESULTS_TABLE}, {report.CURVES_JSON}"
-        + (f", {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}" if notes else ""))
+        + (f", {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}" if info["notes"] else ""))
   print(f"total time {time.perf_counter() - start:.0f} s")
   return results
 

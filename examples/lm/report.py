@@ -126,6 +126,31 @@ def write_curves_json(path: pathlib.Path, results: list[RecipeResult], run_info:
   path.write_text(json.dumps(payload, indent=1))
 
 
+def read_curves_json(path: pathlib.Path) -> tuple[dict, list[RecipeResult]]:
+  """write_curves_json's inverse: the run info and every run, in the order written."""
+  payload = json.loads(path.read_text())
+  fields = {f.name for f in dataclasses.fields(RecipeResult)}
+  results = [RecipeResult(**{k: v for k, v in run.items() if k in fields})
+             for recipe in payload["recipes"].values() for run in recipe["seeds"].values()]
+  return payload["run"], results
+
+
+def title(preset: str, n_params: int) -> str:
+  return f"byte LM on the Python stdlib, preset {preset} ({n_params / 1e6:.1f}M parameters)"
+
+
+def write_outputs(out: pathlib.Path, results: list[RecipeResult], info: dict) -> None:
+  """val_loss.png, results.md and curves.json of a run; info is run_info with the recipes
+  not run ("not_run") and the text results.md ends with ("notes")."""
+  out.mkdir(parents=True, exist_ok=True)
+  heading = title(info["preset"], info["parameters"])
+  entropy = info["unigram_entropy_nats"]
+  write_curves_json(out / CURVES_JSON, results, info)
+  plot_validation_curves(out / CURVES_PNG, results, entropy, heading)
+  write_results_table(out / RESULTS_TABLE, results, info["not_run"], entropy, heading,
+                      info["notes"])
+
+
 def _common_curve(runs: list[RecipeResult]) -> tuple[list[int], np.ndarray]:
   """The eval steps every run reached, and [runs, steps] of their losses there."""
   steps = sorted(set.intersection(*(set(r.eval_steps) for r in runs)))
