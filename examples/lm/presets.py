@@ -105,15 +105,14 @@ PRESETS["gpu_seeds"] = Preset(
                         sensitivity_steps=100))
 # gpu_seeds' model trained twice as long on a corpus four times larger: the standard library
 # and the sources of the installed packages the example depends on (on the H100 machine 35 MB
-# of train sources, 2.8 passes in 6000 steps, and 3.3 MB of validation). How far apart seeds
-# end is set by how far training has converged, not by repeated passes over a small corpus:
-# on the H100, bf16 with this corpus ended 3000 steps 0.67 % and 1.12 % apart (sd / mean; seeds
-# 0-5 and 6-11), no closer than gpu_seeds' 0.56 % in the same call, and 6000 steps 0.24 %
-# apart (seeds 0-5; 0.29 % over seeds 0-7 with a peak learning rate of 2e-3), the loss still
-# falling 0.7-1 % over the last 1000 steps (docs/example.md). A bf16 step takes 9 ms on
-# an H100 and a quantized one 10-15 ms (gpu_seeds'), so a seed of bf16 takes about a
-# minute and of NVFP4 about a minute and a half: bf16 and one recipe from three seeds fit a
-# ten-minute device call (two FP8 recipes barely, by these estimates).
+# of train sources, 2.8 passes in 6000 steps, and 3.3 MB of validation). On that corpus bf16
+# ended 3000 steps 0.67 % and 1.12 % apart (sd / mean; seeds 0-5 and 6-11), and 6000 steps
+# 0.24 % (H100, seeds 0-5) and 0.47 % (H200, seeds 0-7) apart; 9000 and 12000 steps (0.21 %,
+# 0.35 %) and the 58M `gpu` model (0.26 %) ended no closer (docs/example.md). 6000 steps is
+# where the spread stops falling. A bf16 step takes 9 ms on an H100 and a quantized one
+# 10-15 ms (gpu_seeds'), so a seed of bf16 takes about a minute and of NVFP4 about a minute
+# and a half: bf16 and one recipe from three seeds fit a ten-minute device call (two FP8
+# recipes barely, by these estimates).
 PRESETS["gpu_seeds_long"] = Preset(
     PRESETS["gpu_seeds"].model,
     dataclasses.replace(PRESETS["gpu_seeds"].train, steps=6000, corpus_packages=(
