@@ -49,7 +49,13 @@ def _check_same_configuration(first: Run, other: Run) -> None:
 
 
 def _suggested_policy(runs: list[Run]) -> list[str] | None:
-  policies = {r.name: r.info["suggested_policy"] for r in runs if "suggested_policy" in r.info}
+  trained = [r for r in runs if any(x.recipe == SUGGESTED_RECIPE for x in r.results)]
+  unrecorded = [r.name for r in trained if "suggested_policy" not in r.info]
+  if len(trained) > 1 and unrecorded:
+    raise ValueError(f"{', '.join(unrecorded)}: trained {SUGGESTED_RECIPE} without recording "
+                     "which modules it kept in bf16, so it cannot be checked to be the policy of "
+                     "the other runs that trained it")
+  policies = {r.name: r.info["suggested_policy"] for r in trained if "suggested_policy" in r.info}
   if len({tuple(p) for p in policies.values()}) > 1:
     raise ValueError(f"{SUGGESTED_RECIPE} kept different modules in bf16 in different runs "
                      f"({policies}): they trained different policies under one name")

@@ -113,3 +113,11 @@ def test_suggested_policies_must_agree(tmp_path):
   merged = json.loads((tmp_path / "merged" / report.CURVES_JSON).read_text())
   assert merged["run"]["suggested_policy"] == ["layers_5/mlp/wo"]
   assert (tmp_path / "merged" / merge_runs.SENSITIVITY_FILES[0]).read_text() == "ranked table"
+
+
+def test_suggested_runs_without_a_recorded_policy_are_refused(tmp_path):
+  a = _write_run(tmp_path / "a", [_result("suggested_nvfp4", 0, 0.7)],
+                 _info([0], suggested_policy=["layers_5/mlp/wo"]))
+  b = _write_run(tmp_path / "b", [_result("suggested_nvfp4", 1, 0.7)], _info([1]))
+  with pytest.raises(SystemExit, match="without recording which modules"):
+    merge_runs.main([str(a), str(b), "--out", str(tmp_path / "merged")])
