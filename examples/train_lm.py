@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output folder")
   parser.add_argument("--seed", type=int, default=0,
                       help="seeds the parameters and the data order (the first seed with --seeds)")
+  parser.add_argument("--validation-seed", type=int,
+                      help="with sampled validation batches (eval_batches=N): the seed that "
+                      "draws them (default: --seed), so that runs of other seeds can share them "
+                      "(train_seeds.py)")
   parser.add_argument("--seeds", type=int, default=1,
                       help="train each recipe from this many seeds (--seed, --seed + 1, ...); the "
                       "results give each recipe's mean and spread over seeds and each gap to "
@@ -235,7 +239,8 @@ class RecipeTrainer:
 def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entropy,
              mesh: jax.sharding.Mesh | None) -> dict:
   model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(model).items()}
-  return {"preset": args.preset, "seed": args.seed, "seeds": seeds_of(args), "moe": args.moe,
+  return {"preset": args.preset, "seed": args.seed, "seeds": seeds_of(args),
+          "validation_seed": validation_seed_of(args), "moe": args.moe,
           "model": model_config,
           "train": dataclasses.asdict(train_config), "parameters": n_params,
           "noise_floor_scale": NOISE_FLOOR_SCALE if args.noise_floor else None,
@@ -261,6 +266,10 @@ def seeds_of(args) -> list[int]:
   if args.seeds < 1:
     raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
   return [args.seed + i for i in range(args.seeds)]
+
+
+def validation_seed_of(args) -> int:
+  return args.seed if args.validation_seed is None else args.validation_seed
 
 
 def validation_set(corpus: data.ByteCorpus, train_config: presets.TrainConfig, seq_len: int,
@@ -348,7 +357,8 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   if args.moe and "fp8_delayed" in recipe_names:
     print("--moe: under fp8_delayed the experts' grouped GEMMs use current scaling "
           "(jaxquant's GroupedDense keeps no delayed-scaling state yet)")
-  validation_batches = jnp.asarray(validation_set(corpus, train_config, seq_len, args.seed))
+  validation_batches = jnp.asarray(validation_set(corpus, train_config, seq_len,
+                                                      validation_seed_of(args)))
   print(f"validation: {validation_batches.shape[0]} batches of {train_config.batch_size} windows "
         f"({validation_batches.shape[0] * train_config.batch_size * seq_len:,} predicted bytes), "
         "the same for every recipe and seed")

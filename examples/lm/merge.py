@@ -20,12 +20,17 @@ from lm import report
 from lm.recipes import SUGGESTED_RECIPE
 
 # Run-info fields that say which part of the study a run did, not what it trained. "seed"
-# is the first seed; it picks the validation batches when they are sampled (eval_batches
-# not None), so then it must be equal after all. "device" is the device's index (the same
-# kind of device is checked by "device_kind"). "suggested_policy" must agree among the runs
-# that trained suggested_nvfp4 (each chooses it from its own first seed).
-PER_RUN = ("seed", "seeds", "not_run", "notes", "noise_floor_scale", "device",
-           "suggested_policy", "merged_runs")
+# is the first seed; "validation_seed" draws the validation batches when they are sampled
+# (eval_batches not None), so then it must be equal after all. "device" is the device's
+# index (the same kind of device is checked by "device_kind"). "suggested_policy" must
+# agree among the runs that trained suggested_nvfp4 (each chooses it from its own first
+# seed).
+PER_RUN = ("seed", "seeds", "validation_seed", "not_run", "notes", "noise_floor_scale",
+           "device", "suggested_policy", "merged_runs")
+
+
+def _validation_seed(info: dict) -> int:
+  return info.get("validation_seed", info["seed"])  # runs before it was recorded: --seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +46,12 @@ def _check_same_configuration(first: Run, other: Run) -> None:
       raise ValueError(
           f"{other.name}: run info {field!r} is {other.info.get(field)!r}, but "
           f"{first.info.get(field)!r} in {first.name}: only runs of one configuration merge")
-  if first.info["train"]["eval_batches"] is not None and first.info["seed"] != other.info["seed"]:
+  ours, theirs = _validation_seed(first.info), _validation_seed(other.info)
+  if first.info["train"]["eval_batches"] is not None and ours != theirs:
     raise ValueError(
-        f"{other.name}: --seed {other.info['seed']}, but {first.info['seed']} in {first.name}: "
-        f"with sampled validation batches (eval_batches={first.info['train']['eval_batches']}) "
-        "the first seed picks them, so runs merge only with the same --seed")
+        f"{other.name}: validation seed {theirs}, but {ours} in {first.name}: with sampled "
+        f"validation batches (eval_batches={first.info['train']['eval_batches']}) that seed "
+        "draws them, so runs merge only with the same one (train_lm.py --validation-seed)")
 
 
 def _suggested_policy(runs: list[Run]) -> list[str] | None:
@@ -85,6 +91,7 @@ def merge(runs: list[Run]) -> tuple[dict, list[report.RecipeResult]]:
                                if name not in order))
   seeds = sorted({seed for run in runs for seed in run.info["seeds"]})
   info = {**first.info, "seed": min(run.info["seed"] for run in runs), "seeds": seeds,
+          "validation_seed": _validation_seed(first.info),
           "not_run": not_run, "merged_runs": len(runs),
           "notes": "".join(dict.fromkeys(run.info.get("notes", "") for run in runs)),
           "noise_floor_scale": next((run.info["noise_floor_scale"] for run in runs

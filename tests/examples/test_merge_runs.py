@@ -1,7 +1,10 @@
-"""examples/merge_runs.py: runs trained apart, reported as one run of them all."""
+"""examples/merge_runs.py and train_seeds.py: runs trained apart, reported as one run of
+them all."""
 
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
@@ -88,14 +91,14 @@ def test_a_seed_trained_twice_is_refused(tmp_path):
     merge_runs.main([str(a), str(b), "--out", str(tmp_path / "merged")])
 
 
-def test_sampled_validation_batches_need_the_same_first_seed(tmp_path):
+def test_sampled_validation_batches_need_the_same_validation_seed(tmp_path):
   a = _write_run(tmp_path / "a", [_result("bf16", 0, 0.7)], _info([0], eval_batches=4))
   b = _write_run(tmp_path / "b", [_result("bf16", 1, 0.7)], _info([1], eval_batches=4))
-  with pytest.raises(SystemExit, match="--seed 1, but 0 .*sampled validation batches"):
+  with pytest.raises(SystemExit, match="validation seed 1, but 0 .*sampled validation batches"):
     merge_runs.main([str(a), str(b), "--out", str(tmp_path / "merged")])
-  # The same --seed and other seeds: --seed 0 --seeds 2 split as seeds [0] and [1].
+  # Seed 1 validated on seed 0's batches (train_lm.py --seed 1 --validation-seed 0).
   c = _write_run(tmp_path / "c", [_result("bf16", 1, 0.7)],
-                 _info([1], eval_batches=4, seed=0))
+                 _info([1], eval_batches=4, validation_seed=0))
   merge_runs.main([str(a), str(c), "--out", str(tmp_path / "merged")])
 
 
@@ -121,3 +124,33 @@ def test_suggested_runs_without_a_recorded_policy_are_refused(tmp_path):
   b = _write_run(tmp_path / "b", [_result("suggested_nvfp4", 1, 0.7)], _info([1]))
   with pytest.raises(SystemExit, match="without recording which modules"):
     merge_runs.main([str(a), str(b), "--out", str(tmp_path / "merged")])
+
+
+def test_train_seeds_trains_one_process_a_seed_and_merges_them(tmp_path):
+  """The tiny preset from seeds 5 and 6, both at once on the default device."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))}
+  completed = subprocess.run(
+      [sys.executable, str(EXAMPLES / "train_seeds.py"), "--seeds", "2", "--seed", "5",
+       "--per-gpu", "2", "--out", str(tmp_path), "--", "--preset", "tiny", "--recipes", "bf16",
+       "--steps", "4"],
+      capture_output=True, text=True, timeout=600, check=False, env=env)
+  assert completed.returncode == 0, completed.stdout + completed.stderr
+  merged = json.loads((tmp_path / report.CURVES_JSON).read_text())
+  assert merged["run"]["seeds"] == [5, 6] and merged["run"]["merged_runs"] == 2
+  bf16 = merged["recipes"]["bf16"]
+  assert set(bf16["seeds"]) == {"5", "6"} and bf16["final_val_loss"]["n"] == 2
+  for seed in (5, 6):  # each seed's own run, as train_lm.py wrote it
+    alone = json.loads((tmp_path / f"seed_{seed}" / report.CURVES_JSON).read_text())
+    assert alone["run"]["seeds"] == [seed] and alone["run"]["validation_seed"] == 5
+    assert alone["recipes"]["bf16"]["seeds"][str(seed)]["val_losses"] == \
+        bf16["seeds"][str(seed)]["val_losses"]
+
+
+def test_train_seeds_refuses_flags_it_sets_itself(tmp_path):
+  completed = subprocess.run(
+      [sys.executable, str(EXAMPLES / "train_seeds.py"), "--seeds", "2", "--out", str(tmp_path),
+       "--", "--preset", "tiny", "--seed", "3"],
+      capture_output=True, text=True, timeout=60, check=False)
+  assert completed.returncode == 2
+  assert "--seed is set by train_seeds.py" in completed.stderr

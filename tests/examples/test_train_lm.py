@@ -317,6 +317,16 @@ def test_set_overrides_training_fields():
       train_lm.with_overrides(TINY.train, [bad])
 
 
+def test_validation_seed_draws_the_sampled_validation_batches():
+  corpus = data.load_corpus()
+  batches = lambda *argv: train_lm.validation_set(
+      corpus, TINY.train, TINY.model.seq_len,
+      train_lm.validation_seed_of(train_lm.parse_args(["--preset", "tiny", *argv])))
+  shared = batches("--seed", "6", "--validation-seed", "5")
+  np.testing.assert_array_equal(shared, batches("--seed", "5"))
+  assert not np.array_equal(shared, batches("--seed", "6"))
+
+
 def test_relayout_moves_the_parameters_between_scan_layouts():
   config = dataclasses.replace(TINY.model, n_layers=3, scanned_layers=2)
   tokens = jnp.zeros((2, config.seq_len), jnp.int32)
