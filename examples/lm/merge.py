@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from lm import report
-from lm.recipes import SUGGESTED_RECIPE
+from lm.recipes import PLAIN_RECIPE, SUGGESTED_RECIPE
 
 # Run-info fields that say which part of the study a run did, not what it trained. "seed"
 # is the first seed; "validation_seed" draws the validation batches when they are sampled
@@ -69,8 +69,8 @@ def _suggested_policy(runs: list[Run]) -> list[str] | None:
 
 
 def merge(runs: list[Run]) -> tuple[dict, list[report.RecipeResult]]:
-  """The run info and the results of runs merged: every recipe's seeds together, recipes in
-  the order they first appear, seeds in ascending order."""
+  """The run info and the results of runs merged: every recipe's seeds together, bf16 first
+  and the other recipes in the order they first appear, seeds in ascending order."""
   if not runs:
     raise ValueError("nothing to merge: no runs given")
   first = runs[0]
@@ -85,6 +85,7 @@ def merge(runs: list[Run]) -> tuple[dict, list[report.RecipeResult]]:
                          f"and {run.name}: merge keeps one run of each recipe and seed")
       trained_in[key] = run.name
   order = list(dict.fromkeys(r.recipe for run in runs for r in run.results))
+  order.sort(key=lambda recipe: recipe != PLAIN_RECIPE)  # bf16 first, the rest as they came
   results = sorted((r for run in runs for r in run.results),
                    key=lambda r: (order.index(r.recipe), r.seed))
   not_run = list(dict.fromkeys(name for run in runs for name in run.info["not_run"]

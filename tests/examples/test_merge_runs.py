@@ -42,12 +42,12 @@ def _write_run(folder: pathlib.Path, results: list[report.RecipeResult], info: d
 def test_merged_gaps_pair_each_seed_with_bf16_from_another_run(tmp_path):
   finals = {("bf16", 0): 0.70, ("bf16", 1): 0.69, ("bf16", 2): 0.71,
             ("nvfp4", 0): 0.71, ("nvfp4", 1): 0.695, ("nvfp4", 2): 0.72}
-  # bf16 from three seeds in one run; nvfp4's seeds 0-1 in a second, seed 2 in a third.
+  # nvfp4's seeds 0-1 in one run, bf16 from three seeds in a second, nvfp4's seed 2 in a third.
   runs = [
-      _write_run(tmp_path / "bf16", [_result("bf16", s, finals["bf16", s]) for s in (0, 1, 2)],
-                 _info([0, 1, 2])),
       _write_run(tmp_path / "nvfp4_a", [_result("nvfp4", s, finals["nvfp4", s]) for s in (0, 1)],
                  _info([0, 1])),
+      _write_run(tmp_path / "bf16", [_result("bf16", s, finals["bf16", s]) for s in (0, 1, 2)],
+                 _info([0, 1, 2])),
       _write_run(tmp_path / "nvfp4_b", [_result("nvfp4", 2, finals["nvfp4", 2])],
                  _info([2], not_run=["custom"])),
   ]
@@ -55,6 +55,7 @@ def test_merged_gaps_pair_each_seed_with_bf16_from_another_run(tmp_path):
 
   merged = json.loads((tmp_path / "merged" / report.CURVES_JSON).read_text())
   assert merged["run"]["seeds"] == [0, 1, 2] and merged["run"]["merged_runs"] == 3
+  assert list(merged["recipes"]) == ["bf16", "nvfp4"]
   assert merged["run"]["not_run"] == ["custom"]
   gaps = [finals["nvfp4", s] / finals["bf16", s] - 1 for s in (0, 1, 2)]
   nvfp4 = merged["recipes"]["nvfp4"]
