@@ -23,6 +23,8 @@ def block_reduce(x: jax.Array, block: tuple[int, int], reducer) -> jax.Array:
 def expand_blocks(scales: jax.Array, block: tuple[int, int], shape: tuple[int, int]) -> jax.Array:
   """Broadcasts one value per block back to every element of a [rows, cols] matrix."""
   br, bc = block
-  full = jnp.repeat(jnp.repeat(scales, br, axis=0, total_repeat_length=scales.shape[0] * br),
-                    bc, axis=1, total_repeat_length=scales.shape[1] * bc)
+  # A static repeat count lowers to a broadcast and a reshape; passing total_repeat_length
+  # instead makes jnp.repeat build index arrays with scatters and gathers: dozens of ops
+  # per call for XLA to fuse, in every dequantization of a quantized train step.
+  full = jnp.repeat(jnp.repeat(scales, br, axis=0), bc, axis=1)
   return full[:shape[0], :shape[1]]

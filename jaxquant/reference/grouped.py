@@ -268,8 +268,7 @@ def _nvfp4_rows(x, layout, q: NVFP4Quantizer, random_bits):
   else:
     s_enc_r, s_dec_r = s_enc, s_dec
   rows, cols = x.shape
-  block_amax = jnp.repeat(fp32.abs_max(x.reshape(rows, cols // 16, 16), axis=2), 16, axis=1,
-                          total_repeat_length=cols)
+  block_amax = jnp.repeat(fp32.abs_max(x.reshape(rows, cols // 16, 16), axis=2), 16, axis=1)
   values = nvfp4_values(x, block_amax, s_enc_r[:, None], s_dec_r[:, None], random_bits)
   return values, s_dec
 
