@@ -54,6 +54,10 @@ class DelayedFloat8Quantizer:
     if self.amax_algo not in ("max", "most_recent"):
       raise ValueError(
           f"DelayedFloat8Quantizer: amax_algo must be 'max' or 'most_recent', got {self.amax_algo!r}")
+    # The scale is divided by 2^margin, which fp32 holds exactly only for these.
+    if not isinstance(self.margin, int) or not -149 <= self.margin <= 127:
+      raise ValueError(
+          f"DelayedFloat8Quantizer: margin must be an int in [-149, 127], got {self.margin!r}")
 
   def format(self, usage: Usage) -> Format:
     return Format(Family.FP8_TENSOR, self.element)

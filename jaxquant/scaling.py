@@ -9,6 +9,7 @@ into the next scale.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -61,19 +62,43 @@ def combine(a: DelayedScalingState, b: DelayedScalingState) -> DelayedScalingSta
   return DelayedScalingState(max_amax(a.amax_history, b.amax_history), a.scale)
 
 
-def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> DelayedScalingState:
-  """The once-per-step update: new scale from the history, then roll and clear slot 0."""
+def scale_divisor(quantizer: DelayedFloat8Quantizer) -> float:
+  """2^margin, the new scale being fmax / amax / 2^margin (exact in fp32 for a margin in
+  [-149, 127])."""
+  return math.ldexp(1.0, quantizer.margin)
+
+
+def next_scale(amax: jax.Array, scale: jax.Array, fmax: float, divisor: float) -> jax.Array:
+  """The scale after a step whose history's amax is `amax` (elementwise): fmax / amax /
+  divisor, in exact fp32 divisions; the old `scale` where amax is zero or not finite."""
+  new_scale = fp32.div(jnp.float32(fmax), amax)
+  # x / 1 is x, bit for bit; skipping it keeps one exact division (an integer emulation on
+  # GPUs) out of the step.
+  if divisor != 1.0:
+    new_scale = fp32.div(new_scale, jnp.float32(divisor))
+  keep = fp32.is_zero(amax) | ~fp32.is_finite(amax)
+  return jnp.where(keep, scale, new_scale)
+
+
+def history_amax(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> jax.Array:
+  """The amax the next scale is computed from: the history's max, or its current slot."""
   hist = state.amax_history
-  a = fp32.abs_max(hist) if quantizer.amax_algo == "max" else hist[0]  # jnp.max flushes subnormals
-  fmax = jnp.float32(quantizer.format("rowwise").fmax)
-  new_scale = fp32.div(fmax, a)
-  # x / 2^0 is x, bit for bit; skipping it keeps one exact division (an integer emulation
-  # on GPUs, inlined for every state group) out of the step.
-  if quantizer.margin:
-    new_scale = fp32.div(new_scale, fp32.exp2(jnp.int32(quantizer.margin)))
-  keep = fp32.is_zero(a) | ~fp32.is_finite(a)
-  scale = jnp.where(keep, state.scale, new_scale)
-  hist = with_current_slot(jnp.roll(hist, -1), 0.0)
+  if quantizer.amax_algo == "max":
+    return fp32.abs_max(hist, axis=-1)  # jnp.max flushes subnormals
+  return hist[..., 0]
+
+
+def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer,
+           next_scale_of=next_scale) -> DelayedScalingState:
+  """The once-per-step update: new scale from the history, then roll and clear slot 0;
+  with leading axes ([..., history_len], one history per group), per group.
+
+  `next_scale_of` computes the new scales (`next_scale`'s signature and bits):
+  `kernels.delayed_scale` runs its exact divisions as CUDA instructions instead of XLA's
+  integer emulation (ops.update_delayed_state chooses)."""
+  scale = next_scale_of(history_amax(state, quantizer), state.scale,
+                        float(quantizer.format("rowwise").fmax), scale_divisor(quantizer))
+  hist = with_current_slot(jnp.roll(state.amax_history, -1, axis=-1), 0.0)
   return DelayedScalingState(hist, scale)
 
 

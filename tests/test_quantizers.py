@@ -15,6 +15,8 @@ from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, F
     (lambda: Float8Quantizer(eps=-1.0), "-1.0"),
     (lambda: DelayedFloat8Quantizer(history_len=0), "history_len.*0"),
     (lambda: DelayedFloat8Quantizer(amax_algo="mean"), "'mean'"),
+    (lambda: DelayedFloat8Quantizer(margin=128), "margin.*\\[-149, 127\\].*128"),
+    (lambda: DelayedFloat8Quantizer(margin=0.5), "margin.*0.5"),
     (lambda: BlockFloat8Quantizer(block="1x64"), "'1x64'"),
     (lambda: MXFP8Quantizer("e2m1"), "'e2m1'"),
     (lambda: NVFP4Quantizer(tile_2d=True, per_token=True), "per_token"),

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import scaling
+from jaxquant.ops import delayed_state
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_state
 from jaxquant.roles import QuantizerRole
 
@@ -91,7 +92,7 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
   def advance(state, grad):
     if grad is not None:
       state = scaling.record_grad_amax(state, grad)
-    return scaling.update(state, quantizer)
+    return delayed_state.update(state, quantizer)
 
   stacked = stack(states)
   new = _per_layer(advance, stacked, None if grads is None else stack(grads))

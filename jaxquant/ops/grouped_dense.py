@@ -32,6 +32,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import recipes, scaling
+from jaxquant.ops import delayed_state
 from jaxquant.formats import INPUT_DTYPES, Family
 from jaxquant.ops.grouped_gemm import grouped_matmul
 from jaxquant.ops.operands import (check_placement, check_role_args, check_state, resolve_quantizers,
@@ -84,7 +85,7 @@ def update_grouped_state(state, quantizers: Mapping[str, Optional[Quantizer]], s
   for t, s in state.items():
     if state_grads is not None and t == "grad_output":
       s = jax.vmap(scaling.record_grad_amax)(s, state_grads[t])
-    out[t] = jax.vmap(lambda s_g: scaling.update(s_g, _delayed_side(quantizers[t])))(s)
+    out[t] = delayed_state.update(s, _delayed_side(quantizers[t]))  # [G, L]: one per group
   return out
 
 

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from jaxquant import kernels, reference, scaling
+from jaxquant.ops import delayed_state
+from jaxquant.quantizers import DelayedFloat8Quantizer
 from jaxquant.ops import quantize as ops
 from kernel_cases import (DELAYED, QUANTIZERS, SR_QUANTIZERS, assert_same_bits, edge_input,
                           random_input)
@@ -177,6 +179,24 @@ def test_nvfp4_decode_scale_bit_exact():
   assert_same_bits(decode(amaxes), want, "decode scales")
   for i in (0, 2, 5, 13, 16, len(amaxes) - 1):
     assert_same_bits(decode(amaxes[i]), want[i], f"decode scale of amax {float(amaxes[i])!r}")
+
+
+@pytest.mark.parametrize("element,margin", [("e4m3", 0), ("e5m2", 0), ("e4m3", 3), ("e5m2", -2)])
+def test_delayed_scale_bit_exact(element, margin):
+  """Delayed scaling's next scales (fmax / amax / 2^margin, the old scale kept for zero,
+  inf and NaN amaxes): the kernel against the reference's exact divisions, on the edge and
+  random amaxes of every magnitude, and inside a whole update of stacked states."""
+  q = DelayedFloat8Quantizer(element, history_len=4, margin=margin)
+  fmax, divisor = float(q.format("rowwise").fmax), scaling.scale_divisor(q)
+  amaxes = jnp.asarray(global_amaxes())
+  scales = jnp.asarray(np.random.default_rng(12).lognormal(0.0, 5.0, amaxes.size), jnp.float32)
+  want = reference_on_cpu(lambda a, s: scaling.next_scale(a, s, fmax, divisor), amaxes, scales)
+  kernel = jax.jit(lambda a, s: kernels.delayed_scale(a, s, fmax, divisor))
+  assert_same_bits(kernel(amaxes, scales), want, f"next scales {element} margin {margin}")
+  assert_same_bits(kernel(amaxes[3], scales[3]), want[3], "a scalar")
+  states = scaling.DelayedScalingState(amaxes[:4096].reshape(1024, 4), scales[:1024])
+  want = reference_on_cpu(lambda s: scaling.update(s, q), states)
+  assert_same_bits(jax.jit(lambda s: delayed_state.update(s, q))(states), want, "update")
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxquant import kernels, reference
+from jaxquant import kernels, reference, scaling
 from jaxquant.kernels.config import KernelConfig, cast_config
 from jaxquant.ops import quantize as ops
 from jaxquant.quantizers import BlockFloat8Quantizer, MXFP8Quantizer, NVFP4Quantizer
@@ -150,6 +150,57 @@ def test_nvfp4_gemm_lowers_both_decode_scales_to_one_kernel_call(monkeypatch):
         lowering_platforms=("cuda",)).as_text()
     assert text.count("@jaxquant_nvfp4_decode_scale(") == 1, text
     assert "_div_exact" not in text
+
+
+def test_delayed_scale_primitive_one_device_sharded_and_batched(eight_devices):
+  """On the CPU the delayed-scale primitive lowers to the reference: the same next scales
+  for a vector, split over eight devices, under vmap and for a scalar; bad inputs are
+  refused. Subnormal amaxes only on one device (the reference's exact arithmetic takes a
+  host callback there, which crashes XLA:CPU across eight fake devices)."""
+  fmax, divisor = 448.0, 8.0
+  next_scale = lambda a, s: kernels.delayed_scale(a, s, fmax, divisor)
+  edges = jnp.float32([0.0, -0.0, np.inf, np.nan, 1e-45, 3.4028235e38])
+  old = jnp.float32([2.0, 3.0, 5.0, 7.0, 11.0, 13.0])
+  assert_same_bits(jax.jit(next_scale)(edges, old), scaling.next_scale(edges, old, fmax, divisor),
+                   "edge amaxes")
+  rng = np.random.default_rng(5)
+  amaxes = jnp.float32(rng.lognormal(0.0, 10.0, 64)).at[:3].set(jnp.float32([0.0, np.inf, np.nan]))
+  scales = jnp.float32(rng.lognormal(0.0, 3.0, 64))
+  want = scaling.next_scale(amaxes, scales, fmax, divisor)
+  assert not np.array_equal(want, scales) and np.array_equal(want[:3], scales[:3])
+  assert_same_bits(jax.jit(next_scale)(amaxes, scales), want, "one device")
+  spec = NamedSharding(_mesh(eight_devices), P(("a", "b")))
+  got = jax.jit(next_scale)(jax.device_put(amaxes, spec), jax.device_put(scales, spec))
+  assert_same_bits(got, want, "sharded")
+  assert got.sharding.spec == P(("a", "b"))
+  assert_same_bits(jax.vmap(next_scale)(amaxes.reshape(4, 16), scales.reshape(4, 16)),
+                   want.reshape(4, 16), "vmap")
+  assert_same_bits(next_scale(amaxes[5], scales[5]), want[5], "scalar")
+  with pytest.raises(ValueError, match="delayed-scaling amax"):
+    next_scale(amaxes.astype(jnp.bfloat16), scales)
+  with pytest.raises(ValueError, match="delayed scale: expected float32\\[64\\]"):
+    next_scale(amaxes, scales[:8])
+  with pytest.raises(ValueError, match="a scalar or a vector"):
+    next_scale(amaxes.reshape(8, 8), scales.reshape(8, 8))
+
+
+def test_delayed_update_lowers_each_group_to_one_kernel_call(monkeypatch):
+  """For CUDA, a Linen model's delayed-scaling update takes every group's next scales from
+  one delayed-scale call (inputs and weights e4m3, output gradients e5m2: two groups) and
+  inlines no exact-division emulation. Lowered without a GPU: the library's load is stood
+  in for."""
+  from flax import linen as nn
+  from jaxquant import recipes
+  from jaxquant.flax import quantize_model, update_quant_state
+  from jaxquant.kernels import library
+  monkeypatch.setattr(library, "load_error", lambda: None)
+  monkeypatch.setattr(kernels, "available", lambda: True)
+  model = quantize_model(nn.Sequential([nn.Dense(64), nn.Dense(64)]), recipes.get("fp8_delayed"))
+  state = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((8, 64)))["quant_state"])
+  text = jax.jit(update_quant_state).trace(state, state).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("@jaxquant_delayed_scale(") == 2, text
+  assert "_div_exact" not in text
 
 
 DEQUANTIZE_SHARDED_CASES = [

@@ -157,6 +157,29 @@ def test_delayed_update_rule_by_hand():
   assert np.asarray(zero.scale) == 3.0
 
 
+@pytest.mark.parametrize("q", [q for q, _ in DELAYED], ids=str)
+def test_delayed_update_of_stacked_states_is_each_states_update(q):
+  """States stacked along leading axes ([2, 3, history_len], as a vectorized update of a
+  group takes them) update each as the oracle updates it alone: zero, subnormal, inf and
+  NaN amaxes among them."""
+  rng = np.random.default_rng(6)
+  hist = np.float32(rng.lognormal(0.0, 8.0, (2, 3, q.history_len)))
+  hist[0, 0] = 0.0
+  hist[0, 1, 0] = np.float32(1e-41)
+  hist[1, 0, 1 % q.history_len] = np.inf
+  hist[1, 2, 0] = np.nan
+  scale = np.float32(rng.lognormal(0.0, 2.0, (2, 3)))
+  new = jax.jit(scaling.update, static_argnums=1)(
+      scaling.DelayedScalingState(jnp.asarray(hist), jnp.asarray(scale)), q)
+  for i in np.ndindex(2, 3):
+    want_hist, want_scale = orc.delayed_update(hist[i], scale[i], q.element, margin=q.margin,
+                                               algo=q.amax_algo)
+    rc.assert_bits_equal(rc.canon_f32_bits(new.amax_history[i]), rc.canon_f32_bits(want_hist),
+                         f"state {i} history")
+    rc.assert_bits_equal(rc.canon_f32_bits(new.scale[i]), rc.canon_f32_bits(want_scale),
+                         f"state {i} scale")
+
+
 def test_delayed_record_and_combine_take_the_max():
   """Micro-batches / devices combine by max (NaN propagating, subnormals exact)."""
   q = DelayedFloat8Quantizer("e4m3", history_len=3)

@@ -17,6 +17,7 @@ JAXQUANT_HANDLER(JaxquantFp8BlockCast);
 JAXQUANT_HANDLER(JaxquantMxfp8Cast);
 JAXQUANT_HANDLER(JaxquantNvfp4Cast);
 JAXQUANT_HANDLER(JaxquantNvfp4DecodeScale);
+JAXQUANT_HANDLER(JaxquantDelayedScale);
 JAXQUANT_HANDLER(JaxquantDequantize);
 JAXQUANT_HANDLER(JaxquantGroupedGemm);
 JAXQUANT_HANDLER(JaxquantBlockFp8Gemm);
