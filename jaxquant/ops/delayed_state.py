@@ -18,10 +18,15 @@ def _kernel_next_scale(amax, scale, fmax: float, divisor: float):
                                divisor).reshape(scale.shape)
 
 
+def divides_in_kernel(implementation: Optional[str] = None) -> bool:
+  """Whether `update` takes the kernel (else the reference's integer emulation)."""
+  choice = resolve_implementation(implementation)
+  return not (choice == "reference" or (choice == "auto" and not kernels.available()))
+
+
 def update(state: scaling.DelayedScalingState, quantizer: DelayedFloat8Quantizer,
            implementation: Optional[str] = None) -> scaling.DelayedScalingState:
   """`scaling.update(state, quantizer)`, bit for bit; leading axes are groups of states."""
-  choice = resolve_implementation(implementation)
-  if choice == "reference" or (choice == "auto" and not kernels.available()):
+  if not divides_in_kernel(implementation):
     return scaling.update(state, quantizer)
   return scaling.update(state, quantizer, next_scale_of=_kernel_next_scale)

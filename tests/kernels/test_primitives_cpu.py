@@ -184,23 +184,62 @@ def test_delayed_scale_primitive_one_device_sharded_and_batched(eight_devices):
     next_scale(amaxes.reshape(8, 8), scales.reshape(8, 8))
 
 
-def test_delayed_update_lowers_each_group_to_one_kernel_call(monkeypatch):
-  """For CUDA, a Linen model's delayed-scaling update takes every group's next scales from
-  one delayed-scale call (inputs and weights e4m3, output gradients e5m2: two groups) and
-  inlines no exact-division emulation. Lowered without a GPU: the library's load is stood
-  in for."""
+def _two_layer_delayed_step():
+  """A two-Dense fp8_delayed model's state after one forward pass, and its gradient."""
   from flax import linen as nn
   from jaxquant import recipes
-  from jaxquant.flax import quantize_model, update_quant_state
+  from jaxquant.flax import quantize_model
+  model = quantize_model(nn.Sequential([nn.Dense(64), nn.Dense(64)]), recipes.get("fp8_delayed"))
+  x = jax.random.normal(jax.random.key(1), (8, 64)) * 3.0
+  variables = model.init(jax.random.key(0), x)
+
+  def loss(params, state):
+    y, updated = model.apply({"params": params, "quant_state": state}, x, mutable=["quant_state"])
+    return jnp.sum(jnp.square(y)), updated["quant_state"]
+
+  (_, updated), (_, grads) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+      variables["params"], variables["quant_state"])
+  return updated, grads
+
+
+def test_delayed_update_lowers_each_state_to_its_own_kernel_call(monkeypatch):
+  """For CUDA, a Linen model's delayed-scaling update takes each state's next scale from a
+  delayed-scale call of its own (two layers, three roles each) and inlines no exact-division
+  emulation. Lowered without a GPU: the library's load is stood in for."""
+  from jaxquant.flax import update_quant_state
   from jaxquant.kernels import library
   monkeypatch.setattr(library, "load_error", lambda: None)
   monkeypatch.setattr(kernels, "available", lambda: True)
-  model = quantize_model(nn.Sequential([nn.Dense(64), nn.Dense(64)]), recipes.get("fp8_delayed"))
-  state = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((8, 64)))["quant_state"])
-  text = jax.jit(update_quant_state).trace(state, state).lower(
+  state, grads = jax.eval_shape(_two_layer_delayed_step)
+  text = jax.jit(update_quant_state).trace(state, grads).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert text.count("@jaxquant_delayed_scale(") == 2, text
+  assert text.count("@jaxquant_delayed_scale(") == 6, text
   assert "_div_exact" not in text
+
+
+def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
+  """Where the kernel divides (here its CPU lowering, the reference), each state updates on
+  its own; the bits are those of the grouped update without the kernel, for the states of
+  one step and for the same states stacked as nn.scan stacks a layer's (one per layer)."""
+  from jaxquant.flax import update_quant_state
+  from jaxquant.ops import delayed_state
+  state, grads = _two_layer_delayed_step()
+  layers = lambda tree: jax.tree.map(lambda a: jnp.stack([a, a * 3.0, a * 0.25]), tree)
+  cases = {"plain": (state, grads), "stacked": (layers(state), layers(grads))}
+  # A new function each time: jit caches traces by function, and the kernel's availability
+  # is read while tracing.
+  update = lambda: jax.jit(lambda s, g: update_quant_state(s, g))
+  want = {name: update()(*args) for name, args in cases.items()}
+  monkeypatch.setattr(kernels, "available", lambda: True)
+  assert delayed_state.divides_in_kernel()
+  for name, args in cases.items():
+    jaxpr = str(jax.make_jaxpr(lambda s, g: update_quant_state(s, g))(*args))
+    assert jaxpr.count("jaxquant_delayed_scale") == 6, name  # grouped: one call a group, 2
+    got = update()(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want[name])):
+      assert_same_bits(g, w, name)
+  scales = [leaf for leaf in jax.tree.leaves(want["plain"]) if leaf.ndim == 1]
+  assert any(not np.array_equal(s, 1.0) for s in scales)  # the update moved some scale
 
 
 DEQUANTIZE_SHARDED_CASES = [
