@@ -110,10 +110,9 @@ PRESETS["gpu_seeds"] = Preset(
 # 0.24 % (H100, seeds 0-5) and 0.47 % (H200, seeds 0-7) apart; 9000 and 12000 steps (0.21 %,
 # 0.35 %) and the 58M `gpu` model (0.26 % after 4000 and after 6000 steps) ended no closer
 # (docs/example.md). 6000 steps is where the spread stops falling. A bf16 step takes 9 ms
-# on an H100 and a quantized one
-# 10-15 ms (gpu_seeds'), so a seed of bf16 takes about a minute and of NVFP4 about a minute
-# and a half: bf16 and one recipe from three seeds fit a ten-minute device call (two FP8
-# recipes barely, by these estimates).
+# on an H100 and a quantized one 10-15 ms (gpu_seeds'), so a seed of bf16 takes about a
+# minute and of NVFP4 about a minute and a half: bf16 and one recipe from three seeds fit a
+# ten-minute device call (two FP8 recipes barely, by these estimates).
 PRESETS["gpu_seeds_long"] = Preset(
     PRESETS["gpu_seeds"].model,
     dataclasses.replace(PRESETS["gpu_seeds"].train, steps=6000, corpus_packages=(
