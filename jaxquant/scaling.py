@@ -95,7 +95,7 @@ def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer,
 
   `next_scale_of` computes the new scales (`next_scale`'s signature and bits):
   `kernels.delayed_scale` runs its exact divisions as CUDA instructions instead of XLA's
-  integer emulation (ops.update_delayed_state chooses)."""
+  integer emulation (`ops.delayed_state.update` chooses)."""
   scale = next_scale_of(history_amax(state, quantizer), state.scale,
                         float(quantizer.format("rowwise").fmax), scale_divisor(quantizer))
   hist = with_current_slot(jnp.roll(state.amax_history, -1, axis=-1), 0.0)

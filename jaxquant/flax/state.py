@@ -87,10 +87,9 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
   fp32 division is the kernel's, each state on its own. Where it is the reference's
   integer emulation, one vectorized computation for the group: a copy of the emulation
   per role (three per linear layer) multiplied a step's compile time and its tiny
-  kernels. With the kernel it is the stacking that costs: the concatenations and the
-  slices handing each state back took XLA 1.2 s more to compile than the states updated
-  apart (two Llama-1B layers' step on the H100, 2.6 s against 1.4 s). Elementwise either
-  way, so every state gets the bits it would alone."""
+  kernels. With the kernel it is the stacking that costs compile time, the concatenations
+  and the slices handing each state back (docs/benchmarks.md, "Where the compile time
+  goes"). Elementwise either way, so every state gets the bits it would alone."""
   stack = lambda items: jax.tree.map(lambda *leaves: jnp.stack(leaves), *items)
 
   def advance(state, grad):

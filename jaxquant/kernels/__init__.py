@@ -23,5 +23,5 @@ from jaxquant.kernels.quantize import quantize_usages, quantize_usages_and_amax
 library.load_error()  # register the FFI targets now, when the library exists
 
 __all__ = ["available", "unavailable_reason", "amax", "quantize_usages", "quantize_usages_and_amax",
-           "decode_scale", "delayed_scale", "dequantize_data", "grouped_gemm", "block_fp8_gemm", "dequant_gemm",
-           "fp8_tensor_gemm", "KernelConfig", "unsupported_reason"]
+           "decode_scale", "delayed_scale", "dequantize_data", "grouped_gemm", "block_fp8_gemm",
+           "dequant_gemm", "fp8_tensor_gemm", "KernelConfig", "unsupported_reason"]
