@@ -2,11 +2,11 @@
 and benchmark, rewritten by the benchmark itself.
 
 A file holds {"benchmark", "device", "records"}; a record is {"op", "shape", "metric",
-"value"} plus where it came from: the command that measured it (XLA_FLAGS included), the
-date (UTC) and the JAX version. A run replaces the records it measures (same op, shape and
-metric) and keeps the others, so a run of a few sections (`--only`, as fits in one
-10-minute device call) refreshes its part of the file and every figure stays traceable to
-the run that produced it. The file is rewritten after every record, so a run cut short
+"value"} plus where it came from: the command that measured it (with those settings of
+RECORDED_ENVIRONMENT that were made), the date (UTC) and the JAX version. A run replaces
+the records it measures (same op, shape and metric) and keeps the others, so a run of a
+few sections (`--only`, as fits in one 10-minute device call) refreshes its part of the
+file and every figure stays traceable to the run that produced it. The file is rewritten after every record, so a run cut short
 keeps what it measured.
 """
 
@@ -41,6 +41,11 @@ def results_path(out: str | None, benchmark: str, device_kind: str, *, smoke: bo
   return None if smoke else RESULTS / gpu_name(device_kind) / f"{benchmark}.json"
 
 
+# Settings of the environment that change what a benchmark measures: XLA's flags, and JAX
+# lowering threefry hashes (stochastic rounding's keys) to its own kernel, not inline code.
+RECORDED_ENVIRONMENT = ("XLA_FLAGS", "JAX_THREEFRY_GPU_KERNEL_LOWERING")
+
+
 def invocation(argv=None) -> str:
   """The command line that reproduces this run from the repository root."""
   argv = sys.argv if argv is None else argv
@@ -48,8 +53,8 @@ def invocation(argv=None) -> str:
   if script.parent.resolve() == RESULTS.parent.resolve():
     script = pathlib.Path("benchmarks") / script.name
   words = ["python3", str(script), *argv[1:]]
-  flags = os.environ.get("XLA_FLAGS", "").strip()
-  prefix = f"XLA_FLAGS={shlex.quote(flags)} " if flags else ""
+  settings = [(name, os.environ.get(name, "").strip()) for name in RECORDED_ENVIRONMENT]
+  prefix = "".join(f"{name}={shlex.quote(value)} " for name, value in settings if value)
   return prefix + " ".join(shlex.quote(w) for w in words)
 
 

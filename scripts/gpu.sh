@@ -18,7 +18,9 @@
 # benchmarks/results/<gpu>/<name>.json and copies that file to $OUT/results/<gpu>/ (two
 # folders down: what the device tool brings back), to be copied back into the tree. XLA's
 # Triton GEMM autotuning is turned off for the benchmarks and the example: it took minutes
-# to compile the quantized training steps, and cuBLAS(Lt) takes those dots instead.
+# to compile the quantized training steps, and cuBLAS(Lt) takes those dots instead. JAX
+# lowers threefry hashes to its kernel (JAX_THREEFRY_GPU_KERNEL_LOWERING=1, as README
+# advises for stochastic rounding): inlined, they tripled an NVFP4 step's compile time.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -80,6 +82,10 @@ triton_gemm_off() {
   export XLA_FLAGS="--xla_gpu_enable_triton_gemm=false${XLA_FLAGS:+ $XLA_FLAGS}"
 }
 
+threefry_kernel_on() {  # unless the caller chose otherwise
+  export JAX_THREEFRY_GPU_KERNEL_LOWERING=${JAX_THREEFRY_GPU_KERNEL_LOWERING:-1}
+}
+
 run_tests() {
   if [ "${1:-}" = cpu ]; then  # the whole CPU suite, on this machine's JAX version
     shift
@@ -109,7 +115,8 @@ run_bench() {
   [ "$name" = casts ] && script=benchmarks/run.py
   [ -f "$script" ] || { echo "no benchmark '$name' ($script is missing)"; return 2; }
   triton_gemm_off
-  echo "XLA_FLAGS=$XLA_FLAGS"
+  threefry_kernel_on
+  echo "XLA_FLAGS=$XLA_FLAGS JAX_THREEFRY_GPU_KERNEL_LOWERING=$JAX_THREEFRY_GPU_KERNEL_LOWERING"
   timeout -k 10 $(remaining) python3 "$script" "$@" 2>&1 | tee "$OUT/bench_$name.log" \
     | grep --line-buffered -v "^jax.nn.scaled_matmul"
   local status=${PIPESTATUS[0]}
@@ -136,6 +143,7 @@ run_example() {
     --format=csv -l 5 >"$OUT/gpu_clocks.csv" 2>/dev/null &
   local clock_log=$!
   triton_gemm_off
+  threefry_kernel_on
   local budget
   budget=$(remaining)
   # train_lm.py rewrites its outputs after every recipe and stops itself within the budget,

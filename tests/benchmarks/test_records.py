@@ -25,6 +25,19 @@ def test_results_path():
   assert records.results_path("x.json", "gemm", "NVIDIA H200", smoke=True) == pathlib.Path("x.json")
 
 
+def test_invocation_records_the_settings_that_change_a_measurement(monkeypatch):
+  """The command a record keeps: the script from the repository root, its arguments, and
+  XLA's flags and JAX's threefry lowering where they are set, quoted for a shell."""
+  script = str(records.RESULTS.parent / "step.py")
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.delenv("JAX_THREEFRY_GPU_KERNEL_LOWERING", raising=False)
+  assert records.invocation([script, "--only", "a b"]) == "python3 benchmarks/step.py --only 'a b'"
+  monkeypatch.setenv("XLA_FLAGS", "--x=1 --y=2")
+  monkeypatch.setenv("JAX_THREEFRY_GPU_KERNEL_LOWERING", "1")
+  assert records.invocation([script]) == (
+      "XLA_FLAGS='--x=1 --y=2' JAX_THREEFRY_GPU_KERNEL_LOWERING=1 python3 benchmarks/step.py")
+
+
 def _file(path, command, **kw):
   return records.ResultFile(path, benchmark="gemm", device="NVIDIA H100 80GB HBM3", jax_version="0.11.2",
                             command=command, **kw)
