@@ -20,7 +20,8 @@
 # Triton GEMM autotuning is turned off for the benchmarks and the example: it took minutes
 # to compile the quantized training steps, and cuBLAS(Lt) takes those dots instead. JAX
 # lowers threefry hashes to its kernel (JAX_THREEFRY_GPU_KERNEL_LOWERING=1, as README
-# advises for stochastic rounding): inlined, they tripled an NVFP4 step's compile time.
+# advises for stochastic rounding): inlined, they doubled to tripled an NVFP4 step's
+# compile time.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
