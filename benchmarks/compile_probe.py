@@ -71,7 +71,7 @@ class Probe:
   """One shape's stock model, its parameters and abstract step arguments."""
 
   def __init__(self, shape_name: str, layers: int, attention: str):
-    self.shape_name, shape = shape_name, SHAPES[shape_name]
+    shape = SHAPES[shape_name]
     self.stock = DecoderStack(shape, layers, attention=attention)
     self.stock_params = step.init_variables(self.stock, shape.d_model)["params"]
     self.tx = optax.adamw(1e-4)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxquant import scaling
 from jaxquant.ops import delayed_state
+from jaxquant.ops.quantize import uses_kernels
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_state
 from jaxquant.roles import QuantizerRole
 
@@ -97,7 +98,7 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
       state = scaling.record_grad_amax(state, grad)
     return delayed_state.update(state, quantizer)
 
-  if delayed_state.divides_in_kernel():
+  if uses_kernels():  # delayed_state.update divides in the kernel
     # Layers stacked by scan go to the kernel as one vector (update's leading axes), not
     # one call per layer as vmap would make them.
     recorded = states if grads is None else [

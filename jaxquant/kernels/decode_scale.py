@@ -36,15 +36,7 @@ def _reference(amax, *, config):
   return [nvfp4.global_scales(amax)[1]]
 
 
-def _partition(config, mesh, arg_shapes, result_shape):
-  axes = sharding.spec_axes(arg_shapes[0].sharding, 1)[0] if arg_shapes[0].ndim else ()
-  spec = sharding.pspec(axes) if arg_shapes[0].ndim else sharding.pspec()
-  return [spec], [spec], lambda kernel, amax: kernel(amax)
-
-
-def _sharding_rule(config, shapes, mesh_size):
-  dims = ("i",) if shapes[0] else ()
-  return sharding.rule([dims], [dims], {})
+_partition, _sharding_rule = sharding.elementwise(1)
 
 
 decode_scale_p = primitive.define(primitive.KernelSpec(

@@ -41,15 +41,7 @@ def _reference(amax, scale, *, config):
   return [scaling.next_scale(amax, scale, config.fmax, config.divisor)]
 
 
-def _partition(config, mesh, arg_shapes, result_shape):
-  axes = sharding.spec_axes(arg_shapes[0].sharding, 1)[0] if arg_shapes[0].ndim else ()
-  spec = sharding.pspec(axes) if arg_shapes[0].ndim else sharding.pspec()
-  return [spec, spec], [spec], lambda kernel, amax, scale: kernel(amax, scale)
-
-
-def _sharding_rule(config, shapes, mesh_size):
-  dims = ("i",) if shapes[0] else ()
-  return sharding.rule([dims, dims], [dims], {})
+_partition, _sharding_rule = sharding.elementwise(2)
 
 
 delayed_scale_p = primitive.define(primitive.KernelSpec(

@@ -83,6 +83,22 @@ def kept_whole(num_operands: int):
   return partition, sharding_rule
 
 
+def elementwise(num_operands: int):
+  """(partition, sharding_rule) of an elementwise kernel on scalars or vectors of one
+  shape: each device takes its shard of every operand, sharded as the first one."""
+
+  def partition(config, mesh, arg_shapes, result_shape):
+    vector = arg_shapes[0].ndim
+    spec = pspec(spec_axes(arg_shapes[0].sharding, 1)[0]) if vector else pspec()
+    return [spec] * num_operands, [spec], lambda kernel, *a: kernel(*a)
+
+  def sharding_rule(config, shapes, mesh_size):
+    dims = ("i",) if shapes[0] else ()
+    return rule([dims] * num_operands, [dims], {})
+
+  return partition, sharding_rule
+
+
 def pmax_amax(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """Max of non-negative (or NaN) amaxes across shards, exact: on the fp32 bit patterns,
   whose integer order is the float order and which keeps NaN (above +inf) and subnormals."""

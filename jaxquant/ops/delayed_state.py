@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from jaxquant import kernels, scaling
-from jaxquant.ops.quantize import resolve_implementation
+from jaxquant.ops.quantize import uses_kernels
 from jaxquant.quantizers import DelayedFloat8Quantizer
 
 
@@ -18,15 +18,9 @@ def _kernel_next_scale(amax, scale, fmax: float, divisor: float):
                                divisor).reshape(scale.shape)
 
 
-def divides_in_kernel(implementation: Optional[str] = None) -> bool:
-  """Whether `update` takes the kernel (else the reference's integer emulation)."""
-  choice = resolve_implementation(implementation)
-  return not (choice == "reference" or (choice == "auto" and not kernels.available()))
-
-
 def update(state: scaling.DelayedScalingState, quantizer: DelayedFloat8Quantizer,
            implementation: Optional[str] = None) -> scaling.DelayedScalingState:
   """`scaling.update(state, quantizer)`, bit for bit; leading axes are groups of states."""
-  if not divides_in_kernel(implementation):
+  if not uses_kernels(implementation):
     return scaling.update(state, quantizer)
   return scaling.update(state, quantizer, next_scale_of=_kernel_next_scale)

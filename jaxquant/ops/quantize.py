@@ -36,12 +36,18 @@ def resolve_implementation(implementation: Optional[str]) -> str:
   return choice
 
 
+def uses_kernels(implementation: Optional[str] = None) -> bool:
+  """Whether an op takes the kernels: asked for them, or "auto" where they can run."""
+  choice = resolve_implementation(implementation)
+  return choice == "kernel" or (choice == "auto" and kernels.available())
+
+
 def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"), *,
              key: Optional[jax.Array] = None, state: Optional[DelayedScalingState] = None,
              implementation: Optional[str] = None):
   """Same contract as `jaxquant.reference.quantize`, dispatched to the kernels."""
   choice = resolve_implementation(implementation)
-  if choice == "reference" or (choice == "auto" and not kernels.available()):
+  if not uses_kernels(choice):
     return reference.quantize(x, quantizer, usages, key=key, state=state)
   reference.check_input(x, quantizer)
   usages = check_usages(usages)
@@ -86,8 +92,7 @@ def dequantize(qt: QuantizedTensor, usage: Usage = "rowwise", dtype=None, *,
   """Same contract as `jaxquant.reference.dequantize`."""
   choice = resolve_implementation(implementation)
   stored = qt.usage(usage)
-  if (choice == "reference" or (choice == "auto" and not kernels.available())
-      or stored is None or not hasattr(stored, "format")):
+  if not uses_kernels(choice) or stored is None or not hasattr(stored, "format"):
     return reference.dequantize(qt, usage, dtype)
   dtype = dtype or qt.dtype
   rows, cols = stored.stored_shape

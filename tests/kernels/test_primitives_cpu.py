@@ -222,7 +222,7 @@ def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
   its own; the bits are those of the grouped update without the kernel, for the states of
   one step and for the same states stacked as nn.scan stacks a layer's (one per layer)."""
   from jaxquant.flax import update_quant_state
-  from jaxquant.ops import delayed_state
+  from jaxquant.ops.quantize import uses_kernels
   state, grads = _two_layer_delayed_step()
   layers = lambda tree: jax.tree.map(lambda a: jnp.stack([a, a * 3.0, a * 0.25]), tree)
   cases = {"plain": (state, grads), "stacked": (layers(state), layers(grads))}
@@ -231,7 +231,7 @@ def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
   update = lambda: jax.jit(lambda s, g: update_quant_state(s, g))
   want = {name: update()(*args) for name, args in cases.items()}
   monkeypatch.setattr(kernels, "available", lambda: True)
-  assert delayed_state.divides_in_kernel()
+  assert uses_kernels()
   for name, args in cases.items():
     jaxpr = str(jax.make_jaxpr(lambda s, g: update_quant_state(s, g))(*args))
     assert jaxpr.count("jaxquant_delayed_scale") == 6, name  # grouped: one call a group, 2
