@@ -1,6 +1,7 @@
 """GEMM and training-step benchmarks: every figure a ratio to bf16 `jnp.dot` of the same run.
 
-    python benchmarks/gemm.py [--only gemm|grouped|mlp ...] [--gemm-shapes MxNxK,...] [--quick]
+    python benchmarks/gemm.py [--only gemm|grouped|mlp|accumulation ...] [--gemm-shapes MxNxK,...]
+                              [--quick]
 
 Measures, at each shape (M, N, K) with random operands:
 - `jnp.dot` bf16 (the baseline), XLA's FP8 `dot_general` on f8 operands;
@@ -14,7 +15,11 @@ compared with `jax.nn.scaled_matmul` directly (`speedup_vs_jax_scaled_matmul`).
 Also a transformer MLP block's training step (forward + backward) under bf16, fp8_current,
 fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel (and
 `jax.lax.ragged_dot` with --ragged-dot), each against the dense GEMM of the same FLOPs
-and format. Times are device times of back-to-back calls, each figure's baseline and
+and format. The accumulation section times the per-tensor FP8 kernel with and without
+fast accumulation (recipes.CustomRecipe) at the 8B decoder layer's GEMM shapes, and
+records each mode's normwise error against a float64 oracle as k grows, on signed and on
+all-positive codes (where truncated partial sums add up instead of cancelling).
+Times are device times of back-to-back calls, each figure's baseline and
 contenders timed in turns over several rounds (timing.py); a ratio is that of the median
 times, and its `_lowest_round` record the lowest ratio within one round. Records are merged
 into benchmarks/results/<gpu>/gemm.json as they are measured (records.py: a run replaces
@@ -28,6 +33,7 @@ import statistics
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxquant
 from jaxquant import kernels
@@ -166,6 +172,56 @@ def gemm_records(shapes, records):
                       theirs, "speedup_vs_jax_scaled_matmul")
 
 
+# The 8B step's per-tensor FP8 GEMMs (benchmarks/step_model.py, 4 x 4096 tokens): fprop
+# and dgrad of the attention and MLP projections, and the MLP's wgrads (k = the tokens).
+ACCUMULATION_SHAPES = ((16384, 4096, 4096), (16384, 1024, 4096), (16384, 14336, 4096),
+                       (16384, 4096, 14336), (4096, 14336, 16384), (14336, 4096, 16384))
+QUICK_ACCUMULATION_SHAPES = ((1024, 1024, 1024),)
+ACCURACY_KS, QUICK_ACCURACY_KS = (1024, 4096, 16384, 65536), (1024,)
+
+
+def _fp8_codes(key, rows, k, dtype, positive=False):
+  x = jax.random.normal(key, (rows, k), jnp.float32) * 8
+  return (jnp.abs(x) if positive else x).astype(dtype)
+
+
+def accumulation_records(shapes, ks, records):
+  """The per-tensor FP8 kernel with split (promoted) and fast accumulation: speed against
+  bf16 `jnp.dot` and each other, and accuracy against a float64 oracle."""
+  if not kernels.available():
+    print(f"accumulation: skipped, the kernels are unavailable ({kernels.unavailable_reason()})")
+    return
+  one = jnp.float32(1.0)
+  modes = {"split": False, "fast": True}
+  gemm = lambda fast: jax.jit(lambda a, b: kernels.fp8_tensor_gemm(
+      a, b, one, one, out_dtype=jnp.bfloat16, fast_accumulation=fast))
+  for m, n, k in shapes:
+    x, w = _operands(m, n, k)
+    a, b = (_fp8_codes(jax.random.key(i), rows, k, jnp.float8_e4m3fn)
+            for i, rows in enumerate((m, n)))
+    calls = {"gemm_bf16_jnp_dot": Call(jax.jit(lambda x, w: jnp.dot(x, w.T)), (x, w))}
+    calls.update({f"gemm_fp8_tensor_{mode}_accumulation": Call(gemm(fast), (a, b))
+                  for mode, fast in modes.items()})
+    samples = interleaved_seconds(calls)
+    shape = f"{m}x{n}x{k}"
+    _add_speedups(records, shape, samples, "gemm_bf16_jnp_dot", "speedup_vs_bf16", 2.0 * m * n * k)
+    _add_speedups(records, shape, {op: samples[op] for op in calls if op.startswith("gemm_fp8")},
+                  "gemm_fp8_tensor_split_accumulation", "speedup_vs_split_accumulation")
+  rows = 512
+  for k in ks:
+    for data, positive in (("signed", False), ("positive", True)):
+      a = _fp8_codes(jax.random.key(k), rows, k, jnp.float8_e4m3fn, positive)
+      b = _fp8_codes(jax.random.key(k + 1), rows, k, jnp.float8_e5m2, positive)
+      f64 = lambda t: np.asarray(t.astype(jnp.float32), np.float64)
+      want = f64(a) @ f64(b).T
+      for mode, fast in modes.items():
+        got = np.asarray(jax.jit(lambda a, b, fast=fast: kernels.fp8_tensor_gemm(
+            a, b, one, one, fast_accumulation=fast))(a, b), np.float64)
+        error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        records.add({"op": f"gemm_fp8_tensor_{mode}_accumulation", "shape": f"{rows}x{rows}x{k} {data}",
+                     "metric": "relative_error", "value": error})
+
+
 GROUPED_SHAPES = ((8, 16384, 4096, 4096), (64, 32768, 2048, 1408))  # (G, M, K, N)
 QUICK_GROUPED_SHAPES = ((4, 1024, 256, 256),)
 
@@ -250,13 +306,16 @@ def main():
   parser.add_argument("--ragged-dot", action="store_true",
                       help="also time jax.lax.ragged_dot in the grouped section (minutes to compile)")
   parser.add_argument("--gemm-shapes", help="MxNxK,... for the gemm section (default: the four)")
-  parser.add_argument("--only", choices=("gemm", "grouped", "mlp"), action="append",
+  parser.add_argument("--only", choices=("gemm", "grouped", "mlp", "accumulation"), action="append",
                       help="run only these sections (repeatable; default: all)")
   args = parser.parse_args()
   device = jax.devices()[0].device_kind
   records = Records(ResultFile(results_path(args.out, "gemm", device, smoke=args.quick),
                                benchmark="gemm", device=device, jax_version=jax.__version__))
-  sections = set(args.only or ("gemm", "grouped", "mlp"))
+  sections = set(args.only or ("gemm", "grouped", "mlp", "accumulation"))
+  if "accumulation" in sections:
+    accumulation_records(QUICK_ACCUMULATION_SHAPES if args.quick else ACCUMULATION_SHAPES,
+                         QUICK_ACCURACY_KS if args.quick else ACCURACY_KS, records)
   if "grouped" in sections:
     grouped_records(QUICK_GROUPED_SHAPES if args.quick else GROUPED_SHAPES, records,
                     with_ragged_dot=args.ragged_dot)

@@ -9,7 +9,8 @@ stock Flax layers (step_model.py: RMSNorm, grouped-query attention through
 `jax.nn.dot_product_attention`, cuDNN's on the GPU, SwiGLU, `nn.Dense` without bias; no
 embedding or logits head; params fp32, compute bf16) on random bf16 activations
 [batch, seq, d_model], loss the mean square of the output. Variants (step_variants.py):
-the stock model (`bf16`), every jaxquant preset swapped in with `quantize_model`, Flax's
+the stock model (`bf16`), every jaxquant preset swapped in with `quantize_model` (and
+fp8_current / fp8_delayed with fast accumulation in every GEMM, `_fast`), Flax's
 `Fp8DirectDotGeneralOp` and Qwix's FP8 quantized training per tensor and per channel
 (skipped, with the reason printed, where qwix is not installed).
 

@@ -7,6 +7,9 @@ its train step carries the model's other collections to the next step:
   `quantize_model(model, recipes.bf16)` runs Flax's own code: the same program.)
 - jaxquant presets (`fp8_current`, ..., `hybrid`): `jaxquant.flax.quantize_model` as the
   README says; delayed scaling's "quant_state" is advanced by `update_quant_state`.
+- `fp8_current_fast` / `fp8_delayed_fast`: those presets with every GEMM allowed fast
+  accumulation (the presets allow it in fprop only), as XLA's FP8 dot, which the peers
+  use, accumulates.
 - `flax_fp8`: Flax's `Fp8DirectDotGeneralOp` as every projection's `dot_general_cls`
   (pure XLA, delayed scaling, amax history of Flax's default length). Its scales and amax
   histories live in the "_overwrite_with_gradient" collection, whose gradient *is* the
@@ -31,12 +34,15 @@ from step_model import PROJECTION_PATH_REGEX, DecoderStack
 
 PEERS = ("flax_fp8", "qwix_fp8_channel", "qwix_fp8_tensor")
 PRESETS = tuple(recipes.PRESETS)
+# Presets with fast accumulation in all three GEMMs: variant name -> preset.
+FAST = {"fp8_current_fast": "fp8_current", "fp8_delayed_fast": "fp8_delayed"}
 # The order variants are compiled and timed in: the baseline, the headline recipe and the
 # peers first, so that a run cut short (or one given a deadline) still has the comparisons
 # that matter most; the recipes slowest to compile last.
 ORDER = ("bf16", "fp8_current", "flax_fp8", "qwix_fp8_channel", "qwix_fp8_tensor",
-         "fp8_delayed", "fp8_block", "mxfp8", "nvfp4", "hybrid")
-assert set(ORDER) == set(PRESETS) | set(PEERS)
+         "fp8_delayed", "fp8_current_fast", "fp8_delayed_fast", "fp8_block", "mxfp8", "nvfp4",
+         "hybrid")
+assert set(ORDER) == set(PRESETS) | set(PEERS) | set(FAST)
 
 
 def _keep(collections, state_grads):
@@ -81,6 +87,10 @@ def build(name: str, stock: DecoderStack) -> Variant:
     return Variant(name, stock, _keep)
   if name in PRESETS:
     return Variant(name, jqf.quantize_model(stock, recipes.get(name)), jqf.update_quant_state)
+  if name in FAST:
+    recipe = dataclasses.replace(recipes.get(FAST[name]), name=name,
+                                 fast_accumulation=recipes.GEMMS)
+    return Variant(name, jqf.quantize_model(stock, recipe), jqf.update_quant_state)
   if name == "flax_fp8":
     return Variant(name, stock.clone(dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),
                    _overwrite_with_gradient)

@@ -24,21 +24,46 @@ QFactory = Callable[[QuantizerRole], Optional[Quantizer]]
 #   "dequantized": the dequantized forward (rowwise) values of x and w, and dy as is.
 BackwardMode = Literal["quantized", "high_precision", "dequantized"]
 BACKWARD_MODES = ("quantized", "high_precision", "dequantized")
+# The three GEMMs of a linear layer (ops/dense_vjp.py): y = x·wᵀ, dx = dy·w, dw = xᵀ·dy.
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+def check_fast_accumulation(gemms, what: str) -> frozenset:
+  """The GEMM names of a `fast_accumulation` argument as a frozenset, or a ValueError
+  naming the unknown ones."""
+  if isinstance(gemms, str):
+    raise TypeError(f"{what}: fast_accumulation takes a collection of GEMM names among "
+                    f"{GEMMS}, got the string {gemms!r}; write ({gemms!r},)")
+  gemms = frozenset(gemms)
+  unknown = sorted(gemms - set(GEMMS))
+  if unknown:
+    raise ValueError(f"{what}: fast_accumulation names unknown GEMMs {unknown}; the GEMMs are "
+                     f"{GEMMS}")
+  return gemms
 
 
 @dataclasses.dataclass(frozen=True)
 class CustomRecipe:
-  """A recipe from a user callback `qfactory(role) -> quantizer | None`."""
+  """A recipe from a user callback `qfactory(role) -> quantizer | None`.
+
+  `fast_accumulation` names the GEMMs ("fprop", "dgrad", "wgrad") whose per-tensor FP8
+  kernel may skip promoting the tensor cores' partial sums to fp32 along k (cuBLASLt's
+  FAST_ACCUM; faster, less accurate for long k: docs/numerics.md). GEMMs of other formats
+  have no such mode and accumulate as always; the reference's sums are exact either way.
+  """
 
   qfactory: QFactory
   backward: BackwardMode = "quantized"
   name: str = "custom"
+  fast_accumulation: frozenset = frozenset()
 
   def __post_init__(self):
     if not callable(self.qfactory):
       raise TypeError(f"CustomRecipe needs a callable qfactory, got {self.qfactory!r}")
     if self.backward not in BACKWARD_MODES:
       raise ValueError(f"CustomRecipe.backward must be one of {BACKWARD_MODES}, got {self.backward!r}")
+    object.__setattr__(self, "fast_accumulation",
+                       check_fast_accumulation(self.fast_accumulation, "CustomRecipe"))
 
   def quantizer(self, role: QuantizerRole) -> Optional[Quantizer]:
     q = self.qfactory(role)
@@ -93,9 +118,18 @@ def hybrid_factory(role: QuantizerRole):
   return HybridQuantizer(rowwise=MXFP8Quantizer("e4m3"), columnwise=columnwise)
 
 
+# The per-tensor FP8 presets accumulate the forward GEMM fast, as TransformerEngine's FP8
+# recipes do; the backward GEMMs, whose k (dgrad's N, wgrad's tokens) is the longest and
+# whose sums feed the weights, promote along k. (XLA's own FP8 dot, which Flax's and Qwix's
+# FP8 training use, accumulates every GEMM fast: `dataclasses.replace(recipe,
+# fast_accumulation=GEMMS)` does the same here.)
+FP8_FAST_ACCUMULATION = frozenset({"fprop"})
+
 bf16 = CustomRecipe(bf16_factory, name="bf16")
-fp8_current = CustomRecipe(fp8_current_factory, name="fp8_current")
-fp8_delayed = CustomRecipe(fp8_delayed_factory, name="fp8_delayed")
+fp8_current = CustomRecipe(fp8_current_factory, name="fp8_current",
+                           fast_accumulation=FP8_FAST_ACCUMULATION)
+fp8_delayed = CustomRecipe(fp8_delayed_factory, name="fp8_delayed",
+                           fast_accumulation=FP8_FAST_ACCUMULATION)
 fp8_block = CustomRecipe(fp8_block_factory, name="fp8_block")
 mxfp8 = CustomRecipe(mxfp8_factory, name="mxfp8")
 nvfp4 = CustomRecipe(nvfp4_factory, name="nvfp4")

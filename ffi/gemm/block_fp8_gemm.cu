@@ -79,7 +79,10 @@ ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, float* tiles,
   const cudaDataType_t td = d->element_type() == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
   const LtOperand lt_a{a.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfa}};
   const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3, b_scales};
-  return lt_fp8_gemm(stream, device, gemm_workspace, lt_a, lt_b, d->untyped_data(), td, m, n, k);
+  // Block scales are applied to each 128-deep block's sums, so cuBLASLt promotes them
+  // there: no fast-accumulation mode to ask for.
+  return lt_fp8_gemm(stream, device, gemm_workspace, lt_a, lt_b, d->untyped_data(), td, m, n, k,
+                     /*fast_accumulation=*/false);
 }
 
 ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,

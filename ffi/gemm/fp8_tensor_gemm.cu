@@ -26,7 +26,8 @@ bool lt_type(ffi::DataType dtype, cudaDataType_t& out) {
 
 ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
                            ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> sa,
-                           ffi::Buffer<ffi::F32> sb, ffi::Result<ffi::AnyBuffer> d) {
+                           ffi::Buffer<ffi::F32> sb, ffi::Result<ffi::AnyBuffer> d,
+                           bool fast_accumulation) {
   int64_t m, k, n, kb;
   const auto dd = d->dimensions();
   if (!matrix_dims(a, m, k) || !matrix_dims(b, n, kb) || dd.size() != 2 || kb != k ||
@@ -48,7 +49,7 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
   // No workspace: the algorithms that need none are as fast for per-tensor scales
   // (lt_fp8_gemm.cu), and the handler stays safe to trace into XLA's command buffers.
   auto ran = lt_fp8_gemm(stream, device, Workspace{}, lt_a, lt_b, d->untyped_data(), td,
-                         m, n, k);
+                         m, n, k, fast_accumulation);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
     return ffi::Error::Internal("fp8_tensor_gemm: cuBLASLt has no algorithm for M=" +
@@ -62,4 +63,5 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
 }  // namespace jaxquant
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8TensorGemm, jaxquant::fp8_tensor_gemm,
-                              jaxquant::scaled_gemm_binding(), JAXQUANT_CMD_BUFFER_SAFE);
+                              jaxquant::scaled_gemm_binding().Attr<bool>("fast_accumulation"),
+                              JAXQUANT_CMD_BUFFER_SAFE);

@@ -69,9 +69,9 @@ struct Plan {
 class LtCache {
  public:
   // device, m, n, k, the types of A, B and D, the scale modes of A and B, the alignments of
-  // A, B and D, and the most workspace an algorithm may use
+  // A, B and D, the most workspace an algorithm may use, and fast accumulation
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, uint32_t, uint32_t,
-                         uint32_t, uint64_t>;
+                         uint32_t, uint64_t, bool>;
 
   static LtCache& instance() {
     static LtCache* cache = new LtCache();  // never destroyed: see above
@@ -195,7 +195,7 @@ ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, const Workspace& works
 
 ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Workspace& given,
                                const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
-                               int64_t m, int64_t n, int64_t k) {
+                               int64_t m, int64_t n, int64_t k, bool fast_accumulation) {
   const Workspace workspace = given.after(0);
   LtCache& cache = LtCache::instance();
   auto handle = cache.handle(device);
@@ -214,6 +214,9 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Worksp
       b.scales.mode != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) {
     JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, b.scales.mode));
     JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, a.scales.mode));
+  }
+  if (fast_accumulation) {
+    JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{1}));
   }
 
   cublasLtMatrixLayout_t raw_lb, raw_la, raw_ld;
@@ -238,7 +241,7 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Worksp
   // graph finds the timed plan instead of taking the heuristic's first.
   const uint64_t max_workspace = std::min<uint64_t>(workspace.bytes, kLtWorkspaceBytes);
   const LtCache::Key key{device, m, n, k, a.type, b.type, td, a.scales.mode, b.scales.mode,
-                         align_a, align_b, align_d, max_workspace};
+                         align_a, align_b, align_d, max_workspace, fast_accumulation};
   Plan plan;
   if (!cache.find(key, plan)) {
     cublasLtMatmulPreference_t raw_pref;

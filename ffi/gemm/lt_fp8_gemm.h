@@ -39,8 +39,13 @@ constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 // the heuristic's candidates) and kept with one cuBLASLt handle per device. Candidates use
 // at most the workspace given (none with an empty one). The call touches no memory but its
 // operands and the workspace: a handler may be traced into XLA's command buffers.
+//
+// `fast_accumulation` is cuBLASLt's FAST_ACCUM: the tensor cores' partial sums are never
+// promoted to the fp32 accumulator along k (faster; the sums keep about 14 bits per
+// instruction's alignment instead of fp32's 24, docs/numerics.md). Without it cuBLASLt
+// promotes them at a fixed k interval.
 ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Workspace& workspace,
                                const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
-                               int64_t m, int64_t n, int64_t k);
+                               int64_t m, int64_t n, int64_t k, bool fast_accumulation);
 
 }  // namespace jaxquant

@@ -194,14 +194,17 @@ def check_gemm_dims(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Qu
 def quantized_gemm(plan: GemmPlan, x: jax.Array, kernel: jax.Array, *,
                    quantizers: Mapping[str, Optional[Quantizer]], backward: str, name: str,
                    what: str, key: Optional[jax.Array], state: Optional[dict],
-                   weight_gather: Optional[ops.WeightGather] = None):
+                   weight_gather: Optional[ops.WeightGather] = None,
+                   fast_accumulation: frozenset = frozenset()):
   """The layer's output through `ops.dense`, and the new delayed-scaling state (or None).
-  `weight_gather` describes the GEMM's 2-D [K, N] kernel (ops.dense)."""
+  `weight_gather` describes the GEMM's 2-D [K, N] kernel; `fast_accumulation` names the
+  GEMMs allowed FP8 fast accumulation (ops.dense)."""
 
   def gemm(x2d, k2d):
     check_gemm_dims(x2d.shape[0], x2d.shape[1], k2d.shape[1], quantizers, what)
     out = ops.dense(x2d, k2d, quantizers=dict(quantizers), backward=backward, name=name,
-                    module_type="linear", key=key, state=state, weight_gather=weight_gather)
+                    module_type="linear", key=key, state=state, weight_gather=weight_gather,
+                    fast_accumulation=fast_accumulation)
     return out if state is not None else (out, None)
 
   return plan.run(x, kernel, gemm)

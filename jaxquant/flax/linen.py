@@ -204,7 +204,8 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
         what)
   y, new_state = contraction.quantized_gemm(
       plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=module_path(module),
-      what=what, key=_key(module, quantizers), state=state, weight_gather=gather)
+      what=what, key=_key(module, quantizers), state=state, weight_gather=gather,
+      fast_accumulation=recipe.fast_accumulation)
   record(sessions.QUANTIZED, shapes)
   if variables and module.is_mutable_collection(QUANT_STATE) and not module.is_initializing():
     for t, v in variables.items():

@@ -124,7 +124,8 @@ class _QuantizedGemm:
     state = self._state(quantizers)
     y, new_state = contraction.quantized_gemm(
         plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=self.role_name or "",
-        what=self._what(), key=self._key(quantizers), state=state)
+        what=self._what(), key=self._key(quantizers), state=state,
+        fast_accumulation=recipe.fast_accumulation)
     record(sessions.QUANTIZED)
     if new_state is not None:
       held = self.quant_state.get_value()

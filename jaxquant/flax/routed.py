@@ -97,7 +97,7 @@ def handle(call: Call):
   state = ref.host.state(ref.param, roles, quantizers, what)
   y, new_state = contraction.quantized_gemm(
       plan, x, w, quantizers=quantizers, backward=recipe.backward, name=ref.role_name,
-      what=what, key=key, state=state)
+      what=what, key=key, state=state, fast_accumulation=recipe.fast_accumulation)
   if new_state is not None:
     ref.host.write_state(ref.param, new_state)
   return y

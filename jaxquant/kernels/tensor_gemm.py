@@ -6,7 +6,8 @@ the scales to the fp32 sums and writes bf16 or fp32 itself (ffi/gemm/fp8_tensor_
 XLA's dot on f8 operands writes fp32 and converts in a second pass. Elsewhere the lowering
 is the reference: codes to fp32, one fp32 dot, then the scales, then the rounding. Under a
 sharded jit, A's rows (tokens) and B's rows (output features) stay on their devices; a
-sharded K is gathered (the scales multiply whole sums).
+sharded K is gathered (the scales multiply whole sums). `fast_accumulation` is cuBLASLt's
+FAST_ACCUM mode (lt_fp8_gemm.h); the reference's sums are exact with or without it.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 @dataclasses.dataclass(frozen=True)
 class Fp8GemmConfig:
   out_dtype: str
+  fast_accumulation: bool = False
 
   def ffi_attributes(self) -> dict:
-    return {}
+    return {"fast_accumulation": self.fast_accumulation}
 
 
 def _abstract_eval(a, b, sa, sb, *, config):
@@ -78,8 +80,9 @@ def unsupported_reason(a_dtype, b_dtype, n: int, k: int, out_dtype) -> str | Non
 
 
 def fp8_tensor_gemm(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array, b_scale_inv: jax.Array,
-                    *, out_dtype=jnp.float32) -> jax.Array:
-  """D = (a_scale_inv * b_scale_inv) * (A . B^T) from FP8 codes A [M, K] and B [N, K]."""
+                    *, out_dtype=jnp.float32, fast_accumulation: bool = False) -> jax.Array:
+  """D = (a_scale_inv * b_scale_inv) * (A . B^T) from FP8 codes A [M, K] and B [N, K];
+  with `fast_accumulation`, cuBLASLt's faster, less accurate FP8 accumulation."""
   _, n, k = validate.check_gemm_operands(a, b, "fp8_tensor_gemm")
   reason = unsupported_reason(a.dtype, b.dtype, n, k, out_dtype)
   if reason:
@@ -88,5 +91,7 @@ def fp8_tensor_gemm(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array, b_scale_
     if jnp.shape(s) != () or jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
       raise ValueError(f"fp8_tensor_gemm: {what}'s scale must be a float32 scalar, got "
                        f"{jnp.dtype(s.dtype).name}{list(jnp.shape(s))}")
-  config = Fp8GemmConfig(out_dtype=jnp.dtype(out_dtype).name)
+  if not isinstance(fast_accumulation, bool):
+    raise TypeError(f"fp8_tensor_gemm: fast_accumulation must be a bool, got {fast_accumulation!r}")
+  config = Fp8GemmConfig(out_dtype=jnp.dtype(out_dtype).name, fast_accumulation=fast_accumulation)
   return tensor_gemm_p.bind(a, b, a_scale_inv, b_scale_inv, config=config)[0]

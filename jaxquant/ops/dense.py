@@ -10,7 +10,7 @@ gradients are exactly jnp's.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
           name: str = "", module_type: str = "linear", backward: Optional[str] = None,
           key: Optional[jax.Array] = None,
           state: Optional[Mapping[str, object]] = None,
-          weight_gather: Optional[gathering.WeightGather] = None):
+          weight_gather: Optional[gathering.WeightGather] = None,
+          fast_accumulation: Optional[Iterable[str]] = None):
   """y = x @ kernel + bias with the GEMMs in the formats the recipe picks per role.
 
   Args:
@@ -69,6 +70,9 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
       axis)`): each device quantizes its shard and the codes and scales are all-gathered,
       the same bits as gathering the kernel and quantizing it (ops/weight_gather.py). A
       weight with no quantized usage (bf16) is gathered by XLA as without the option.
+    fast_accumulation: the GEMMs among ("fprop", "dgrad", "wgrad") whose per-tensor FP8
+      kernel may accumulate in cuBLASLt's fast mode (recipes.CustomRecipe); default the
+      recipe's, else none.
 
   Returns:
     y [..., N], or `(y, new_state)` when `state` is given: new_state records the input
@@ -77,8 +81,11 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
   """
   what = f"dense {name!r}"
   _check_shapes(x, kernel, bias, what)
-  quantizers, default_backward = resolve_quantizers(recipe, quantizers, module_type, name, what)
+  quantizers, default_backward, default_fast = resolve_quantizers(recipe, quantizers, module_type,
+                                                                  name, what)
   backward = default_backward if backward is None else backward
+  fast_accumulation = (default_fast if fast_accumulation is None
+                       else recipes.check_fast_accumulation(fast_accumulation, what))
   if backward not in recipes.BACKWARD_MODES:
     raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")
   check_state(quantizers, state, what)
@@ -105,7 +112,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
 
   cfg = DenseConfig(tuple(quantizers.items()), backward, jnp.dtype(kernel.dtype),
-                    None if bias is None else jnp.dtype(bias.dtype), what, weight_gather)
+                    None if bias is None else jnp.dtype(bias.dtype), what, weight_gather,
+                    fast_accumulation)
   y, new_state = dense_2d(cfg, x.reshape(m, k), kernel, bias, keys, dict(state or {}))
   y = y.reshape(*x.shape[:-1], n)
   return y if state is None else (y, new_state)

@@ -44,6 +44,8 @@ class DenseConfig:
   what: str = "dense"  # the call's name in error messages
   # The weight quantized shard by shard and gathered in its quantized form (None: as is).
   weight_gather: Optional[WeightGather] = None
+  # The GEMMs ("fprop", "dgrad", "wgrad") allowed FP8 fast accumulation (ops.gemm).
+  fast_accumulation: frozenset = frozenset()
 
   def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
     return dict(self.quantizers)[tensor_type]
@@ -79,7 +81,8 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
   # (the same bits; no fp32 [M, N] to write and convert).
   y_dtype = x.dtype if bias is None else jnp.float32
   w_row = gather_operand(operands["weight"]["rowwise"], "rowwise", cfg.weight_gather)
-  y = gemm(operands["input"]["rowwise"], w_row, out_dtype=y_dtype)
+  y = gemm(operands["input"]["rowwise"], w_row, out_dtype=y_dtype,
+           fast_accumulation="fprop" in cfg.fast_accumulation)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   residuals = None
@@ -129,10 +132,12 @@ def _dense_bwd(cfg, saved, cotangents):
   w_col = columnwise_operand(
       gather_operand(residuals["weight"], w_residual_usage, cfg.weight_gather), cfg.backward)
   x_col = columnwise_operand(residuals["input"], cfg.backward)
-  dx = gemm(dy_ops["rowwise"], w_col, out_dtype=dy.dtype)
+  dx = gemm(dy_ops["rowwise"], w_col, out_dtype=dy.dtype,
+            fast_accumulation="dgrad" in cfg.fast_accumulation)
   # The kernel's gradient [K, N] comes out in its own layout (x first): the other order
   # gives dwᵀ, whose transpose XLA can no longer fold into a GEMM kernel's bf16 output.
-  dkernel = gemm(x_col, dy_ops["columnwise"], out_dtype=cfg.kernel_dtype)
+  dkernel = gemm(x_col, dy_ops["columnwise"], out_dtype=cfg.kernel_dtype,
+                 fast_accumulation="wgrad" in cfg.fast_accumulation)
   dbias = None
   if cfg.bias_dtype is not None:
     dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(cfg.bias_dtype)

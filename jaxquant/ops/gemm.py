@@ -5,6 +5,10 @@ high-precision [rows, k] array. The implementation is chosen from the platform a
 of operand families; a kernel is one more entry in `_IMPLEMENTATIONS`, never a branch in
 an op. The reference emulation (dequantize with block scales, fp32 `dot_general`, outer
 scales in the epilogue) serves every pair, mixed ones included, on every platform.
+
+Every implementation takes `fast_accumulation`: leave to the kernel the promotion of FP8
+tensor-core sums along k (recipes.CustomRecipe.fast_accumulation). Only the per-tensor FP8
+GEMM has such a mode; the others accumulate in fp32 whatever it says.
 """
 
 from __future__ import annotations
@@ -90,27 +94,35 @@ def emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, narrow: bool
   return _scaled_dot(va, vb, oa, ob, out_dtype, precision)
 
 
-def reference_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32) -> jax.Array:
-  """The reference: emulation with fp32 operands."""
+def reference_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
+                   fast_accumulation: bool = False) -> jax.Array:
+  """The reference: emulation with fp32 operands, exact sums whatever `fast_accumulation`."""
   return emulated_gemm(a, b, out_dtype=out_dtype)
 
 
-def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32) -> jax.Array:
+def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
+                       fast_accumulation: bool = False) -> jax.Array:
   return emulated_gemm(a, b, out_dtype=out_dtype, narrow=True)
 
 
-def _fp8_tensor_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+def _fp8_tensor_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
+                     fast_accumulation: bool = False) -> jax.Array:
   """Per-tensor FP8 x FP8: cuBLASLt's FP8 GEMM with the scales and the output rounding
   inside (the kernel), or else XLA's dot on f8 operands, which also reaches cuBLASLt but
-  converts its fp32 result in a second pass."""
+  converts its fp32 result in a second pass. XLA picks its own accumulation for that dot
+  (fast at the default precision), so it is asked for HIGHEST unless fast accumulation is
+  allowed."""
   n, k = b.stored_shape
   if (kernels.available() and
       tensor_gemm.unsupported_reason(a.data.dtype, b.data.dtype, n, k, out_dtype) is None):
-    return tensor_gemm.fp8_tensor_gemm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype=out_dtype)
-  return _scaled_dot(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype)
+    return tensor_gemm.fp8_tensor_gemm(a.data, b.data, a.scale_inv, b.scale_inv,
+                                       out_dtype=out_dtype, fast_accumulation=fast_accumulation)
+  precision = None if fast_accumulation else jax.lax.Precision.HIGHEST
+  return _scaled_dot(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, precision)
 
 
-def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
+                    fast_accumulation: bool = False) -> jax.Array:
   """Block FP8 x block FP8: the block FP8 kernel (cuBLASLt's block-scaled FP8 GEMM, or
   jaxquant's CUTLASS blockwise kernel where cuBLASLt declines) for E4M3 with A in 1x128
   blocks and B in 1x128 blocks or 128x128 tiles (every GEMM of the fp8_block recipe); any
@@ -126,7 +138,8 @@ def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32
                                    b_block_rows=b.format.block[0], out_dtype=out_dtype)
 
 
-def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
+                           fast_accumulation: bool = False) -> jax.Array:
   """Each operand's block-scaled values (exact in bf16) from the dequantize kernel, XLA's
   bf16 GEMM with fp32 accumulation, outer scales in the epilogue. The kernel's result is
   opaque to XLA, which would otherwise fuse the dequantization into a transposing fusion
@@ -140,7 +153,8 @@ def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.
   return _scaled_dot(va, vb, oa, ob, out_dtype)
 
 
-def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -> jax.Array:
+def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
+                        fast_accumulation: bool = False) -> jax.Array:
   """MXFP8 / NVFP4 pairs: with at most 32 rows on one side (decode-like), the kernel that
   dequantizes in registers and reads the codes once; D^T = B . A^T when B is the short
   side. Larger problems dequantize first (kernel, then XLA's bf16 GEMM)."""
@@ -174,11 +188,13 @@ def _select(platform: str, fa: Optional[Family], fb: Optional[Family]) -> GemmFn
   return reference_gemm
 
 
-def gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
+def gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, fast_accumulation: bool = False,
          implementation: Optional[str] = None) -> jax.Array:
   """C = A . B^T with both operands contiguous along k: [m, k] x [n, k] -> [m, n].
 
-  `implementation="reference"` (or JAXQUANT_BACKEND=reference) forces the reference.
+  `fast_accumulation` lets a per-tensor FP8 kernel accumulate in its fast mode (see the
+  module docstring). `implementation="reference"` (or JAXQUANT_BACKEND=reference) forces
+  the reference.
   """
   ka = a.stored_shape[1] if isinstance(a, QuantizedData) else a.shape[1]
   kb = b.stored_shape[1] if isinstance(b, QuantizedData) else b.shape[1]
@@ -187,4 +203,4 @@ def gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
   if implementation == "reference" or os.environ.get("JAXQUANT_BACKEND") == "reference":
     return reference_gemm(a, b, out_dtype=out_dtype)
   fn = _select(jax.default_backend(), _family(a), _family(b))
-  return fn(a, b, out_dtype=out_dtype)
+  return fn(a, b, out_dtype=out_dtype, fast_accumulation=fast_accumulation)

@@ -317,7 +317,8 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   """
   what = f"grouped_dense {name!r}"
   _check_args(x, kernel, group_sizes, bias, what)
-  quantizers, default_backward = resolve_quantizers(recipe, quantizers, MODULE_TYPE, name, what)
+  # Grouped GEMMs (CUTLASS) have no fast-accumulation mode: the recipe's choice is moot here.
+  quantizers, default_backward, _ = resolve_quantizers(recipe, quantizers, MODULE_TYPE, name, what)
   backward = default_backward if backward is None else backward
   if backward not in recipes.BACKWARD_MODES:
     raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")

@@ -238,12 +238,13 @@ def columnwise_operand(residual, backward: str):
 
 
 def resolve_quantizers(recipe, quantizers, module_type: str, name: str, what: str):
-  """({tensor_type: quantizer or None}, the default backward mode) from a recipe or a dict."""
+  """({tensor_type: quantizer or None}, the default backward mode, the default GEMMs
+  allowed fast accumulation) from a recipe, or from a dict (then "quantized" and none)."""
   if recipe is not None and quantizers is not None:
     raise ValueError(f"{what}: pass recipe= or quantizers=, not both")
   if quantizers is None:
     recipe = recipes.resolve(recipe)
-    return recipe.quantizers(module_type, name), recipe.backward
+    return recipe.quantizers(module_type, name), recipe.backward, recipe.fast_accumulation
   unknown = set(quantizers) - set(TENSOR_TYPES)
   if unknown:
     raise ValueError(f"{what}: quantizers has unknown tensor types {sorted(unknown)}; "
@@ -251,7 +252,7 @@ def resolve_quantizers(recipe, quantizers, module_type: str, name: str, what: st
   for t, q in quantizers.items():
     if q is not None and not isinstance(q, QUANTIZER_TYPES):
       raise TypeError(f"{what}: quantizers[{t!r}] must be a jaxquant quantizer or None, got {q!r}")
-  return {t: quantizers.get(t) for t in TENSOR_TYPES}, "quantized"
+  return {t: quantizers.get(t) for t in TENSOR_TYPES}, "quantized", frozenset()
 
 
 def check_state(quantizers, state, what: str) -> None:
