@@ -89,7 +89,8 @@ class ResultFile:
   def add(self, op: str, shape, metric: str, value: float) -> dict:
     """Records one figure (replacing the file's record of the same op, shape and metric)
     and rewrites the file."""
-    record = {"op": op, "shape": shape, "metric": metric, "value": round(float(value), 4),
+    # Significant digits, not decimals: an error of 1e-4 keeps its digits as a speedup does.
+    record = {"op": op, "shape": shape, "metric": metric, "value": float(f"{float(value):.5g}"),
               **self.provenance}
     key = _key(record)
     if key in self._index:

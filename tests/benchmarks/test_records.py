@@ -68,6 +68,14 @@ def test_shapes_given_as_lists_key_like_strings(tmp_path):
   assert [r["value"] for r in json.loads(path.read_text())["records"]] == [0.9]
 
 
+def test_values_keep_five_significant_digits(tmp_path):
+  """A small error keeps its digits, a large figure its integer part."""
+  saved = _file(None, "c")
+  for op, value in (("error", 1.0449e-4 + 3e-10), ("tflops", 1322.2381), ("speedup", 1.09261)):
+    saved.add(op, "s", "m", value)
+  assert [r["value"] for r in saved.records] == [1.0449e-4, 1322.2, 1.0926]
+
+
 def test_another_device_or_benchmark_is_refused(tmp_path):
   path = tmp_path / "gemm.json"
   _file(path, "c").add("op", "s", "m", 1.0)

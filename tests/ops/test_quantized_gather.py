@@ -143,7 +143,7 @@ def test_sharded_dense_step(name, eight_devices):
   x = jax.random.normal(keys[0], (X_ROWS, KERNEL[0]), jnp.float32)
   target = jax.random.normal(keys[1], (X_ROWS, KERNEL[1]), jnp.float32)
   kernel = _kernel()
-  quantizers, _ = resolve_quantizers(recipe, None, "linear", "layer", name)
+  quantizers = resolve_quantizers(recipe, None, "linear", "layer", name)[0]
   state = {t: scaling.init_state(q) for t, q in quantizers.items()
            if isinstance(q, DelayedFloat8Quantizer)} or None
   args = (kernel, x, target, state, keys[2])
