@@ -23,6 +23,7 @@ TARGETS = {
     "jaxquant_fp8_tensor_cast": "JaxquantFp8TensorCast",
     "jaxquant_fp8_block_cast": "JaxquantFp8BlockCast",
     "jaxquant_mxfp8_cast": "JaxquantMxfp8Cast",
+    "jaxquant_mxfp8_values": "JaxquantMxfp8Values",
     "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
     "jaxquant_nvfp4_decode_scale": "JaxquantNvfp4DecodeScale",
     "jaxquant_delayed_scale": "JaxquantDelayedScale",

@@ -21,7 +21,7 @@ from jaxquant.formats import INPUT_DTYPES
 from jaxquant.ops.dense_vjp import DenseConfig, dense_2d
 from jaxquant.ops.operands import (FORWARD_USAGES, check_dims, check_placement, check_role_args,
                                    check_state, gemm_matrices, is_high_precision, resolve_quantizers,
-                                   role_key, usages_to_quantize)
+                                   role_key, takes_gemm_values, usages_to_quantize)
 from jaxquant.quantizers import Quantizer, needs_key
 from jaxquant.roles import TENSOR_TYPES
 
@@ -111,9 +111,10 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
                     what=f"{what} {t}")
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
 
+  values = weight_gather is None and takes_gemm_values(quantizers, backward, m, k, n, x.dtype)
   cfg = DenseConfig(tuple(quantizers.items()), backward, jnp.dtype(kernel.dtype),
                     None if bias is None else jnp.dtype(bias.dtype), what, weight_gather,
-                    fast_accumulation)
+                    fast_accumulation, values)
   y, new_state = dense_2d(cfg, x.reshape(m, k), kernel, bias, keys, dict(state or {}))
   y = y.reshape(*x.shape[:-1], n)
   return y if state is None else (y, new_state)

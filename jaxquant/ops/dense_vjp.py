@@ -23,8 +23,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxquant import scaling
 from jaxquant.ops.gemm import gemm
 from jaxquant.ops.operands import (FORWARD_USAGES, backward_residual, check_dims,
-                                   columnwise_operand, gemm_matrices, quantize_operand,
-                                   quantize_transposed_operand, stored, usages_to_quantize)
+                                   columnwise_operand, gemm_matrices, gemm_values_operand,
+                                   quantize_operand, quantize_transposed_operand, stored,
+                                   usages_to_quantize)
 from jaxquant.ops.weight_gather import WeightGather, gather_operand, quantize_shards
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensor import USAGES
@@ -46,6 +47,8 @@ class DenseConfig:
   weight_gather: Optional[WeightGather] = None
   # The GEMMs ("fprop", "dgrad", "wgrad") allowed FP8 fast accumulation (ops.gemm).
   fast_accumulation: frozenset = frozenset()
+  # Operands cast straight to the bf16 values the GEMMs multiply (operands.takes_gemm_values).
+  gemm_values: bool = False
 
   def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
     return dict(self.quantizers)[tensor_type]
@@ -68,7 +71,10 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
     # w = kernel.T: the weight's usages are cast from the kernel itself where they can be.
     quantize_fn, source = ((quantize_transposed_operand, kernel) if tensor_type == "weight"
                            else (quantize_operand, matrix))
-    if tensor_type == "weight" and cfg.weight_gather is not None:
+    if cfg.gemm_values:  # no state, key or gather: MXFP8 has none, takes_gemm_values none
+      quantize_fn = lambda source, q, usages, key, state, weight=tensor_type == "weight": (
+          gemm_values_operand(source, q, usages, transposed=weight), state)
+    elif tensor_type == "weight" and cfg.weight_gather is not None:
       # No key: a weight that rounds stochastically is never gathered quantized.
       quantize_fn = lambda kernel, q, usages, key, state: quantize_shards(
           kernel, q, usages, gather=cfg.weight_gather, state=state)
@@ -115,6 +121,8 @@ def _grad_output_operands(cfg, dy, key, state):
   usages = usages_to_quantize("grad_output", cfg.backward)
   if not usages:
     return {u: stored(dy, u) for u in USAGES}, None
+  if cfg.gemm_values:
+    return gemm_values_operand(dy, cfg.quantizer("grad_output"), usages), None
   # A zeroed history makes slot 0 of the recorded state exactly this tensor's amax.
   probe = None if state is None else scaling.DelayedScalingState(
       jnp.zeros_like(state.amax_history), state.scale)

@@ -102,6 +102,12 @@ def reference_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
 
 def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
                        fast_accumulation: bool = False) -> jax.Array:
+  """XLA's dot. Two bf16 matrices (high precision, or the values a GEMM that dequantizes
+  first multiplies, kernels/gemm_values.py) go to it as they are: the GEMM rounds its fp32
+  sums to `out_dtype` itself, with no fp32 result to write and convert."""
+  plain_bf16 = all(not isinstance(op, QuantizedData) and op.dtype == jnp.bfloat16 for op in (a, b))
+  if plain_bf16 and jnp.dtype(out_dtype) in (jnp.float32, jnp.bfloat16):
+    return jax.lax.dot_general(a, b, _TN, preferred_element_type=out_dtype)
   return emulated_gemm(a, b, out_dtype=out_dtype, narrow=True)
 
 
@@ -166,6 +172,16 @@ def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.flo
     if a.stored_shape[1] % 16 == 0:  # the dequantize kernel's rule for k
       return _dequantize_first_gemm(a, b, out_dtype=out_dtype)
   return _gpu_emulated_gemm(a, b, out_dtype=out_dtype)
+
+
+def dequantizes_first(a_family: Family, b_family: Family, a_rows: int, b_rows: int, k: int) -> bool:
+  """Whether `gemm` of operands of these families and shapes on this platform dequantizes
+  both to bf16 and multiplies those (`_dequantize_first_gemm`): MXFP8 / NVFP4 pairs on a
+  GPU with the kernels, unless the fused-dequantize kernel takes them."""
+  if not kernels.available() or _select(jax.default_backend(), a_family, b_family) is not _fused_dequant_gemm:
+    return False
+  fused = min(a_rows, b_rows) <= fused_dequant.MAX_ROWS and k % fused_dequant.K_MULTIPLE == 0
+  return not fused and k % 16 == 0
 
 
 _FUSED_DEQUANT = tuple((("gpu", fa, fb), _fused_dequant_gemm)

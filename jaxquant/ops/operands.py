@@ -27,9 +27,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import recipes, reference
-from jaxquant.ops.quantize import quantize, resolve_implementation  # kernels where they run, else the reference
-from jaxquant.quantizers import (BASE_QUANTIZER_TYPES, QUANTIZER_TYPES, NVFP4Quantizer, Quantizer,
-                                 for_usage, needs_key, needs_state)
+from jaxquant.formats import Family
+from jaxquant.kernels import gemm_values
+from jaxquant.ops.gemm import dequantizes_first
+# kernels where they run, else the reference
+from jaxquant.ops.quantize import quantize, resolve_implementation, uses_kernels
+from jaxquant.quantizers import (BASE_QUANTIZER_TYPES, QUANTIZER_TYPES, MXFP8Quantizer,
+                                 NVFP4Quantizer, Quantizer, for_usage, needs_key, needs_state)
 from jaxquant.roles import TENSOR_TYPES
 from jaxquant.tensor import USAGES, QuantizedData, Usage
 
@@ -160,6 +164,37 @@ def quantize_transposed_operand(matrix: jax.Array, quantizer: Optional[Quantizer
   swapped = tuple(u for u in USAGES if _OTHER_USAGE[u] in usages)
   operands, new_state = quantize_operand(matrix, quantizer, swapped, key=key, state=state)
   return {u: operands[_OTHER_USAGE[u]] for u in usages}, new_state
+
+
+def takes_gemm_values(quantizers: Mapping[str, Optional[Quantizer]], backward: str,
+                      m: int, k: int, n: int, dtype) -> bool:
+  """Whether a linear layer's operands are cast straight to the bf16 values its GEMMs
+  multiply (kernels.mxfp8_values) instead of to codes and scales: every role MXFP8, all
+  three GEMMs quantized, each one dequantizing first on this platform (ops.gemm), and
+  shapes and dtype the values kernel takes. The GEMM inputs are the same bits; what the
+  backward pass keeps is bf16 values instead of 8-bit codes."""
+  if backward != "quantized" or not all(type(quantizers.get(t)) is MXFP8Quantizer
+                                          for t in TENSOR_TYPES):
+    return False
+  if not uses_kernels() or any(
+      gemm_values.unsupported_reason(quantizers[t], rows, cols, dtype)
+      for t, (rows, cols) in gemm_matrices(m, k, n).items()):
+    return False
+  mxfp8 = Family.MXFP8
+  # (A rows, B rows, k) of fprop, dgrad and wgrad.
+  return all(dequantizes_first(mxfp8, mxfp8, ra, rb, kk) for ra, rb, kk in
+             ((m, n, k), (m, k, n), (k, n, m)))
+
+
+def gemm_values_operand(matrix: jax.Array, quantizer: MXFP8Quantizer, usages, *,
+                        transposed: bool = False) -> dict:
+  """{usage: bf16 values} of `matrix` (or, `transposed`, of matrix.T cast from matrix as it
+  is, as `quantize_transposed_operand` does: MXFP8 treats both usages alike)."""
+  if not transposed:
+    return gemm_values.mxfp8_values(matrix, quantizer, usages)
+  swapped = tuple(u for u in USAGES if _OTHER_USAGE[u] in usages)
+  values = gemm_values.mxfp8_values(matrix, quantizer, swapped)
+  return {u: values[_OTHER_USAGE[u]] for u in usages}
 
 
 def dequantized(operand, usage: Usage) -> jax.Array:

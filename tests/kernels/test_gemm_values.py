@@ -1,0 +1,113 @@
+"""The MXFP8 values primitive (kernels.gemm_values): its reference lowering against a NumPy
+oracle (codes and scales from tests/reference's MXFP8 oracle, their products rounded to
+fp32 and then to bf16), one device against eight and vmap, its input checks, and on a
+Hopper GPU the kernel bit for bit against the dequantize kernel's values of the cast."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxquant import kernels
+from jaxquant.kernels.gemm_values import mxfp8_values
+from jaxquant.quantizers import MXFP8Quantizer, NVFP4Quantizer
+from kernel_cases import assert_same_bits, edge_input, random_input
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "reference"))
+import numpy_oracle as orc  # noqa: E402
+
+on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
+USAGES = ("rowwise", "columnwise")
+DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+
+
+def oracle(x, element: str) -> dict:
+  """{usage: bf16 values} from the NumPy MXFP8 oracle: code * 2^(e - 127), exact in
+  float64, rounded to fp32 (as the dequantize kernel multiplies) and then to bf16."""
+  x32 = np.asarray(jnp.asarray(x, jnp.float32))
+  out = {}
+  for usage, stored in (("rowwise", x32), ("columnwise", np.ascontiguousarray(x32.T))):
+    q = orc.mxfp8(stored, element)
+    codes = orc.fp8_decode(q["data"], element).astype(np.float64)
+    e = orc.expand(q["scale"].astype(np.int64), (1, 32), stored.shape)
+    with np.errstate(all="ignore"):
+      values = np.where(e == 0xFF, np.nan, codes * np.exp2(e - 127.0)).astype(np.float32)
+    out[usage] = values.astype(ml_dtypes.bfloat16)
+  return out
+
+
+def cpu(x):
+  return jax.device_put(x, jax.devices("cpu")[0])
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dt", sorted(DTYPES))
+def test_reference_lowering_matches_oracle(element, dt):
+  run = jax.jit(lambda x: mxfp8_values(x, MXFP8Quantizer(element), USAGES))
+  for name, x in (("random", random_input(3, (96, 160), DTYPES[dt])),
+                  ("edges", edge_input((64, 128), DTYPES[dt], nan=True, inf=True))):
+    got = run(cpu(x))
+    want = oracle(x, element)
+    for usage in USAGES:
+      assert_same_bits(got[usage], want[usage], f"{name} {element} {dt} {usage}")
+
+
+def test_one_device_eight_devices_and_vmap(eight_devices):
+  x = random_input(5, (256, 512), jnp.bfloat16)
+  run = jax.jit(lambda x: mxfp8_values(x, MXFP8Quantizer(), USAGES))
+  want = run(cpu(x))
+  mesh = Mesh(np.array(eight_devices).reshape(2, 4), ("data", "model"))
+  for spec in (P("data", "model"), P(("data", "model"), None), P(None, "model")):
+    got = run(jax.device_put(x, NamedSharding(mesh, spec)))
+    assert_same_bits(got, want, f"sharded {spec}")
+  stacked = jnp.stack([x[:, :256], x[:, 256:]])
+  got = jax.vmap(lambda t: mxfp8_values(t, MXFP8Quantizer(), ("rowwise",))["rowwise"])(stacked)
+  assert_same_bits(got[1], run(cpu(x[:, 256:]))["rowwise"], "vmap")
+
+
+def test_rejects_bad_input():
+  x = jnp.ones((64, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="casts MXFP8 only, got NVFP4Quantizer"):
+    mxfp8_values(x, NVFP4Quantizer(), USAGES)
+  with pytest.raises(ValueError, match=r"both dims of the \[64, 48\] matrix divisible by 32"):
+    mxfp8_values(x[:, :48], MXFP8Quantizer(), USAGES)
+  with pytest.raises(ValueError, match=r"a 2-D matrix, got shape \(2, 32, 64\)"):
+    mxfp8_values(x.reshape(2, 32, 64), MXFP8Quantizer(), USAGES)
+  with pytest.raises(ValueError, match="takes bfloat16, float16 or float32 input, got int8"):
+    mxfp8_values(x.astype(jnp.int8), MXFP8Quantizer(), USAGES)
+  with pytest.raises(ValueError, match="usages must be among rowwise, columnwise"):
+    mxfp8_values(x, MXFP8Quantizer(), ("both",))
+
+
+# ---- The kernel (Hopper only) ----
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dt", sorted(DTYPES))
+def test_kernel_is_the_dequantized_cast(element, dt):
+  """Bit for bit the dequantize kernel's bf16 values of the cast kernel's codes, and the
+  reference lowering's, on random and edge inputs (one usage alone too)."""
+  quantizer = MXFP8Quantizer(element)
+  cast_then_dequantize = jax.jit(lambda x: {
+      u: kernels.dequantize_data(d, jnp.bfloat16, block_scales_only=True)
+      for u, d in kernels.quantize_usages(x, quantizer, USAGES).items()})
+  values = jax.jit(lambda x: mxfp8_values(x, quantizer, USAGES))
+  assert "jaxquant_mxfp8_values" in values.lower(jnp.ones((64, 64), DTYPES[dt])).as_text()
+  for name, x in (("random", random_input(11, (1024, 768), DTYPES[dt])),
+                  ("edges", edge_input((256, 512), DTYPES[dt], nan=True, inf=True))):
+    got = values(x)
+    assert_same_bits(got, cast_then_dequantize(x), f"{name} vs cast + dequantize")
+    want = jax.jit(lambda x: mxfp8_values(x, quantizer, USAGES))(cpu(x))
+    assert_same_bits(got, want, f"{name} vs the reference lowering")
+  x = random_input(12, (512, 256), DTYPES[dt])
+  for usage in USAGES:
+    alone = jax.jit(lambda x: mxfp8_values(x, quantizer, (usage,))[usage])(x)
+    assert_same_bits(alone, values(x)[usage], f"{usage} alone")

@@ -1,0 +1,107 @@
+"""A linear layer whose GEMMs all dequantize MXFP8 first takes its operands as bf16 values
+(operands.takes_gemm_values, kernels.gemm_values): when it does, that the program casts to
+values and dequantizes nothing, and that the numbers are those of the codes-and-scales path.
+
+Without a GPU the choice is stood in for (the kernels' availability, the GPU's GEMM routes);
+the kernels' CPU lowerings are the reference, so both paths run here. On a GPU the layer is
+compared with the codes path through the kernels (-m gpu)."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import kernels, recipes
+from jaxquant.kernels import library
+from jaxquant.ops import dense_vjp, operands
+from jaxquant.ops import gemm as gemm_ops
+from jaxquant.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
+
+M, K, N = 128, 256, 192
+on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
+
+
+@pytest.fixture
+def gpu_routes(monkeypatch):
+  """The kernels' availability and the GPU's GEMM routes, on this machine."""
+  monkeypatch.setattr(library, "load_error", lambda: None)
+  monkeypatch.setattr(kernels, "available", lambda: True)
+  select = gemm_ops._select
+  monkeypatch.setattr(gemm_ops, "_select", lambda platform, fa, fb: select("gpu", fa, fb))
+
+
+def _mxfp8(**kw):
+  return dict(input=MXFP8Quantizer(**kw), weight=MXFP8Quantizer(**kw), grad_output=MXFP8Quantizer(**kw))
+
+
+def test_every_mxfp8_role_on_large_gemms_takes_values(gpu_routes):
+  assert operands.takes_gemm_values(_mxfp8(), "quantized", M, K, N, jnp.bfloat16)
+  assert operands.takes_gemm_values(_mxfp8(element="e5m2"), "quantized", M, K, N, jnp.float32)
+  hybrid = dict(_mxfp8(), grad_output=HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()))
+  nvfp4 = dict(_mxfp8(), weight=NVFP4Quantizer())
+  for quantizers, backward, dims, why in (
+      (hybrid, "quantized", (M, K, N), "a hybrid role"),
+      (nvfp4, "quantized", (M, K, N), "an NVFP4 role"),
+      (dict(_mxfp8(), weight=None), "quantized", (M, K, N), "a high-precision role"),
+      (_mxfp8(), "high_precision", (M, K, N), "no quantized backward"),
+      (_mxfp8(), "quantized", (32, K, N), "32 tokens: fprop takes the fused-dequantize kernel"),
+      (_mxfp8(), "quantized", (M, K, 32), "32 outputs: fprop takes the fused-dequantize kernel")):
+    assert not operands.takes_gemm_values(quantizers, backward, *dims, jnp.bfloat16), why
+
+
+def test_not_without_the_kernels():
+  assert not operands.takes_gemm_values(_mxfp8(), "quantized", M, K, N, jnp.bfloat16)
+
+
+def _loss(x, kernel):
+  return jq.dense(x, kernel, recipe=recipes.mxfp8).astype(jnp.float32).sum()
+
+
+def _operands():
+  x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
+  kernel = jax.random.normal(jax.random.key(1), (K, N), jnp.float32)
+  return x, kernel
+
+
+def test_program_casts_to_values_and_dequantizes_nothing(gpu_routes):
+  text = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1))).trace(*_operands()).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("@jaxquant_mxfp8_values(") == 3, text  # x, the kernel, dy
+  assert "@jaxquant_mxfp8_cast(" not in text and "@jaxquant_dequantize(" not in text
+
+
+def _value_and_grads(monkeypatch, values: bool):
+  """The layer's value and gradients, and its jaxpr, on the values path or forced off it."""
+  dense_module = importlib.import_module("jaxquant.ops.dense")  # ops.dense is the function
+  if not values:
+    monkeypatch.setattr(dense_module, "takes_gemm_values", lambda *args: False)
+  f = jax.value_and_grad(_loss, argnums=(0, 1))
+  out = jax.jit(f)(*_operands()), str(jax.make_jaxpr(f)(*_operands()))
+  if not values:
+    monkeypatch.setattr(dense_module, "takes_gemm_values", operands.takes_gemm_values)
+  return out
+
+
+def test_values_path_gives_the_codes_path_bits(gpu_routes, monkeypatch):
+  """Both paths on the kernels' CPU lowerings: the same bf16 GEMM inputs, the same sums."""
+  (got, got_jaxpr), (want, want_jaxpr) = (_value_and_grads(monkeypatch, v) for v in (True, False))
+  assert "jaxquant_mxfp8_values" in got_jaxpr and "jaxquant_mxfp8_values" not in want_jaxpr
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_values_path_on_the_gpu(monkeypatch):
+  """Through the kernels: the values path's program has no dequantize call, and its value
+  and gradients are the codes path's within bf16 GEMMs' summation order."""
+  text = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1))).lower(*_operands()).as_text()
+  assert text.count("@jaxquant_mxfp8_values(") == 3 and "@jaxquant_dequantize(" not in text
+  (got, _), (want, want_jaxpr) = (_value_and_grads(monkeypatch, v) for v in (True, False))
+  assert "jaxquant_mxfp8_values" not in want_jaxpr
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w)
