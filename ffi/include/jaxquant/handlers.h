@@ -15,6 +15,7 @@ JAXQUANT_HANDLER(JaxquantAmax);
 JAXQUANT_HANDLER(JaxquantFp8TensorCast);
 JAXQUANT_HANDLER(JaxquantFp8BlockCast);
 JAXQUANT_HANDLER(JaxquantMxfp8Cast);
+JAXQUANT_HANDLER(JaxquantMxfp8Values);
 JAXQUANT_HANDLER(JaxquantNvfp4Cast);
 JAXQUANT_HANDLER(JaxquantNvfp4DecodeScale);
 JAXQUANT_HANDLER(JaxquantDelayedScale);
