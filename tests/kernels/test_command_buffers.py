@@ -1,5 +1,5 @@
-"""The cast, amax and dequantize kernels and the per-tensor FP8, block FP8, grouped and
-fused-dequantize GEMMs inside XLA's command buffers.
+"""The cast, amax, dequantize and MXFP8 values kernels and the per-tensor FP8, block FP8,
+grouped and fused-dequantize GEMMs inside XLA's command buffers.
 
 Every target is registered as command-buffer compatible (kernels/library.py), so XLA
 may trace them into a CUDA graph once and replay it. Command buffers are a backend
@@ -34,7 +34,7 @@ FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_
 CHILD = r'''
 import functools, glob, gzip, json, os, tempfile
 import jax, jax.numpy as jnp, numpy as np
-from jaxquant.kernels import fused_dequant, grouped as grouped_kernel
+from jaxquant.kernels import fused_dequant, gemm_values, grouped as grouped_kernel
 from jaxquant.ops import gemm as gemm_ops, quantize as ops
 from kernel_cases import (BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, QUANTIZERS, assert_same_bits,
                           random_input, relative_error)
@@ -144,6 +144,15 @@ check("dequant_gemm", dequant_gemm,
                      random_input(seed + 5, (768, 1024), jnp.bfloat16)),
       compare=within(BF16_MMA_TOLERANCE), gemm_kernel="dequant_gemm_kernel")
 print("dequant_gemm ok", flush=True)
+
+
+def mxfp8_values(impl, x):  # the CPU lowering is the reference
+  values = gemm_values.mxfp8_values(x * 2, QUANTIZERS["mxfp8_e4m3"], ("rowwise", "columnwise"))
+  return {u: v.astype(jnp.float32) + 1 for u, v in values.items()}
+
+
+check("mxfp8_values", mxfp8_values, lambda seed: (random_input(seed, (512, 1024), jnp.bfloat16),))
+print("mxfp8_values ok", flush=True)
 '''
 
 # Every cast family (amax, dequantize and the RHT, 16x16 and per-token variants included).
@@ -161,5 +170,6 @@ def test_kernels_replay_from_command_buffers():
                        timeout=600)
   assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
   done = NAMES + ["fp8_tensor_gemm", "block_fp8_gemm_block_128x128", "block_fp8_gemm_block_1x128",
-                  "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn", "dequant_gemm"]
+                  "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn", "dequant_gemm",
+                  "mxfp8_values"]
   assert run.stdout.split() == [w for name in done for w in (name, "ok")]
