@@ -119,8 +119,8 @@ def hybrid_factory(role: QuantizerRole):
 
 
 # The per-tensor FP8 presets accumulate the forward GEMM fast, as TransformerEngine's FP8
-# recipes do; the backward GEMMs, whose k (dgrad's N, wgrad's tokens) is the longest and
-# whose sums feed the weights, promote along k. (XLA's own FP8 dot, which Flax's and Qwix's
+# recipes do; the backward GEMMs promote along k (wgrad's k is the batch's tokens, the
+# longest sum, and its sums feed the weights). (XLA's own FP8 dot, which Flax's and Qwix's
 # FP8 training use, accumulates every GEMM fast: `dataclasses.replace(recipe,
 # fast_accumulation=GEMMS)` does the same here.)
 FP8_FAST_ACCUMULATION = frozenset({"fprop"})
