@@ -52,7 +52,8 @@ def test_every_mxfp8_role_on_large_gemms_takes_values(gpu_routes):
     assert not operands.takes_gemm_values(quantizers, backward, *dims, jnp.bfloat16), why
 
 
-def test_not_without_the_kernels():
+def test_not_without_the_kernels(monkeypatch):
+  monkeypatch.setattr(kernels, "available", lambda: False)
   assert not operands.takes_gemm_values(_mxfp8(), "quantized", M, K, N, jnp.bfloat16)
 
 
@@ -60,10 +61,10 @@ def _loss(x, kernel):
   return jq.dense(x, kernel, recipe=recipes.mxfp8).astype(jnp.float32).sum()
 
 
-def _operands():
+def _operands(device=None):
   x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
   kernel = jax.random.normal(jax.random.key(1), (K, N), jnp.float32)
-  return x, kernel
+  return jax.device_put((x, kernel), device)
 
 
 def test_program_casts_to_values_and_dequantizes_nothing(gpu_routes):
@@ -73,13 +74,14 @@ def test_program_casts_to_values_and_dequantizes_nothing(gpu_routes):
   assert "@jaxquant_mxfp8_cast(" not in text and "@jaxquant_dequantize(" not in text
 
 
-def _value_and_grads(monkeypatch, values: bool):
-  """The layer's value and gradients, and its jaxpr, on the values path or forced off it."""
+def _value_and_grads(monkeypatch, values: bool, device=None):
+  """The layer's value and gradients (on `device`: the kernels' lowerings for its
+  platform), and its jaxpr, on the values path or forced off it."""
   dense_module = importlib.import_module("jaxquant.ops.dense")  # ops.dense is the function
   if not values:
     monkeypatch.setattr(dense_module, "takes_gemm_values", lambda *args: False)
   f = jax.value_and_grad(_loss, argnums=(0, 1))
-  out = jax.jit(f)(*_operands()), str(jax.make_jaxpr(f)(*_operands()))
+  out = jax.jit(f)(*_operands(device)), str(jax.make_jaxpr(f)(*_operands(device)))
   if not values:
     monkeypatch.setattr(dense_module, "takes_gemm_values", operands.takes_gemm_values)
   return out
@@ -87,7 +89,8 @@ def _value_and_grads(monkeypatch, values: bool):
 
 def test_values_path_gives_the_codes_path_bits(gpu_routes, monkeypatch):
   """Both paths on the kernels' CPU lowerings: the same bf16 GEMM inputs, the same sums."""
-  (got, got_jaxpr), (want, want_jaxpr) = (_value_and_grads(monkeypatch, v) for v in (True, False))
+  cpu = jax.devices("cpu")[0]
+  (got, got_jaxpr), (want, want_jaxpr) = (_value_and_grads(monkeypatch, v, cpu) for v in (True, False))
   assert "jaxquant_mxfp8_values" in got_jaxpr and "jaxquant_mxfp8_values" not in want_jaxpr
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

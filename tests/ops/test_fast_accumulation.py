@@ -101,8 +101,8 @@ def test_swapped_in_flax_layer_takes_the_recipe_s_choice(monkeypatch):
 
 
 def test_reference_sums_do_not_depend_on_it():
-  """Without the kernels (here, the CPU) every GEMM sums exactly: the same bits either way."""
-  x, kernel = _operands()
+  """Without the kernels (on the CPU) every GEMM sums exactly: the same bits either way."""
+  x, kernel = jax.device_put(_operands(), jax.devices("cpu")[0])
 
   def value_and_grads(gemms):
     recipe = dataclasses.replace(recipes.fp8_current, fast_accumulation=gemms)
