@@ -16,7 +16,7 @@ import pytest
 import jaxquant as jq
 from jaxquant import kernels, recipes
 from jaxquant.kernels import library
-from jaxquant.ops import dense_vjp, operands
+from jaxquant.ops import operands
 from jaxquant.ops import gemm as gemm_ops
 from jaxquant.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
