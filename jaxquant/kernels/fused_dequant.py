@@ -112,16 +112,23 @@ dequant_gemm_p = primitive.define(primitive.KernelSpec(
     sharding_rule=_sharding_rule, workspace_bytes=_workspace_bytes))
 
 
+def shape_reason(a_rows: int, k: int) -> str | None:
+  """Why the kernel cannot take an A of `a_rows` rows and contraction length k, or None."""
+  if a_rows > MAX_ROWS:
+    return f"A has {a_rows} rows; the kernel takes at most {MAX_ROWS}"
+  if k % K_MULTIPLE:
+    return f"K = {k} must be a multiple of {K_MULTIPLE}"
+  return None
+
+
 def unsupported_reason(a: QuantizedData, b: QuantizedData, out_dtype) -> str | None:
   """Why the kernel cannot take this pair, or None."""
   for what, op in (("A", a), ("B", b)):
     if op.format.family not in FAMILIES:
       return f"{what} is {op.format.family.value}; the kernel takes MXFP8 and NVFP4"
-  m, k = _rows_k(a.data, a.format)
-  if m > MAX_ROWS:
-    return f"A has {m} rows; the kernel takes at most {MAX_ROWS}"
-  if k % K_MULTIPLE:
-    return f"K = {k} must be a multiple of {K_MULTIPLE}"
+  reason = shape_reason(*_rows_k(a.data, a.format))
+  if reason:
+    return reason
   if jnp.dtype(out_dtype) not in OUT_DTYPES:
     return f"the output dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype).name}"
   return None

@@ -111,7 +111,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
                     what=f"{what} {t}")
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
 
-  values = weight_gather is None and takes_gemm_values(quantizers, backward, m, k, n, x.dtype)
+  values = weight_gather is None and takes_gemm_values(quantizers, backward, m, k, n)
   cfg = DenseConfig(tuple(quantizers.items()), backward, jnp.dtype(kernel.dtype),
                     None if bias is None else jnp.dtype(bias.dtype), what, weight_gather,
                     fast_accumulation, values)

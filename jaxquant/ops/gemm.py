@@ -100,14 +100,20 @@ def reference_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
   return emulated_gemm(a, b, out_dtype=out_dtype)
 
 
+def _bf16_gemm(va, vb, oa, ob, out_dtype):
+  """XLA's GEMM of bf16 values with fp32 accumulation. Without outer scales it rounds its
+  fp32 sums to `out_dtype` itself: no fp32 result to write and convert."""
+  if oa is None and ob is None and jnp.dtype(out_dtype) in (jnp.float32, jnp.bfloat16):
+    return jax.lax.dot_general(va, vb, _TN, preferred_element_type=out_dtype)
+  return _scaled_dot(va, vb, oa, ob, out_dtype)
+
+
 def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
                        fast_accumulation: bool = False) -> jax.Array:
   """XLA's dot. Two bf16 matrices (high precision, or the values a GEMM that dequantizes
-  first multiplies, kernels/gemm_values.py) go to it as they are: the GEMM rounds its fp32
-  sums to `out_dtype` itself, with no fp32 result to write and convert."""
-  plain_bf16 = all(not isinstance(op, QuantizedData) and op.dtype == jnp.bfloat16 for op in (a, b))
-  if plain_bf16 and jnp.dtype(out_dtype) in (jnp.float32, jnp.bfloat16):
-    return jax.lax.dot_general(a, b, _TN, preferred_element_type=out_dtype)
+  first multiplies, kernels/gemm_values.py) go to it as they are."""
+  if all(not isinstance(op, QuantizedData) and op.dtype == jnp.bfloat16 for op in (a, b)):
+    return _bf16_gemm(a, b, None, None, out_dtype)
   return emulated_gemm(a, b, out_dtype=out_dtype, narrow=True)
 
 
@@ -149,14 +155,14 @@ def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.
   """Each operand's block-scaled values (exact in bf16) from the dequantize kernel, XLA's
   bf16 GEMM with fp32 accumulation, outer scales in the epilogue. The kernel's result is
   opaque to XLA, which would otherwise fuse the dequantization into a transposing fusion
-  at a quarter of the copy bandwidth (docs/kernels.md). Without outer scales the
-  GEMM rounds its fp32 sums to `out_dtype` itself: no fp32 result to write and convert."""
+  at a quarter of the copy bandwidth (docs/kernels.md)."""
   va = kernels.dequantize_data(a, jnp.bfloat16, block_scales_only=True)
   vb = kernels.dequantize_data(b, jnp.bfloat16, block_scales_only=True)
-  oa, ob = outer_scales(a, b, s_dec_of=kernels.decode_scale)
-  if oa is None and ob is None and jnp.dtype(out_dtype) in (jnp.float32, jnp.bfloat16):
-    return jax.lax.dot_general(va, vb, _TN, preferred_element_type=out_dtype)
-  return _scaled_dot(va, vb, oa, ob, out_dtype)
+  return _bf16_gemm(va, vb, *outer_scales(a, b, s_dec_of=kernels.decode_scale), out_dtype)
+
+
+# The dequantize kernel's rule for k.
+_DEQUANTIZE_K_MULTIPLE = 16
 
 
 def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
@@ -169,7 +175,7 @@ def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.flo
       return fused_dequant.dequant_gemm(a, b, out_dtype=out_dtype)
     if fused_dequant.unsupported_reason(b, a, out_dtype) is None:
       return fused_dequant.dequant_gemm(b, a, out_dtype=out_dtype).T
-    if a.stored_shape[1] % 16 == 0:  # the dequantize kernel's rule for k
+    if a.stored_shape[1] % _DEQUANTIZE_K_MULTIPLE == 0:
       return _dequantize_first_gemm(a, b, out_dtype=out_dtype)
   return _gpu_emulated_gemm(a, b, out_dtype=out_dtype)
 
@@ -180,8 +186,8 @@ def dequantizes_first(a_family: Family, b_family: Family, a_rows: int, b_rows: i
   GPU with the kernels, unless the fused-dequantize kernel takes them."""
   if not kernels.available() or _select(jax.default_backend(), a_family, b_family) is not _fused_dequant_gemm:
     return False
-  fused = min(a_rows, b_rows) <= fused_dequant.MAX_ROWS and k % fused_dequant.K_MULTIPLE == 0
-  return not fused and k % 16 == 0
+  fused = any(fused_dequant.shape_reason(rows, k) is None for rows in (a_rows, b_rows))
+  return not fused and k % _DEQUANTIZE_K_MULTIPLE == 0
 
 
 _FUSED_DEQUANT = tuple((("gpu", fa, fb), _fused_dequant_gemm)

@@ -141,6 +141,11 @@ def quantize_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, 
 _OTHER_USAGE = {"rowwise": "columnwise", "columnwise": "rowwise"}
 
 
+def _swapped(usages) -> tuple[Usage, ...]:
+  """The usages of a matrix that give `usages` of its transpose (in USAGES order)."""
+  return tuple(u for u in USAGES if _OTHER_USAGE[u] in usages)
+
+
 def treats_usages_alike(quantizer: Optional[Quantizer]) -> bool:
   """One format for both usages and nothing usage-specific (no hybrid, no RHT on the
   columnwise usage, no per-usage SR stream, no per-token rows): then a matrix's columnwise
@@ -161,24 +166,21 @@ def quantize_transposed_operand(matrix: jax.Array, quantizer: Optional[Quantizer
   [K, N] kernel's w = kernel.T is a full read and write of the weight)."""
   if not treats_usages_alike(quantizer):
     return quantize_operand(matrix.T, quantizer, usages, key=key, state=state)
-  swapped = tuple(u for u in USAGES if _OTHER_USAGE[u] in usages)
-  operands, new_state = quantize_operand(matrix, quantizer, swapped, key=key, state=state)
+  operands, new_state = quantize_operand(matrix, quantizer, _swapped(usages), key=key, state=state)
   return {u: operands[_OTHER_USAGE[u]] for u in usages}, new_state
 
 
 def takes_gemm_values(quantizers: Mapping[str, Optional[Quantizer]], backward: str,
-                      m: int, k: int, n: int, dtype) -> bool:
+                      m: int, k: int, n: int) -> bool:
   """Whether a linear layer's operands are cast straight to the bf16 values its GEMMs
   multiply (kernels.mxfp8_values) instead of to codes and scales: every role MXFP8, all
   three GEMMs quantized, each one dequantizing first on this platform (ops.gemm), and
-  shapes and dtype the values kernel takes. The GEMM inputs are the same bits; what the
-  backward pass keeps is bf16 values instead of 8-bit codes."""
+  dims the values kernel takes (its dtypes are those `dense` accepts). The GEMM inputs are
+  the same bits; what the backward pass keeps is bf16 values instead of 8-bit codes."""
   if backward != "quantized" or not all(type(quantizers.get(t)) is MXFP8Quantizer
                                           for t in TENSOR_TYPES):
     return False
-  if not uses_kernels() or any(
-      gemm_values.unsupported_reason(quantizers[t], rows, cols, dtype)
-      for t, (rows, cols) in gemm_matrices(m, k, n).items()):
+  if not uses_kernels() or any(d % gemm_values.BLOCK for d in (m, k, n)):
     return False
   mxfp8 = Family.MXFP8
   # (A rows, B rows, k) of fprop, dgrad and wgrad.
@@ -192,8 +194,7 @@ def gemm_values_operand(matrix: jax.Array, quantizer: MXFP8Quantizer, usages, *,
   is, as `quantize_transposed_operand` does: MXFP8 treats both usages alike)."""
   if not transposed:
     return gemm_values.mxfp8_values(matrix, quantizer, usages)
-  swapped = tuple(u for u in USAGES if _OTHER_USAGE[u] in usages)
-  values = gemm_values.mxfp8_values(matrix, quantizer, swapped)
+  values = gemm_values.mxfp8_values(matrix, quantizer, _swapped(usages))
   return {u: values[_OTHER_USAGE[u]] for u in usages}
 
 

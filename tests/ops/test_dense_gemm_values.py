@@ -38,8 +38,8 @@ def _mxfp8(**kw):
 
 
 def test_every_mxfp8_role_on_large_gemms_takes_values(gpu_routes):
-  assert operands.takes_gemm_values(_mxfp8(), "quantized", M, K, N, jnp.bfloat16)
-  assert operands.takes_gemm_values(_mxfp8(element="e5m2"), "quantized", M, K, N, jnp.float32)
+  assert operands.takes_gemm_values(_mxfp8(), "quantized", M, K, N)
+  assert operands.takes_gemm_values(_mxfp8(element="e5m2"), "quantized", M, K, N)
   hybrid = dict(_mxfp8(), grad_output=HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()))
   nvfp4 = dict(_mxfp8(), weight=NVFP4Quantizer())
   for quantizers, backward, dims, why in (
@@ -49,12 +49,12 @@ def test_every_mxfp8_role_on_large_gemms_takes_values(gpu_routes):
       (_mxfp8(), "high_precision", (M, K, N), "no quantized backward"),
       (_mxfp8(), "quantized", (32, K, N), "32 tokens: fprop takes the fused-dequantize kernel"),
       (_mxfp8(), "quantized", (M, K, 32), "32 outputs: fprop takes the fused-dequantize kernel")):
-    assert not operands.takes_gemm_values(quantizers, backward, *dims, jnp.bfloat16), why
+    assert not operands.takes_gemm_values(quantizers, backward, *dims), why
 
 
 def test_not_without_the_kernels(monkeypatch):
   monkeypatch.setattr(kernels, "available", lambda: False)
-  assert not operands.takes_gemm_values(_mxfp8(), "quantized", M, K, N, jnp.bfloat16)
+  assert not operands.takes_gemm_values(_mxfp8(), "quantized", M, K, N)
 
 
 def _loss(x, kernel):
@@ -78,13 +78,11 @@ def _value_and_grads(monkeypatch, values: bool, device=None):
   """The layer's value and gradients (on `device`: the kernels' lowerings for its
   platform), and its jaxpr, on the values path or forced off it."""
   dense_module = importlib.import_module("jaxquant.ops.dense")  # ops.dense is the function
-  if not values:
-    monkeypatch.setattr(dense_module, "takes_gemm_values", lambda *args: False)
-  f = jax.value_and_grad(_loss, argnums=(0, 1))
-  out = jax.jit(f)(*_operands(device)), str(jax.make_jaxpr(f)(*_operands(device)))
-  if not values:
-    monkeypatch.setattr(dense_module, "takes_gemm_values", operands.takes_gemm_values)
-  return out
+  with monkeypatch.context() as patch:
+    if not values:
+      patch.setattr(dense_module, "takes_gemm_values", lambda *args: False)
+    f = jax.value_and_grad(_loss, argnums=(0, 1))
+    return jax.jit(f)(*_operands(device)), str(jax.make_jaxpr(f)(*_operands(device)))
 
 
 def test_values_path_gives_the_codes_path_bits(gpu_routes, monkeypatch):
