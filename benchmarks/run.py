@@ -17,6 +17,7 @@ effective_tbps records carry the absolute numbers behind them.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 
 import jax
@@ -98,6 +99,7 @@ def main():
       ("mxfp8_row", MXFP8Quantizer(), ("rowwise",), "cast"),
       ("nvfp4_row_col", NVFP4Quantizer(), BOTH, "cast"),
       ("nvfp4_row_col_incl_amax", NVFP4Quantizer(), BOTH, "quantize"),
+      ("nvfp4_rht_row_col", NVFP4Quantizer(rht=True), BOTH, "cast"),
       ("nvfp4_rht_sr_row_col", NVFP4Quantizer(rht=True, stochastic_rounding=True), BOTH, "cast"),
       ("nvfp4_rht_sr_row_col_incl_amax", NVFP4Quantizer(rht=True, stochastic_rounding=True),
        BOTH, "quantize"),
@@ -137,6 +139,9 @@ def main():
     moved = nbytes(qt.rowwise) + x.nbytes
     measured.append((op, moved, time_ms(deq, qt, **reps), time_ms(deq_xla, qt, **reps)))
   measured.append(("amax_tensor", x.nbytes, time_ms(jax.jit(amax), x, **reps), float("nan")))
+  # The columnwise global amax of NVFP4 with RHT: the amax of the transformed data.
+  amax_rht = jax.jit(functools.partial(amax, rht=True))
+  measured.append(("amax_rht", x.nbytes, time_ms(amax_rht, x, **reps), float("nan")))
 
   copy_ms.append(time_ms(copy, x, **reps))
   copy_tbps = 2 * x.nbytes / min(copy_ms) / 1e9

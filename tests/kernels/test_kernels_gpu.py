@@ -157,6 +157,81 @@ def test_amax_bit_exact(mode, dtype):
   assert_same_bits(f(x), want, f"amax {mode}")
 
 
+def rht_block_input(dtype, seed: int, *, inf: bool = False) -> jax.Array:
+  """[16 * 12, 256] values of `dtype` whose 16-row columnwise RHT blocks are the sums'
+  edge cases: per block row, 16 values spanning 20 - p binades (p the dtype's significant
+  bits: every signed partial sum exact in fp32) and one binade more (rounded partial sums);
+  bf16 magnitudes whose 16-term sums reach fp32's overflow or stay just below it; subnormals
+  with normals; all -0, all +0 and mixed zeros, and zeros signed so that every term of one
+  output is -0 (the sum starts from term 0: -0, not +0); sums that cancel to exact zeros;
+  optionally an infinity in a block."""
+  rng = np.random.default_rng(seed)
+  bf16 = jnp.dtype(dtype) == jnp.bfloat16
+  p = 8 if bf16 else 11
+  spread = 20 - p
+  top = 122 if bf16 else 15
+  cols = 256
+
+  def values(low, high):
+    """16 x cols normal values with exponents in [low, high], both ends present in each
+    column, random signs and p - 1 random mantissa bits."""
+    e = rng.integers(low, high + 1, (16, cols))
+    e[rng.integers(0, 16)], e[rng.integers(0, 16)] = low, high
+    mantissa = 1 + rng.integers(0, 2 ** (p - 1), (16, cols)) / 2 ** (p - 1)
+    sign = rng.choice([-1.0, 1.0], (16, cols))
+    return sign * mantissa * np.exp2(e.astype(np.float64))
+
+  e_small = -14 if not bf16 else -40
+  blocks = [values(e_small, e_small + spread), values(e_small, e_small + spread + 1),
+            values(-3, -3 + spread), values(top - spread, top)]
+  if bf16:
+    # Sums of 16 terms below 2^127 + 2^123 at most (largest exponent 122) and up to overflow.
+    blocks += [values(123 - spread, 123), values(127 - spread, 127)]
+    sub = rng.integers(-127, 128, (16, cols)) * 2.0 ** -133  # bf16 subnormals ...
+    sub[::2] = values(-126, -126 + spread - 1)[::2]         # ... with normals
+  else:
+    sub = rng.integers(-1023, 1024, (16, cols)) * 2.0 ** -24  # fp16 subnormals ...
+    sub[::2] = values(-14, -14 + spread - 6)[::2]
+  blocks.append(sub)
+  signs = reference.hadamard.rht_signs()  # sign(R[i, j]), [i, j]
+  zeros = np.where(rng.random((16, cols)) < 0.5, -0.0, 0.0)
+  zeros[:, :32] = -0.0
+  zeros[:, 32:64] = 0.0
+  # Column 64 + j: x_i = -0 * sign(R[i, j]), so every term of output j is -0.
+  zeros[:, 64:80] = np.where(signs > 0, -0.0, 0.0)
+  blocks.append(zeros)
+  one = np.zeros((16, cols))
+  one[rng.integers(0, 16, cols), np.arange(cols)] = values(-5, 5)[0]
+  blocks.append(one)
+  # x_i = sign(R[i, j0]) c: R maps it to 4c at output j0 and exact zeros elsewhere.
+  j0 = rng.integers(0, 16, cols)
+  blocks.append(signs[:, j0] * values(-2, 2)[0])
+  x = np.concatenate(blocks + [np.zeros((16 * (12 - len(blocks)), cols))])
+  if inf:
+    x[16 * 2 + 3, 5] = np.inf  # one infinity per block: infinite outputs, no NaN
+    x[16 * 2 + 7, 9] = -np.inf
+  want = jnp.asarray(x.astype(np.float32), dtype)
+  assert np.array_equal(np.asarray(want, np.float32), x.astype(np.float32), equal_nan=True), (
+      "every generated value is exact in the dtype")
+  return want
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_rht_edge_blocks_bit_exact(dtype):
+  """The RHT amax and the RHT cast on rht_block_input's edge-case blocks."""
+  amax = jax.jit(lambda x: kernels.amax(x, rht=True))
+  for seed in range(3):
+    for inf in (False, True):
+      x = rht_block_input(dtype, seed, inf=inf)
+      what = f"{jnp.dtype(dtype).name} seed {seed} inf {inf}"
+      rotated = reference_on_cpu(
+          lambda x: reference.hadamard.apply_rht(x.astype(jnp.float32).T, x.dtype), x)
+      assert_same_bits(amax(x), reference.fp32.abs_max(rotated), f"RHT amax, {what}")
+      if not inf:  # an infinite global amax makes every code 0
+        got, want = both(x, QUANTIZERS["nvfp4_rht"])
+        assert_same_bits(got, want, f"nvfp4 RHT cast, {what}")
+
+
 def global_amaxes() -> np.ndarray:
   """NVFP4 global amaxes at NUMERICS.md's edges, then random magnitudes over all of fp32:
   zeros, the least subnormal and the largest finite (S_enc clamped to FLT_MAX, S_dec then
