@@ -3,33 +3,33 @@
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/placement.py \
         [--shapes 8b] [--presets fp8_current,fp8_delayed] [--quick] [--out FILE]
 
-jaxquant casts each GEMM operand with its own kernels: an amax pass (current scaling),
-then one pass writing both usages' codes. Those are custom calls, so XLA cannot fuse them
-into the op that produces the tensor (RMSNorm, SwiGLU, a residual add). Flax's and Qwix's
-FP8 training leave the whole quantization to XLA instead. This benchmark times the step
-of step.py (step_model.py's decoder stack, stock layers swapped in with `quantize_model`)
+jaxquant casts each GEMM operand with a kernel writing both usages' codes in one pass,
+after (current scaling) the tensor's amax, an XLA reduction that XLA fuses into the op
+producing the tensor (RMSNorm, SwiGLU, a residual add; kernels.amax.tensor_amax). A
+kernel is a custom call, which XLA cannot fuse into anything; Flax's and Qwix's FP8
+training leave the whole quantization to XLA instead. This benchmark times the step of
+step.py (step_model.py's decoder stack, stock layers swapped in with `quantize_model`)
 with the quantization placed four ways, chosen when the step is traced:
 
-- `kernels`: jaxquant as it is;
-- `xla_amax`: the per-tensor amax as an XLA reduction (which XLA may fuse into the
-  producer), the cast kernel for the codes;
+- `default`: jaxquant as it is;
+- `amax_kernel`: the per-tensor amax by the amax kernel (`kernels.amax`), a pass of its own;
 - `xla_cast`: amax and rowwise codes by XLA (a convert it fuses into the producer), the
   columnwise codes XLA's transpose of the rowwise ones;
 - `xla_rowwise_cast`: XLA's rowwise codes, the cast kernel's columnwise codes.
 
 The placements do the same arithmetic: XLA's convert is first checked bit for bit
 against the reference cast on random and edge inputs (a placement whose codes differ is not
-timed), and on the CPU every placement's step gives the kernels' loss bit for bit
+timed), and on the CPU every placement's step gives the default's loss bit for bit
 (tests/benchmarks/test_placement.py). On the GPU each placement's first step's loss is
-compared with the kernels' and printed; there they may differ, since XLA:GPU is free to
+compared with the default's and printed; there they may differ, since XLA:GPU is free to
 change a fusion's rounding and reduction order (its default `xla_allow_excess_precision`
 lets a producer fused with the convert skip its bf16 rounding) and its fp32 division may
 be 1 ulp off (tests/kernels/test_kernels_gpu.py, `reference_on_cpu`).
 
 bf16 and Qwix's FP8 per tensor (where qwix is installed) are timed in the same interleaved
 turns. Records, merged into benchmarks/results/<gpu>/placement.json: `step_ms`,
-`speedup_vs_bf16` and, for the placements, `speedup_vs_kernels` (the kernels' step time
-over the placement's), op `placement_<preset>_<placement>` (bf16 and Qwix: `placement_bf16`,
+`speedup_vs_bf16` and, for the other placements, `speedup_vs_default` (the default
+placement's step time over theirs), op `placement_<preset>_<placement>` (bf16 and Qwix: `placement_bf16`,
 `placement_qwix_fp8_tensor`).
 """
 
@@ -50,6 +50,7 @@ import step_variants
 from jaxquant import kernels
 from jaxquant.formats import Family
 from jaxquant.kernels import quantize as kernel_quantize
+from jaxquant.kernels.amax import tensor_amax
 from jaxquant.quantizers import DelayedFloat8Quantizer
 from jaxquant.reference import fp32
 from jaxquant.reference import fp8 as reference_fp8
@@ -58,14 +59,10 @@ from records import ResultFile, results_path
 from step_model import SHAPES, DecoderStack
 from timing import interleaved_seconds, speedup
 
-PLACEMENTS = ("kernels", "xla_amax", "xla_cast", "xla_rowwise_cast")
+PLACEMENTS = ("default", "amax_kernel", "xla_cast", "xla_rowwise_cast")
 F8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 # The NaN code of each element (NUMERICS.md): XLA's convert gives others.
 NAN_CODE = {"e4m3": 0x7F, "e5m2": 0x7E}
-
-
-def xla_amax(x: jax.Array) -> jax.Array:
-  return fp32.abs_max(x.astype(jnp.float32))
 
 
 def xla_codes(x: jax.Array, scale: jax.Array, element: str, fmax: float) -> jax.Array:
@@ -88,9 +85,9 @@ def xla_quantize_usages_and_amax(columnwise_by_kernel: bool):
       return kernel_cast(x2d, quantizer, usages, key=key, scale=scale)
     delayed_scale, observed = scale, None
     if isinstance(quantizer, DelayedFloat8Quantizer):
-      observed = xla_amax(x2d)  # the amax delayed scaling records
+      observed = tensor_amax(x2d)  # the amax delayed scaling records
     else:
-      scale = reference_fp8.scale_from_amax(xla_amax(x2d), fmt.fmax, eps=quantizer.eps,
+      scale = reference_fp8.scale_from_amax(tensor_amax(x2d), fmt.fmax, eps=quantizer.eps,
                                             pow2=quantizer.pow2_scales, input_dtype=x2d.dtype)
     scale_inv = fp32.div(jnp.float32(1.0), scale)
     rowwise = xla_codes(x2d, scale, fmt.element, fmt.fmax)
@@ -111,19 +108,17 @@ def xla_quantize_usages_and_amax(columnwise_by_kernel: bool):
 @contextlib.contextmanager
 def placed(placement: str):
   """jaxquant's per-tensor FP8 quantization placed as `placement` while a step is traced."""
-  saved = kernel_quantize.compute_amax, kernels.quantize_usages_and_amax
+  saved = kernel_quantize.tensor_amax, kernels.quantize_usages_and_amax
   jax.clear_caches()  # a trace made under another placement would be reused
   try:
-    if placement != "kernels":
-      kernel_quantize.compute_amax = lambda x, **options: (
-          xla_amax(x) if not options.get("per_row") and not options.get("rht")
-          else saved[0](x, **options))
+    if placement == "amax_kernel":
+      kernel_quantize.tensor_amax = kernels.amax
     if placement in ("xla_cast", "xla_rowwise_cast"):
       kernels.quantize_usages_and_amax = xla_quantize_usages_and_amax(
           columnwise_by_kernel=placement == "xla_rowwise_cast")
     yield
   finally:
-    kernel_quantize.compute_amax, kernels.quantize_usages_and_amax = saved
+    kernel_quantize.tensor_amax, kernels.quantize_usages_and_amax = saved
     jax.clear_caches()
 
 
@@ -173,10 +168,10 @@ def run_shape(shape_name, presets, placements, args, results):
     print(f"    {label}: {hlo.count('jaxquant_amax')} amax and {hlo.count('jaxquant_cast')} cast "
           "custom-call mentions in the optimized HLO")
     first_loss[label] = np.asarray(prepared[label].executable(*arguments)[3])
-    if placement and placement != "kernels":
-      kernels_label = f"{name}_kernels"
-      same = kernels_label in first_loss and first_loss[kernels_label].tobytes() == first_loss[label].tobytes()
-      print(f"    {label}: first step's loss {'equals' if same else 'differs from'} {kernels_label}'s")
+    if placement and placement != "default":
+      default = f"{name}_default"
+      same = default in first_loss and first_loss[default].tobytes() == first_loss[label].tobytes()
+      print(f"    {label}: first step's loss {'equals' if same else 'differs from'} {default}'s")
   samples = interleaved_seconds({n: p.call for n, p in prepared.items()}, reps=args.reps,
                                 rounds=args.rounds, warmup_s=args.warmup_s)
 
@@ -189,8 +184,8 @@ def run_shape(shape_name, presets, placements, args, results):
     if label != "bf16":
       add(label, "speedup_vs_bf16", speedup(samples["bf16"], times)[0])
     preset = next((p for p in presets if label.startswith(p + "_")), None)
-    if preset and not label.endswith("_kernels") and f"{preset}_kernels" in samples:
-      add(label, "speedup_vs_kernels", speedup(samples[f"{preset}_kernels"], times)[0])
+    if preset and not label.endswith("_default") and f"{preset}_default" in samples:
+      add(label, "speedup_vs_default", speedup(samples[f"{preset}_default"], times)[0])
 
 
 def main(argv=None):
@@ -214,7 +209,7 @@ def main(argv=None):
   differ = xla_codes_differ()
   print(f"XLA's convert against the reference cast: {differ} codes differ")
   if differ:
-    placements = [p for p in placements if p in ("kernels", "xla_amax")]
+    placements = [p for p in placements if p in ("default", "amax_kernel")]
     print(f"timing only {placements}: the XLA casts do not compute the reference's codes")
   results = ResultFile(results_path(own.out, "placement", device.device_kind, smoke=own.quick),
                        benchmark="placement", device=device.device_kind, jax_version=jax.__version__)

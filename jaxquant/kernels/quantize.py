@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.formats import Family
-from jaxquant.kernels.amax import amax as compute_amax
+from jaxquant.kernels.amax import amax as amax_kernel
+from jaxquant.kernels.amax import tensor_amax
 from jaxquant.kernels.cast import cast_p, stored_shape
 from jaxquant.kernels.config import KernelConfig, cast_config, unsupported_reason
 from jaxquant.kernels.validate import check_array, check_matrix
@@ -78,7 +79,7 @@ def quantize_usages_and_amax(x2d: jax.Array, quantizer: BaseQuantizer, usages: t
       check_array(scale, "delayed scale", (), jnp.float32)
       row_amax = col_amax = scale
     else:
-      row_amax = col_amax = compute_amax(x2d)
+      row_amax = col_amax = tensor_amax(x2d)
   elif family is Family.NVFP4:
     row_amax, col_amax = nvfp4_amaxes(x2d, quantizer, usages)
   if config.stochastic_rounding and key is None:
@@ -100,13 +101,13 @@ def nvfp4_amaxes(x2d, q: NVFP4Quantizer, usages):
   row = col = jnp.zeros((), jnp.float32)
   tensor = None
   if "rowwise" in usages:
-    row = compute_amax(x2d, per_row=q.per_token)
+    row = amax_kernel(x2d, per_row=True) if q.per_token else tensor_amax(x2d)
     tensor = fp32.abs_max(row) if q.per_token else row
   if "columnwise" in usages:
     if q.rht and not q.tile_2d:
-      col = compute_amax(x2d, rht=True)
+      col = amax_kernel(x2d, rht=True)
     else:
-      col = tensor if tensor is not None else compute_amax(x2d)
+      col = tensor if tensor is not None else tensor_amax(x2d)
   if q.tile_2d and "rowwise" not in usages:
     row = col  # 16x16 tiles take their scales from the (shared) tensor amax
   return row, col

@@ -1,5 +1,5 @@
 """benchmarks/placement.py on the CPU: XLA's convert computes the reference's FP8 codes, each
-placement takes the per-tensor FP8 quantization out of the kernels as it says (the kernel
+placement moves the per-tensor FP8 quantization as it says (the kernel
 primitives are traced on the CPU with their reference lowering), every placement's step
 computes the same loss bit for bit, and the kernels come back after each placement."""
 
@@ -49,19 +49,19 @@ def _jaxpr_and_loss(preset, stock, params, x):
 @pytest.mark.parametrize("preset", ["fp8_current", "fp8_delayed"])
 def test_placements_move_the_quantization_and_keep_the_loss(step_inputs, preset, monkeypatch):
   monkeypatch.setenv("JAXQUANT_BACKEND", "kernel")  # the kernel primitives, lowered for the CPU
-  originals = kernel_quantize.compute_amax, kernels.quantize_usages_and_amax
+  originals = kernel_quantize.tensor_amax, kernels.quantize_usages_and_amax
   found = {}
   for name in placement.PLACEMENTS:
     with placement.placed(name):
       found[name] = _jaxpr_and_loss(preset, *step_inputs)
-    assert (kernel_quantize.compute_amax, kernels.quantize_usages_and_amax) == originals
+    assert (kernel_quantize.tensor_amax, kernels.quantize_usages_and_amax) == originals
   jaxprs = {name: jaxpr for name, (jaxpr, _) in found.items()}
   amaxes = {name: jaxpr.count("jaxquant_amax[") for name, jaxpr in jaxprs.items()}
   casts = {name: jaxpr.count("jaxquant_cast[") for name, jaxpr in jaxprs.items()}
-  assert casts["kernels"] > 0 and casts["xla_amax"] == casts["kernels"]
+  assert casts["default"] > 0 and casts["amax_kernel"] == casts["default"]
   assert casts["xla_cast"] == 0 and 0 < casts["xla_rowwise_cast"]
   if preset == "fp8_current":
-    assert amaxes["kernels"] > 0
-  assert amaxes["xla_amax"] == amaxes["xla_cast"] == amaxes["xla_rowwise_cast"] == 0
+    assert amaxes["amax_kernel"] > 0
+  assert amaxes["default"] == amaxes["xla_cast"] == amaxes["xla_rowwise_cast"] == 0
   losses = {name: loss.tobytes() for name, (_, loss) in found.items()}
   assert len(set(losses.values())) == 1, losses

@@ -232,6 +232,20 @@ def test_rht_edge_blocks_bit_exact(dtype):
         assert_same_bits(got, want, f"nvfp4 RHT cast, {what}")
 
 
+def test_tensor_amax_fused_into_its_producer_takes_the_rounded_values():
+  """XLA fuses kernels.amax.tensor_amax into the op that produces x (here an fp32 product
+  rounded to bf16, one multiply: the same values in any fusion): the amax must be that of
+  x's bf16 values, which the cast quantizes, not of the unrounded fp32 products (which
+  XLA's excess precision could offer)."""
+  from jaxquant.kernels.amax import tensor_amax
+  a = random_input(21, (4096, 1024), jnp.float32)
+  produce = lambda a: (a * jnp.float32(1.1)).astype(jnp.bfloat16)
+  x = np.asarray(jax.jit(produce)(a), np.float32)
+  assert np.abs(x).max() != np.abs(np.asarray(a) * np.float32(1.1)).max()  # rounding shows
+  got = jax.jit(lambda a: tensor_amax(produce(a)))(a)
+  assert_same_bits(got, jnp.float32(np.abs(x).max()), "amax fused into its producer")
+
+
 def global_amaxes() -> np.ndarray:
   """NVFP4 global amaxes at NUMERICS.md's edges, then random magnitudes over all of fp32:
   zeros, the least subnormal and the largest finite (S_enc clamped to FLT_MAX, S_dec then

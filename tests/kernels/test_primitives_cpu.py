@@ -109,6 +109,46 @@ def test_sharded_amax_is_global(eight_devices):
   assert_same_bits(rows, reference.fp32.abs_max(x, axis=1), "per-row amax sharded")
 
 
+def _abs_max_oracle(x: np.ndarray) -> np.float32:
+  """max |x| in float64 from the values, NaN if any is NaN."""
+  values = np.abs(np.asarray(x, np.float64))
+  return np.float32(np.nan) if np.isnan(values).any() else np.float32(values.max(initial=0.0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_tensor_amax_against_an_oracle(dtype, eight_devices):
+  """kernels.amax.tensor_amax (XLA's reduction of x's own bits) on random values, signed
+  zeros, subnormals of the dtype, infinities, NaNs of any payload (the canonical NaN
+  out), an empty matrix, and sharded over eight devices."""
+  from jaxquant.kernels.amax import tensor_amax
+  rng = np.random.default_rng(4)
+  tiny = float(jnp.finfo(dtype).smallest_subnormal)
+  cases = {
+      "random": random_input(5, (64, 96), dtype),
+      "zeros": jnp.asarray(np.where(rng.random((16, 32)) < 0.5, -0.0, 0.0), dtype),
+      "subnormals": jnp.asarray(rng.integers(-9, 10, (16, 32)) * tiny, dtype),
+      "inf": random_input(6, (16, 32), dtype).at[3, 4].set(-jnp.inf),
+      "empty": jnp.zeros((0, 32), dtype),
+  }
+  for name, x in cases.items():
+    want = _abs_max_oracle(np.asarray(x, np.float32))
+    assert_same_bits(jax.jit(tensor_amax)(x), jnp.float32(want), f"tensor_amax {name}")
+  # A NaN with a payload and the sign bit set: the canonical NaN comes out.
+  width = {2: np.uint16, 4: np.uint32}[jnp.dtype(dtype).itemsize]
+  nan_bits = {jnp.dtype(jnp.bfloat16): 0xFFA1, jnp.dtype(jnp.float16): 0xFE01,
+              jnp.dtype(jnp.float32): 0xFFA00001}[jnp.dtype(dtype)]
+  x = np.asarray(random_input(7, (16, 32), dtype)).view(width).copy()
+  x[5, 6] = nan_bits
+  got = jax.jit(tensor_amax)(jnp.asarray(x.view(jnp.dtype(dtype))))
+  assert np.asarray(got).view(np.uint32) == 0x7FC00000
+  x = random_input(8, (256, 512), dtype).at[17, 300].set(-1000.0)
+  xs = jax.device_put(x, NamedSharding(_mesh(eight_devices), P("a", "b")))
+  assert_same_bits(jax.jit(tensor_amax)(xs), jnp.float32(1000.0), "tensor_amax sharded")
+  with pytest.raises(TypeError, match="int32"):
+    tensor_amax(jnp.zeros((4, 4), jnp.int32))
+
+
 def test_decode_scale_primitive_one_device_sharded_and_batched(eight_devices):
   """On the CPU the decode-scale primitive lowers to the reference: the same S_decs for a
   vector, split over eight devices, under vmap and for a scalar; bad amaxes are refused.
