@@ -39,6 +39,7 @@ from jaxquant.ops.operands import (check_placement, check_role_args, check_state
                                    role_key, usages_to_quantize)
 from jaxquant.ops.ragged import ragged_contract
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key
+from jaxquant.reference import fp32
 from jaxquant.reference import grouped as ref
 from jaxquant.roles import TENSOR_TYPES
 
@@ -127,7 +128,7 @@ def _epilogue(acc, a_outer_rows, b_outer_groups, layout):
 def _forward(cfg, x, kernel, group_sizes, bias, keys, state):
   layout = ref.group_layout(group_sizes, x.shape[0])
   in_groups = layout.row_mask()[:, None]
-  x32 = jnp.where(in_groups, x.astype(jnp.float32), 0.0)
+  x32 = jnp.where(in_groups, fp32.widen(x), 0.0)
   qx, qw = cfg.quantizer("input"), cfg.quantizer("weight")
   new_state = dict(state)
   x_row, x_amax = ref.quantize_rows(x32, layout, qx, "rowwise", input_dtype=x.dtype,
@@ -205,7 +206,7 @@ def _bwd(cfg, saved, cotangents):
   dy, state_ct = cotangents
   layout = ref.group_layout(group_sizes, dy.shape[0])
   in_groups = layout.row_mask()[:, None]
-  dy32 = jnp.where(in_groups, dy.astype(jnp.float32), 0.0)
+  dy32 = jnp.where(in_groups, fp32.widen(dy), 0.0)
   qdy = cfg.quantizer("grad_output") if cfg.backward == "quantized" else None
   dy_key = keys["grad_output"]
   common = dict(input_dtype=dy.dtype, what="grad_output", delayed_scale=_scale_of(dy_state))

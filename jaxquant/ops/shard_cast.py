@@ -50,7 +50,7 @@ def _amax(shard, *, use_kernel: bool, per_row: bool = False, rht: bool = False):
   """This shard's amax: per tensor, per row, or of its RHT'd columnwise data."""
   if use_kernel:
     return kernels.amax(shard, per_row=per_row, rht=rht)
-  values = shard.astype(jnp.float32)
+  values = fp32.widen(shard)
   if rht:
     return fp32.abs_max(hadamard.apply_rht(values.T, shard.dtype))
   return fp32.abs_max(values, axis=1 if per_row else None)

@@ -54,7 +54,7 @@ def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"
   if any(needs_key(for_usage(quantizer, u)) for u in usages) and key is None:
     raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
   shape, dtype = tuple(x.shape), jnp.dtype(x.dtype)
-  x2d = x.reshape(-1, shape[-1]).astype(jnp.float32)
+  x2d = fp32.widen(x.reshape(-1, shape[-1]))
   slots, new_state = {}, state
   for usage in usages:
     q = for_usage(quantizer, usage)

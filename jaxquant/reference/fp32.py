@@ -266,6 +266,31 @@ _NARROW_FLOATS = {  # dtype -> (mantissa bits, min normal exponent, biased-expon
 }
 
 
+def widen(x: jax.Array) -> jax.Array:
+  """A float32, bfloat16 or float16 array as float32, exactly, from its bit patterns.
+
+  `x.astype(float32)` gives the same values, but XLA:GPU may merge that convert with the
+  rounding to x's dtype in the op that produced x (its default xla_allow_excess_precision)
+  and hand on values x never held: quantizing those is not quantizing x."""
+  dtype = jnp.dtype(x.dtype)
+  if dtype == jnp.float32:
+    return x
+  if dtype not in _NARROW_FLOATS:
+    raise TypeError(f"widen: x must be float32, bfloat16 or float16, got {dtype}")
+  code = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+  if dtype == jnp.bfloat16:
+    return from_bits(code << 16)  # bf16 is fp32's top half
+  mbits, emin, ebits = _NARROW_FLOATS[dtype]
+  field = (code >> mbits) & jnp.uint32((1 << ebits) - 1)
+  mant = code & jnp.uint32((1 << mbits) - 1)
+  normal = ((field + jnp.uint32(emin + 127 - 1)) << 23) | (mant << (23 - mbits))
+  subnormal = bits(mul(mant.astype(jnp.float32), exp2(emin - mbits)))  # mant < 2^mbits: exact
+  special = _EXP | (mant << (23 - mbits))  # inf, or NaN with its payload
+  magnitude = jnp.where(field == 0, subnormal,
+                        jnp.where(field == (1 << ebits) - 1, special, normal))
+  return from_bits(((code >> (mbits + ebits)) << 31) | magnitude)
+
+
 def round_to_dtype(x: jax.Array, dtype) -> jax.Array:
   """fp32 -> bf16/fp16 value (returned as fp32), RNE with IEEE subnormals and overflow."""
   dtype = jnp.dtype(dtype)

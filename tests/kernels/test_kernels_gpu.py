@@ -246,6 +246,22 @@ def test_tensor_amax_fused_into_its_producer_takes_the_rounded_values():
   assert_same_bits(got, jnp.float32(np.abs(x).max()), "amax fused into its producer")
 
 
+@pytest.mark.parametrize("implementation", ["kernel", "reference"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4"])
+def test_quantize_fused_into_its_producer_takes_the_rounded_values(name, implementation):
+  """Quantizing x where XLA can fuse the quantization into the op producing x (an fp32
+  product rounded to bf16) gives the codes of x itself, as quantizing the materialized x
+  does: the reference reads x's values through `fp32.widen`, not an fp32 convert XLA could
+  merge with the producer's rounding."""
+  q = QUANTIZERS[name]
+  a = random_input(22, (1024, 1024), jnp.float32)
+  produce = lambda a: (a * jnp.float32(1.1)).astype(jnp.bfloat16)
+  quantize = lambda x: ops.quantize(x, q, implementation=implementation)
+  separate = jax.jit(quantize)(jax.jit(produce)(a))
+  fused = jax.jit(lambda a: quantize(produce(a)))(a)
+  assert_same_bits(fused, separate, f"{name} {implementation}, fused into its producer")
+
+
 def global_amaxes() -> np.ndarray:
   """NVFP4 global amaxes at NUMERICS.md's edges, then random magnitudes over all of fp32:
   zeros, the least subnormal and the largest finite (S_enc clamped to FLT_MAX, S_dec then
