@@ -185,7 +185,7 @@ def rht_block_input(dtype, seed: int, *, inf: bool = False) -> jax.Array:
   blocks = [values(e_small, e_small + spread), values(e_small, e_small + spread + 1),
             values(-3, -3 + spread), values(top - spread, top)]
   if bf16:
-    # Sums of 16 terms below 2^127 + 2^123 at most (largest exponent 122) and up to overflow.
+    # The top block above (largest exponent 122) sums below fp32's overflow; these may reach it.
     blocks += [values(123 - spread, 123), values(127 - spread, 127)]
     sub = rng.integers(-127, 128, (16, cols)) * 2.0 ** -133  # bf16 subnormals ...
     sub[::2] = values(-126, -126 + spread - 1)[::2]         # ... with normals
