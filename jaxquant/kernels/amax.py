@@ -19,9 +19,6 @@ from jaxquant.kernels.config import KernelConfig
 from jaxquant.kernels.validate import check_matrix
 from jaxquant.reference import fp32, hadamard
 
-# Magnitude bits of +inf of each 16-bit input dtype: larger magnitudes are NaNs.
-_INF_BITS_16 = {jnp.dtype(jnp.bfloat16): 0x7F80, jnp.dtype(jnp.float16): 0x7C00}
-
 # The config only says which amax; the format is a placeholder the FFI struct requires.
 _NO_FORMAT = Format(Family.FP8_TENSOR, "e4m3")
 
@@ -81,20 +78,7 @@ def tensor_amax(x: jax.Array) -> jax.Array:
   """max |x| over all of x, as fp32 (NaN propagates), by an XLA reduction instead of the
   amax kernel: XLA fuses the reduction into the op that produces x (a norm, an activation,
   a residual add), so x is not read again for it: the faster train step
-  (docs/benchmarks.md, "Where quantization runs").
-
-  It reduces x's own bits: from `x.astype(float32)`, XLA:GPU may merge that convert with the
-  producer's rounding to x's dtype (its default xla_allow_excess_precision) and take the
-  amax of unrounded values, which the cast never sees."""
-  dtype = jnp.dtype(x.dtype)
-  if dtype == jnp.float32:
-    return fp32.abs_max(x)
-  if dtype not in _INF_BITS_16:
-    raise TypeError(f"tensor_amax: x must be float32, bfloat16 or float16, got {dtype}")
-  magnitude = jnp.max(jax.lax.bitcast_convert_type(x, jnp.uint16) & jnp.uint16(0x7FFF),
-                      initial=jnp.uint16(0))
-  if dtype == jnp.bfloat16:  # bf16 is fp32's top half: exact, subnormals kept
-    value = fp32.from_bits(magnitude.astype(jnp.uint32) << 16)
-  else:  # every fp16 is a normal fp32
-    value = jax.lax.bitcast_convert_type(magnitude, dtype).astype(jnp.float32)
-  return jnp.where(magnitude > _INF_BITS_16[dtype], fp32.from_bits(jnp.uint32(0x7FC00000)), value)
+  (docs/benchmarks.md, "Where quantization runs"). Of x's own values (`fp32.widen`): from
+  `x.astype(float32)`, XLA:GPU may merge that convert with the producer's rounding to x's
+  dtype and take the amax of unrounded values, which the cast never sees."""
+  return fp32.abs_max(fp32.widen(x))
