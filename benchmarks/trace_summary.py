@@ -94,10 +94,12 @@ _DERIVED_LINES = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework
                   "TensorFlow Name Scope")
 
 
-def _device_lines(planes: list[tuple[str, list[tuple[str, list[Event]]]]]) -> list[Event]:
-  """The events of the GPU planes' stream lines; on a trace with no GPU plane, the host
-  events labelled with an HLO op."""
-  gpu = [lines for name, lines in planes if name.startswith("/device:GPU")]
+def _device_lines(planes: list[tuple[str, list[tuple[str, list[Event]]]]],
+                  device: int | None = None) -> list[Event]:
+  """The events of the GPU planes' stream lines (of GPU `device` alone where given); on a
+  trace with no GPU plane, the host events labelled with an HLO op."""
+  plane = re.compile(r"/device:GPU" if device is None else rf"/device:GPU:{device}(?!\d)")
+  gpu = [lines for name, lines in planes if plane.match(name)]
   if not gpu:
     return [e for _, lines in planes for _, events in lines for e in events if e.hlo_op]
   picked = []
@@ -142,8 +144,9 @@ def _planes_from_trace_json(path: pathlib.Path):
   return list(planes.items())
 
 
-def load_events(trace_dir: pathlib.Path) -> tuple[list[Event], str]:
-  """(device events, which file they came from) of the newest trace under trace_dir."""
+def load_events(trace_dir: pathlib.Path, device: int | None = None) -> tuple[list[Event], str]:
+  """(device events, which file they came from) of the newest trace under trace_dir: of
+  every GPU, or of GPU `device` alone."""
   newest = lambda pattern: max(trace_dir.rglob(pattern), key=lambda p: p.stat().st_mtime, default=None)
   xplane, trace_json = newest("*.xplane.pb"), newest("*.trace.json.gz")
   errors = []
@@ -151,13 +154,13 @@ def load_events(trace_dir: pathlib.Path) -> tuple[list[Event], str]:
     if path is None or (reader is _planes_from_xplane and not XPLANE_READABLE):
       continue
     try:
-      return _device_lines(reader(path)), path.name
+      return _device_lines(reader(path), device), path.name
     except Exception as error:  # an older jaxlib's ProfileData, a truncated file
       errors.append(f"{path.name}: {type(error).__name__}: {error}")
   raise FileNotFoundError(f"no readable trace under {trace_dir}: {errors or 'no trace files'}")
 
 
-def _busy_ns(events: list[Event]) -> float:
+def busy_ns(events: list[Event]) -> float:
   """Length of the union of the events' intervals."""
   total, end = 0.0, float("-inf")
   for e in sorted(events, key=lambda e: e.start_ns):
@@ -177,7 +180,7 @@ def summarize(events: list[Event], steps: int, targets: dict[str, str] | None = 
     raise ValueError("the trace holds no device events")
   per_step = lambda ns: ns / steps / 1e6
   span = max(e.start_ns + e.duration_ns for e in events) - min(e.start_ns for e in events)
-  busy = _busy_ns(events)
+  busy = busy_ns(events)
   time, count = collections.Counter(), collections.Counter()
   kernel_time, kernel_count, kernel_category = collections.Counter(), collections.Counter(), {}
   target_time, unattributed = collections.Counter(), 0.0

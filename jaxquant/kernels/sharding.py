@@ -62,6 +62,34 @@ def gemm_row_axes(mesh, a_sharding, b_sharding, m: int, n: int, a_multiple: int,
   return m_axes, n_axes
 
 
+def gemm_k_axes(mesh, a_sharding, b_sharding, k: int, multiple: int) -> tuple[str, ...]:
+  """Mesh axes a TN GEMM can keep its K split over: those splitting A's K and B's K alike,
+  into shards of whole multiples. (They split no output dim: an axis shards one dim of a
+  tensor at most.)"""
+  a_axes, b_axes = spec_axes(a_sharding, 2)[1], spec_axes(b_sharding, 2)[1]
+  if a_axes != b_axes:
+    return ()
+  return keep_if_whole(mesh, a_axes, k, multiple)
+
+
+def scatter_dim(mesh, result_shape, axes: tuple[str, ...], dims: tuple[int, ...],
+                out_axes: list[tuple[str, ...]]):
+  """The output dim to reduce-scatter a sum over `axes` along: one the partitioner wants
+  split over exactly those axes (after the axes it already has) and that they divide; None
+  where there is none (the sum is all-reduced)."""
+  wanted = getattr(result_shape, "sharding", None)
+  if isinstance(result_shape, (list, tuple)):
+    wanted = getattr(result_shape[0], "sharding", None) if result_shape else None
+  if wanted is None or not hasattr(wanted, "spec"):
+    return None
+  wanted_axes = spec_axes(wanted, len(dims))
+  for d, size in enumerate(dims):
+    if (wanted_axes[d] == out_axes[d] + axes
+        and size % (axes_size(mesh, out_axes[d]) * axes_size(mesh, axes)) == 0):
+      return d
+  return None
+
+
 def pspec(*dims: tuple[str, ...]) -> P:
   return P(*[(d if len(d) > 1 else d[0]) if d else None for d in dims])
 

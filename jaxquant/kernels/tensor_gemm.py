@@ -5,8 +5,9 @@ per-tensor decode scales (float32 scalars, on the device: no host sync). cuBLASL
 the scales to the fp32 sums and writes bf16 or fp32 itself (ffi/gemm/fp8_tensor_gemm.cu);
 XLA's dot on f8 operands writes fp32 and converts in a second pass. Elsewhere the lowering
 is the reference: codes to fp32, one fp32 dot, then the scales, then the rounding. Under a
-sharded jit, A's rows (tokens) and B's rows (output features) stay on their devices; a
-sharded K is gathered (the scales multiply whole sums). `fast_accumulation` is cuBLASLt's
+sharded jit, A's rows (tokens) and B's rows (output features) stay on their devices, and
+a K split alike in both (a weight gradient's tokens) is summed in parts, whose fp32
+partial products the devices add (`_partition`). `fast_accumulation` is cuBLASLt's
 FAST_ACCUM mode (lt_fp8_gemm.h); the reference's sums are exact with or without it.
 """
 
@@ -43,23 +44,46 @@ def _reference(a, b, sa, sb, *, config):
 
 
 # Rows per shard for A's and B's rows to stay sharded: cuBLASLt wants D's rows (N
-# elements) 16-byte aligned, and whole 16-row multiples keep its tiles full.
+# elements) 16-byte aligned, and whole 16-row multiples keep its tiles full. A split K
+# keeps cuBLASLt's FP8 rule: a multiple of 16 per shard.
 _ROWS_PER_SHARD = 16
+_K_PER_SHARD = 16
 
 
 def _sharding_rule(config, shapes, mesh_size):
   return sharding.rule([("m", "k"), ("n", "k"), (), ()], [("m", "n")], {},
-                       need_replication_factors=("k",))
+                       reduction_factors=("k",))
 
 
 def _partition(config, mesh, arg_shapes, result_shape):
-  """Each device multiplies its rows of A by its rows of B; a sharded K is gathered."""
-  (m, _), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
+  """Each device multiplies its rows of A by its rows of B. A K split alike in A and B (a
+  weight gradient's tokens, under data parallelism) stays split: each device sums its part
+  of K, in fp32, and the partial products are added across the devices (reduce-scattered
+  where the result is wanted split over the same axes, else all-reduced), then rounded
+  once to the output dtype. A K split otherwise is gathered."""
+  (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
   m_axes, n_axes = sharding.gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
                                           m, n, _ROWS_PER_SHARD, _ROWS_PER_SHARD)
-  arg_specs = [sharding.pspec(m_axes, ()), sharding.pspec(n_axes, ()), sharding.pspec(),
+  k_axes = sharding.gemm_k_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, k,
+                                _K_PER_SHARD)
+  arg_specs = [sharding.pspec(m_axes, k_axes), sharding.pspec(n_axes, k_axes), sharding.pspec(),
                sharding.pspec()]
-  return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
+  if not k_axes:
+    return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
+  out_axes = [m_axes, n_axes]
+  scatter = sharding.scatter_dim(mesh, result_shape, k_axes, (m, n), out_axes)
+  if scatter is not None:
+    out_axes[scatter] = out_axes[scatter] + k_axes
+
+  def local(kernel, *shards):
+    partial = kernel(*shards, out_dtype="float32")[0]
+    if scatter is None:
+      total = jax.lax.psum(partial, k_axes)
+    else:
+      total = jax.lax.psum_scatter(partial, k_axes, scatter_dimension=scatter, tiled=True)
+    return [total.astype(config.out_dtype)]
+
+  return arg_specs, [sharding.pspec(*out_axes)], local
 
 
 tensor_gemm_p = primitive.define(primitive.KernelSpec(

@@ -1,0 +1,357 @@
+"""Scaling benchmark: the step benchmark's decoder stack trained on 1..N GPUs of one host.
+
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/scaling.py \
+        [--shape 8b] [--layers 2] [--devices 2,4,8] [--batch-per-device 4 --seq 4096] \
+        [--layouts fsdp,fsdp_tp] [--variants bf16,fp8_current,fp8_current_gather,fp8_delayed] \
+        [--profile-steps 2] [--hlo-dir DIR] [--quick] [--out FILE]
+
+Weak scaling: on n devices the global batch is n x `--batch-per-device` sequences, so every
+device does the work of the one-device step (step.py's model and train step: stock Flax
+layers, AdamW, params fp32, compute bf16), and `scaling_efficiency` is the n-device
+throughput over n times the one-device throughput of the same variant, both measured in
+this run. The first n of `jax.devices()` are used, so every device count runs on the same
+host and links.
+
+Layouts (the mesh has two axes, `fsdp` and `tensor`):
+
+- `fsdp`: fsdp=n. The batch splits n ways and every kernel along its d_model side (q/k/v/
+  gate/up by rows, o/down by columns); XLA's SPMD partitioner all-gathers each kernel
+  where its GEMMs need it and reduce-scatters its gradient.
+- `fsdp_tp`: fsdp=n/2, tensor=2 (n even): Megatron tensor parallelism over pairs of devices
+  as well (q/k/v/gate/up split by columns, o/down by rows, so the attention heads and the
+  MLP's hidden units split), the batch over fsdp only. On 2 devices this is pure tensor
+  parallelism.
+
+Variants: `bf16` (the stock model), `fp8_current` and `fp8_delayed` (the presets swapped
+in with `quantize_model`; each kernel is quantized where XLA's partitioner places its
+cast) and `fp8_current_gather` (`weight_gather=ModelWeightGather(...)`: each device
+quantizes its shard and the FP8 codes and scales are gathered; only where fsdp > 1).
+
+Per (layout, n), the variants are compiled, warmed up and timed in interleaved turns
+(timing.py). Records, merged into benchmarks/results/<gpu>/scaling.json, op
+`scaling_<variant>`, shape `"<shape> <layout> n=<n>"` (`"<shape> one n=1"` for the one-device
+baseline): `step_ms`, `tokens_per_s`, `speedup_vs_bf16` (same layout and n),
+`scaling_efficiency`, and for n > 1 `all_gather_gib`: the bytes all-gathered per device and
+step, the results of every all-gather in the compiled step's HLO (bf16 / fp32 / FP8 as XLA
+placed them), and from a profile of `--profile-steps` steps (0: no profile), per step on
+device 0: `all_gather_ms`, `reduce_scatter_ms` and `all_reduce_ms`, the device time of
+each collective's kernels, and `compute_ms`, the busy time of all other kernels.
+Collectives run on their own stream beside the compute, and a collective kernel's time
+includes its wait for the other devices: a collective's time is its share of the
+network's busy time, and the step time less `compute_ms` what the step loses to waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import pathlib
+import re
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxquant.flax as jqf
+from jaxquant import kernels, recipes
+import step
+import step_variants
+import trace_summary
+from records import ResultFile, results_path
+from step_model import SHAPES, DecoderStack
+from timing import Call, interleaved_seconds, speedup
+
+FSDP, TENSOR = "fsdp", "tensor"
+LAYOUTS = ("fsdp", "fsdp_tp")
+VARIANTS = ("bf16", "fp8_current", "fp8_current_gather", "fp8_delayed")
+GATHERED = "fp8_current_gather"
+
+# Kernels [d_model, out] (their GEMM's K is d_model) and [in, d_model].
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One mesh: `n` devices as fsdp x tensor."""
+
+  layout: str
+  n: int
+
+  @property
+  def tensor(self) -> int:
+    return 2 if self.layout == "fsdp_tp" else 1
+
+  @property
+  def fsdp(self) -> int:
+    return self.n // self.tensor
+
+  def label(self, shape_name: str) -> str:
+    return f"{shape_name} {'one' if self.n == 1 else self.layout} n={self.n}"
+
+  def mesh(self) -> Mesh:
+    devices = jax.devices()[:self.n]
+    return jax.make_mesh((self.fsdp, self.tensor), (FSDP, TENSOR),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+
+
+def configs(device_counts: list[int], layouts: list[str]) -> list[Config]:
+  """The one-device baseline, then each layout at every device count it can take."""
+  chosen = [Config("fsdp", 1)]
+  for layout in layouts:
+    for n in device_counts:
+      config = Config(layout, n)
+      if n > 1 and n % config.tensor == 0:
+        chosen.append(config)
+  return chosen
+
+
+def param_spec(path: tuple[str, ...]) -> P:
+  """The PartitionSpec of one param of the stack, by its module's name."""
+  module, name = path[-2], path[-1]
+  if name != "kernel":
+    return P()  # the norms' scales: tiny, replicated
+  if module.endswith(_COLUMN_PARALLEL):
+    return P(FSDP, TENSOR)
+  if module.endswith(_ROW_PARALLEL):
+    return P(TENSOR, FSDP)
+  raise ValueError(f"no sharding rule for the param {'/'.join(path)}")
+
+
+def param_specs(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: param_spec(tuple(k.key for k in path)), params)
+
+
+def build_variant(name: str, stock: DecoderStack, mesh: Mesh, specs) -> step_variants.Variant:
+  if name != GATHERED:
+    return step_variants.build(name, stock)
+  gather = jqf.ModelWeightGather(mesh, specs, axis=FSDP)
+  return step_variants.Variant(
+      name, jqf.quantize_model(stock, recipes.fp8_current, weight_gather=gather),
+      jqf.update_quant_state)
+
+
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|f8e8m0fnu|f4e2m1fn|"
+                    r"bf16|f16|f32|f64)\[([0-9,]*)\]")
+_BITS = {"pred": 8, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "f8e8m0fnu": 8,
+         "f4e2m1fn": 4, "s16": 16, "u16": 16, "bf16": 16, "f16": 16, "s32": 32, "u32": 32,
+         "f32": 32, "s64": 64, "u64": 64, "f64": 64}
+_ALL_GATHER = re.compile(r"=\s*(.*?)\s+all-gather(-start)?\(")
+
+
+def all_gather_bytes(hlo_text: str) -> int:
+  """Bytes of the results of every all-gather in an HLO module's text. A synchronous
+  all-gather's type lists its results; an `all-gather-start`'s lists its operands, then
+  its results."""
+  total = 0
+  for line in hlo_text.splitlines():
+    found = _ALL_GATHER.search(line)
+    if not found:
+      continue
+    shapes = _SHAPE.findall(found.group(1))
+    if found.group(2):
+      shapes = shapes[len(shapes) // 2:]
+    for dtype, dims in shapes:
+      elements = math.prod(int(d) for d in dims.split(",") if d)
+      total += elements * _BITS[dtype] // 8
+  return total
+
+
+# NCCL's kernels (ncclDevKernel_AllGather_RING_LL, ...) by collective, and on the CPU the
+# host events of XLA's collective ops.
+COLLECTIVES = {"all_gather": ("allgather", "all-gather"), "reduce_scatter": ("reducescatter",
+               "reduce-scatter"), "all_reduce": ("allreduce", "all-reduce")}
+
+
+def collective_of(event) -> str | None:
+  name, op = event.name.lower().replace("_", ""), event.hlo_op.lower()
+  for collective, (kernel, hlo_op) in COLLECTIVES.items():
+    if kernel in name or op.startswith(hlo_op):
+      return collective
+  return None
+
+
+def profile_ms(call: Call, steps: int) -> dict[str, float]:
+  """Per step on device 0, from a profile: the device time of each collective's kernels
+  and `compute` (the busy time of every other kernel, concurrent ones counted once)."""
+  jax.block_until_ready(call())
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      for _ in range(steps):
+        out = call()
+      jax.block_until_ready(out)
+    events, _ = trace_summary.load_events(pathlib.Path(trace_dir), device=0)
+  times = {collective: 0.0 for collective in COLLECTIVES}
+  compute = []
+  for e in events:
+    collective = collective_of(e)
+    if collective:
+      times[collective] += e.duration_ns
+    else:
+      compute.append(e)
+  times["compute"] = trace_summary.busy_ns(compute)
+  return {name: ns / steps / 1e6 for name, ns in times.items()}
+
+
+class Prepared:
+  """One variant compiled and warmed up on one mesh."""
+
+  def __init__(self, variant, config: Config, args, stock, params, shardings):
+    mesh = config.mesh()
+    replicated = NamedSharding(mesh, P())
+    tx = optax.adamw(1e-4)
+    placed = jax.device_put(params, shardings)
+    opt_state = jax.jit(tx.init, out_shardings=None)(placed)
+    collections = jax.device_put(step.variant_collections(variant, params, stock.shape.d_model),
+                                 replicated)
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(2), (args.batch_per_device * config.n, args.seq,
+                                              stock.shape.d_model), jnp.bfloat16),
+        NamedSharding(mesh, P(FSDP)))
+    key = jax.device_put(jax.random.key(3), replicated)
+    train_step = jax.jit(step.train_step(variant, tx),
+                         out_shardings=(shardings, None, None, replicated))
+    self.executable = train_step.lower(placed, opt_state, collections, x, key).compile()
+    hlo = self.executable.as_text()
+    self.gather_gib = all_gather_bytes(hlo) / 2**30
+    if args.hlo_dir:
+      args.hlo_dir.mkdir(parents=True, exist_ok=True)
+      layout = config.layout if config.n > 1 else "one"
+      (args.hlo_dir / f"{layout}_{config.n}gpu_{variant.name}.hlo.txt").write_text(hlo)
+    state = (placed, opt_state, collections)
+    loss = None
+    for _ in range(args.warmup_steps):  # carries the collections on
+      *state, loss = self.executable(*state, x, key)
+    print(f"    {variant.name}: loss {float(loss):.4g}, all-gathered {self.gather_gib:.3f} GiB "
+          "a step", flush=True)
+    if not math.isfinite(float(loss)):
+      raise FloatingPointError(f"{variant.name}: loss {float(loss)} after the warm-up")
+    self.call = Call(self.executable, (placed, opt_state, state[2], x, key))
+    self.tokens = args.batch_per_device * config.n * args.seq
+
+
+def run_config(config, names, args, stock, params, results, one_device_tps):
+  label = config.label(args.shape)
+  print(f"{label}: mesh fsdp={config.fsdp} x tensor={config.tensor}", flush=True)
+  mesh = config.mesh()
+  specs = param_specs(params)
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                           is_leaf=lambda s: isinstance(s, P))
+  prepared = {}
+  for name in names:
+    if name == GATHERED and config.fsdp == 1:
+      continue  # nothing is gathered over fsdp
+    try:  # one variant that fails costs only itself
+      prepared[name] = Prepared(build_variant(name, stock, mesh, specs), config, args, stock,
+                                params, shardings)
+    except Exception as error:
+      print(f"    {name}: FAILED, not recorded: {type(error).__name__}: {str(error)[:2000]}",
+            flush=True)
+  if not prepared:
+    return
+  samples = interleaved_seconds({n: p.call for n, p in prepared.items()}, reps=args.reps,
+                                rounds=args.rounds, warmup_s=args.warmup_s)
+
+  def add(name, metric, value):
+    print(f"scaling_{name:<20} {label:<18} {metric:<30} {value:10.4g}", flush=True)
+    results.add(f"scaling_{name}", label, metric, value)
+
+  for name, times in samples.items():
+    p = prepared[name]
+    tokens_per_s = p.tokens / statistics.median(times)
+    add(name, "step_ms", statistics.median(times) * 1e3)
+    add(name, "tokens_per_s", tokens_per_s)
+    if name != "bf16" and "bf16" in samples:
+      add(name, "speedup_vs_bf16", speedup(samples["bf16"], times)[0])
+    if config.n == 1:
+      one_device_tps[name] = tokens_per_s
+    baseline = one_device_tps.get(name if name != GATHERED else "fp8_current")
+    if config.n > 1 and baseline:
+      add(name, "scaling_efficiency", tokens_per_s / (config.n * baseline))
+    if config.n > 1:
+      add(name, "all_gather_gib", p.gather_gib)
+      if args.profile_steps:
+        try:
+          for part, ms in profile_ms(p.call, args.profile_steps).items():
+            add(name, f"{part}_ms", ms)
+        except Exception as error:  # the timings are in; a failed profile costs only itself
+          print(f"    {name}: profile FAILED: {type(error).__name__}: {error}", flush=True)
+  del prepared
+  gc.collect()
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+  parser.add_argument("--layers", type=int, default=2)
+  parser.add_argument("--devices", default="2,4,8",
+                      help="comma-separated device counts beside the one-device baseline; "
+                           "counts above the devices present are skipped")
+  parser.add_argument("--batch-per-device", type=int, default=4)
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--layouts", default=",".join(LAYOUTS))
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--attention", choices=("cudnn", "xla"),
+                      help="dot_product_attention's implementation (default: cudnn on a GPU, else xla)")
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--warmup-s", type=float, default=0.25)
+  parser.add_argument("--warmup-steps", type=int, default=2)
+  parser.add_argument("--profile-steps", type=int, default=2)
+  parser.add_argument("--hlo-dir", type=pathlib.Path,
+                      help="write each compiled step's optimized HLO here")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny shape, one layer, 1 x 128 tokens a device, few repetitions (a "
+                           "smoke run: no results file unless --out)")
+  parser.add_argument("--out", help="results file to merge into "
+                                    "(default benchmarks/results/<gpu>/scaling.json)")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.shape, args.layers, args.batch_per_device, args.seq = "tiny", 1, 1, 128
+    args.reps, args.rounds, args.warmup_s, args.warmup_steps = 1, 1, 0.0, 1
+  split = lambda text: [t.strip() for t in text.split(",") if t.strip()]
+  args.layouts, args.variants = split(args.layouts), split(args.variants)
+  for given, known, what in ((args.layouts, LAYOUTS, "layouts"), (args.variants, VARIANTS, "variants")):
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+      parser.error(f"unknown {what} {unknown}; {what} are {list(known)}")
+  try:
+    args.devices = sorted({int(n) for n in split(args.devices)})
+  except ValueError:
+    parser.error(f"--devices {args.devices!r}: comma-separated integers")
+  if args.warmup_steps < 1:
+    parser.error(f"--warmup-steps {args.warmup_steps}: at least one step runs before timing")
+  if args.attention is None:
+    args.attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  devices = jax.devices()
+  device = devices[0]
+  counts = [n for n in args.devices if 1 < n <= len(devices)]
+  skipped = [n for n in args.devices if n > len(devices)]
+  print(f"{len(devices)} x {device.device_kind}, jax {jax.__version__}; jaxquant kernels: "
+        f"{kernels.available() or kernels.unavailable_reason()}; {args.shape}, {args.layers} "
+        f"layers, {args.batch_per_device} x {args.seq} tokens a device; device counts 1 and "
+        f"{counts}" + (f" ({skipped} skipped: {len(devices)} devices)" if skipped else ""),
+        flush=True)
+  results = ResultFile(results_path(args.out, "scaling", device.device_kind, smoke=args.quick),
+                       benchmark="scaling", device=device.device_kind, jax_version=jax.__version__)
+  stock = DecoderStack(SHAPES[args.shape], args.layers, attention=args.attention)
+  params = jax.device_get(step.init_variables(stock, stock.shape.d_model)["params"])
+  one_device_tps: dict[str, float] = {}
+  for config in configs(counts, args.layouts):
+    run_config(config, args.variants, args, stock, params, results, one_device_tps)
+  print("done; " + (f"merged into {results.path}" if results.path else "--quick: no results file"))
+
+
+if __name__ == "__main__":
+  main()

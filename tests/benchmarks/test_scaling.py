@@ -1,0 +1,73 @@
+"""benchmarks/scaling.py on the CPU's fake devices: the all-gather bytes are read from HLO
+as XLA writes it, every param of the stack gets a rule, and a short run records every
+layout and variant, the quantized gather moving fewer bytes than XLA's."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
+import scaling  # noqa: E402
+import step  # noqa: E402
+from step_model import SHAPES, DecoderStack  # noqa: E402
+
+HLO = """
+  %all-gather = f32[256,512]{1,0} all-gather(f32[64,512]{1,0} %p), channel_id=1, dimensions={0}
+  %ags = (bf16[2,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(bf16[2,8]{1,0} %q), dimensions={0}
+  %agd = bf16[8,8]{1,0} all-gather-done((bf16[2,8]{1,0}, bf16[8,8]{1,0}) %ags)
+  %agc = ((u8[2,4]{1,0}, f8e4m3fn[2,2]{1,0}), (u8[8,4]{1,0}, f8e4m3fn[8,2]{1,0})) all-gather-start(u8[2,4]{1,0} %a, f8e4m3fn[2,2]{1,0} %b)
+  %ar = f32[1024]{0} all-reduce(f32[1024]{0} %r), to_apply=%add
+  %fusion = bf16[9,9]{1,0} fusion(bf16[9,9]{1,0} %all-gather.1), kind=kLoop
+"""
+
+
+def test_all_gather_bytes_counts_each_gathered_result_once():
+  # The synchronous gather's result, each start's results (not its operands, nor the
+  # done's); no other collective, nor an op merely named after a gather.
+  assert scaling.all_gather_bytes(HLO) == 256 * 512 * 4 + 8 * 8 * 2 + 8 * 4 + 8 * 2
+
+
+def test_every_param_of_the_stack_has_a_sharding_rule():
+  stock = DecoderStack(SHAPES["tiny"], 2, attention="xla")
+  params = jax.eval_shape(lambda: step.init_variables(stock, stock.shape.d_model))["params"]
+  specs = scaling.param_specs(params)
+  flat = {jax.tree_util.keystr(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
+      specs, is_leaf=lambda s: isinstance(s, P))}
+  assert flat["['layer_1_up_proj']['kernel']"] == P("fsdp", "tensor")
+  assert flat["['layer_0_o_proj']['kernel']"] == P("tensor", "fsdp")
+  assert flat["['layer_0_mlp_norm']['scale']"] == P()
+  assert len(flat) == 2 * 9
+
+
+def test_configs_take_the_layouts_each_device_count_allows():
+  labels = [c.label("8b") for c in scaling.configs([2, 3, 4], list(scaling.LAYOUTS))]
+  assert labels == ["8b one n=1", "8b fsdp n=2", "8b fsdp n=3", "8b fsdp n=4", "8b fsdp_tp n=2",
+                    "8b fsdp_tp n=4"]
+
+
+def test_a_short_run_records_every_layout_and_the_narrower_gather(tmp_path):
+  if len(jax.devices()) < 2:
+    pytest.skip(f"needs 2 devices, {jax.default_backend()} has {len(jax.devices())}")
+  out = tmp_path / "scaling.json"
+  scaling.main(["--quick", "--devices", "2", "--variants", "bf16,fp8_current,fp8_current_gather",
+                "--profile-steps", "1", "--out", str(out)])
+  records = {(r["op"], r["shape"], r["metric"]): r["value"]
+             for r in json.loads(out.read_text())["records"]}
+  for label in ("tiny one n=1", "tiny fsdp n=2", "tiny fsdp_tp n=2"):
+    for variant in ("bf16", "fp8_current"):
+      assert records[f"scaling_{variant}", label, "tokens_per_s"] > 0
+  # The quantized gather runs where weights are split over fsdp, and only there.
+  assert ("scaling_fp8_current_gather", "tiny fsdp n=2", "scaling_efficiency") in records
+  assert not any(op == "scaling_fp8_current_gather" and label != "tiny fsdp n=2"
+                 for op, label, _ in records)
+  gathered = lambda variant: records[f"scaling_{variant}", "tiny fsdp n=2", "all_gather_gib"]
+  # FP8 codes of each usage against XLA's gathers of the weights before they are quantized.
+  assert 0 < gathered("fp8_current_gather") < gathered("fp8_current")
+  for part in ("all_gather", "reduce_scatter", "all_reduce", "compute"):
+    assert records["scaling_fp8_current", "tiny fsdp n=2", f"{part}_ms"] >= 0
