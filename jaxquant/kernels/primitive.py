@@ -37,8 +37,9 @@ class KernelSpec:
   abstract_eval(*avals, config) -> list of ShapedArray; reference(*arrays, config) -> list
   of arrays (the non-CUDA lowering); partition(config, mesh, arg_shapes, result_shape) ->
   (arg_specs, result_specs, local_fn) with local_fn(kernel, *shards) computing one
-  shard's results, kernel(*arrays, **config_changes) the shard's kernel call; sharding_rule(config, arg_shapes, mesh_size) -> (einsum-like rule, kwargs),
-  mesh_size the number of devices (a dim of blocks divisible by it shards evenly on any axes).
+  shard's results, kernel(*arrays) the shard's kernel call; sharding_rule(config,
+  arg_shapes, mesh_size) -> (einsum-like rule, kwargs), mesh_size the number of devices
+  (a dim of blocks divisible by it shards evenly on any axes).
   """
 
   name: str
@@ -94,11 +95,8 @@ def define(spec: KernelSpec) -> Primitive:
   def partition(config, mesh, arg_shapes, result_shape):
     arg_specs, result_specs, local_fn = spec.partition(config, mesh, arg_shapes, result_shape)
     named = lambda s: jax.sharding.NamedSharding(mesh, s)
-    # The shard's kernel call; keyword arguments change fields of its config (a GEMM
-    # summing a split K writes fp32 partial sums, whatever its output dtype).
     lower_fn = lambda *shards: local_fn(
-        lambda *a, **changes: inner.bind(*a, config=dataclasses.replace(config, **changes)),
-        *shards)
+        lambda *a: inner.bind(*a, config=config), *shards)
     # A tuple: custom_partitioning flattens the argument shardings against the operands'
     # tree, a tuple ("Expected tuple" from the fused-dequant GEMM's partition with a list).
     return (mesh, lower_fn, [named(s) for s in result_specs],

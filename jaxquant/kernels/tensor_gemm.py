@@ -6,8 +6,8 @@ the scales to the fp32 sums and writes bf16 or fp32 itself (ffi/gemm/fp8_tensor_
 XLA's dot on f8 operands writes fp32 and converts in a second pass. Elsewhere the lowering
 is the reference: codes to fp32, one fp32 dot, then the scales, then the rounding. Under a
 sharded jit, A's rows (tokens) and B's rows (output features) stay on their devices, and
-a K split alike in both (a weight gradient's tokens) is summed in parts, whose fp32
-partial products the devices add (`_partition`). `fast_accumulation` is cuBLASLt's
+a K split alike in both (a weight gradient's tokens) is summed in parts, whose partial
+products the devices add (`_partition`). `fast_accumulation` is cuBLASLt's
 FAST_ACCUM mode (lt_fp8_gemm.h); the reference's sums are exact with or without it.
 """
 
@@ -57,10 +57,11 @@ def _sharding_rule(config, shapes, mesh_size):
 
 def _partition(config, mesh, arg_shapes, result_shape):
   """Each device multiplies its rows of A by its rows of B. A K split alike in A and B (a
-  weight gradient's tokens, under data parallelism) stays split: each device sums its part
-  of K, in fp32, and the partial products are added across the devices (reduce-scattered
-  where the result is wanted split over the same axes, else all-reduced), then rounded
-  once to the output dtype. A K split otherwise is gathered."""
+  weight gradient's tokens under data parallelism, a row-parallel layer's inputs under
+  tensor parallelism) stays split: each device sums its part of K and the partial
+  products, in the output dtype as XLA's own partitioned dots have theirs, are added
+  across the devices (reduce-scattered where the result is wanted split over the same
+  axes, else all-reduced). A K split otherwise is gathered."""
   (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
   m_axes, n_axes = sharding.gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
                                           m, n, _ROWS_PER_SHARD, _ROWS_PER_SHARD)
@@ -76,12 +77,12 @@ def _partition(config, mesh, arg_shapes, result_shape):
     out_axes[scatter] = out_axes[scatter] + k_axes
 
   def local(kernel, *shards):
-    partial = kernel(*shards, out_dtype="float32")[0]
+    # fp32 partials, rounded once after the sum, double the bytes on the network: tensor
+    # parallelism's all-reduces took 3x bf16's time with them (sharding.md).
+    partial = kernel(*shards)[0]
     if scatter is None:
-      total = jax.lax.psum(partial, k_axes)
-    else:
-      total = jax.lax.psum_scatter(partial, k_axes, scatter_dimension=scatter, tiled=True)
-    return [total.astype(config.out_dtype)]
+      return [jax.lax.psum(partial, k_axes)]
+    return [jax.lax.psum_scatter(partial, k_axes, scatter_dimension=scatter, tiled=True)]
 
   return arg_specs, [sharding.pspec(*out_axes)], local
 
