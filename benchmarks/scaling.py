@@ -2,7 +2,7 @@
 
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/scaling.py \
         [--shape 8b] [--layers 2] [--devices 2,4,8] [--batch-per-device 4 --seq 4096] \
-        [--layouts fsdp,fsdp_tp] [--variants bf16,fp8_current,fp8_current_gather,fp8_delayed] \
+        [--layouts fsdp,fsdp_tp] [--variants NAMES] \
         [--profile-steps 2] [--hlo-dir DIR] [--quick] [--out FILE]
 
 Weak scaling: on n devices the global batch is n x `--batch-per-device` sequences, so every
@@ -22,15 +22,18 @@ Layouts (the mesh has two axes, `fsdp` and `tensor`):
   MLP's hidden units split), the batch over fsdp only. On 2 devices this is pure tensor
   parallelism.
 
-Variants: `bf16` (the stock model), `fp8_current` and `fp8_delayed` (the presets swapped
-in with `quantize_model`; each kernel is quantized where XLA's partitioner places its
-cast) and `fp8_current_gather` (`weight_gather=ModelWeightGather(...)`: each device
-quantizes its shard and the FP8 codes and scales are gathered; only where fsdp > 1).
+Variants (`--variants`, default bf16, fp8_current, fp8_current_gather, fp8_delayed,
+flax_fp8, qwix_fp8_tensor): any of the step benchmark's (step_variants.py: the stock
+model, jaxquant's presets swapped in with `quantize_model`, each kernel quantized where
+XLA's partitioner places its cast, and the peers, Qwix's only where it is installed), and
+`fp8_current_gather` (`weight_gather=ModelWeightGather(...)`: each device quantizes its
+shard and the FP8 codes and scales are gathered; only where fsdp > 1).
 
 Per (layout, n), the variants are compiled, warmed up and timed in interleaved turns
 (timing.py). Records, merged into benchmarks/results/<gpu>/scaling.json, op
 `scaling_<variant>`, shape `"<shape> <layout> n=<n>"` (`"<shape> one n=1"` for the one-device
-baseline): `step_ms`, `tokens_per_s`, `speedup_vs_bf16` (same layout and n),
+baseline): `step_ms`, `tokens_per_s`, `speedup_vs_bf16` and, for jaxquant's variants,
+`speedup_vs_best_peer` (the faster of Flax's and Qwix's, both at the same layout and n),
 `scaling_efficiency`, and for n > 1 `all_gather_gib`: the bytes all-gathered per device and
 step, the results of every all-gather in the compiled step's HLO (bf16 / fp32 / FP8 as XLA
 placed them), and from a profile of `--profile-steps` steps (0: no profile), per step on
@@ -68,8 +71,10 @@ from timing import Call, interleaved_seconds, speedup
 
 FSDP, TENSOR = "fsdp", "tensor"
 LAYOUTS = ("fsdp", "fsdp_tp")
-VARIANTS = ("bf16", "fp8_current", "fp8_current_gather", "fp8_delayed")
 GATHERED = "fp8_current_gather"
+# Any of the step benchmark's variants (step_variants.ORDER), and the quantized gather.
+KNOWN = step_variants.ORDER + (GATHERED,)
+VARIANTS = ("bf16", "fp8_current", GATHERED, "fp8_delayed", "flax_fp8", "qwix_fp8_tensor")
 
 # Kernels [d_model, out] (their GEMM's K is d_model) and [in, d_model].
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -258,6 +263,9 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
   samples = interleaved_seconds({n: p.call for n, p in prepared.items()}, reps=args.reps,
                                 rounds=args.rounds, warmup_s=args.warmup_s)
 
+  peers = [n for n in samples if n in step_variants.PEERS]
+  best_peer = min(peers, key=lambda n: statistics.median(samples[n]), default=None)
+
   def add(name, metric, value):
     print(f"scaling_{name:<20} {label:<18} {metric:<30} {value:10.4g}", flush=True)
     results.add(f"scaling_{name}", label, metric, value)
@@ -269,6 +277,8 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
     add(name, "tokens_per_s", tokens_per_s)
     if name != "bf16" and "bf16" in samples:
       add(name, "speedup_vs_bf16", speedup(samples["bf16"], times)[0])
+    if best_peer and name != best_peer and name not in step_variants.PEERS:
+      add(name, "speedup_vs_best_peer", speedup(samples[best_peer], times)[0])
     if config.n == 1:
       one_device_tps[name] = tokens_per_s
     baseline = one_device_tps.get(name if name != GATHERED else "fp8_current")
@@ -317,7 +327,7 @@ def parse_args(argv=None):
     args.reps, args.rounds, args.warmup_s, args.warmup_steps = 1, 1, 0.0, 1
   split = lambda text: [t.strip() for t in text.split(",") if t.strip()]
   args.layouts, args.variants = split(args.layouts), split(args.variants)
-  for given, known, what in ((args.layouts, LAYOUTS, "layouts"), (args.variants, VARIANTS, "variants")):
+  for given, known, what in ((args.layouts, LAYOUTS, "layouts"), (args.variants, KNOWN, "variants")):
     unknown = sorted(set(given) - set(known))
     if unknown:
       parser.error(f"unknown {what} {unknown}; {what} are {list(known)}")
@@ -327,6 +337,10 @@ def parse_args(argv=None):
     parser.error(f"--devices {args.devices!r}: comma-separated integers")
   if args.warmup_steps < 1:
     parser.error(f"--warmup-steps {args.warmup_steps}: at least one step runs before timing")
+  reason = step_variants.qwix_unavailable_reason()
+  if reason and any(n.startswith("qwix") for n in args.variants):
+    print(f"Qwix variants skipped: {reason}")
+    args.variants = [n for n in args.variants if not n.startswith("qwix")]
   if args.attention is None:
     args.attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
   return args

@@ -10,7 +10,7 @@ fp32 accumulation of scaled 128-deep partial sums) and keeps CUTLASS for what cu
 does not take (no algorithm for the problem). Elsewhere the
 lowering is the reference: dequantize both operands, one fp32 dot. Under a sharded jit,
 A's rows (tokens) and B's rows (output features) stay on their devices when every shard
-holds whole blocks; a sharded K is gathered.
+holds whole blocks, and so does a K split alike in both into whole blocks (`_partition`).
 """
 
 from __future__ import annotations
@@ -61,33 +61,49 @@ _ROWS_PER_SHARD = 16
 
 
 def _sharding_rule(config, shapes, mesh_size):
-  """A's rows (M) and B's rows (N) may be sharded, the contraction (K, and the k-blocks of
-  the scales) may not: each k-block's scales multiply one whole 128-deep partial sum."""
-  (_, _), (n, _) = shapes[0], shapes[1]
-  replicated = ("k", "kb")
+  """A's rows (M) and B's rows (N) may be sharded, and K in whole 128-deep blocks, split
+  alike in both operands and their scales' k-blocks (a reduction): each k-block's scales
+  multiply one whole 128-deep partial sum."""
+  (_, k), (n, _) = shapes[0], shapes[1]
+  replicated = ()
   sizes = {}
+  if k % BLOCK == 0:
+    k_dim = ("kb", "ki")
+    sizes.update(kb=k // BLOCK, ki=BLOCK)
+    replicated += ("ki",)
+  else:  # a partial last block: K stays whole
+    k_dim = "k"
+    replicated += ("k", "kb")
   if config.b_block_rows == 1:
     n_dim, b_scale_rows = "n", "n"
   elif n % BLOCK == 0:  # 128x128 tiles: N = (tiles, rows in a tile)
     n_dim, b_scale_rows = ("nb", "ni"), "nb"
-    sizes = {"nb": n // BLOCK, "ni": BLOCK}
+    sizes.update(nb=n // BLOCK, ni=BLOCK)
   else:  # a partial last tile: B and its scales stay whole
     n_dim, b_scale_rows = "n", "nb"
     replicated += ("n", "nb")
-  operands = [("m", "k"), (n_dim, "k"), ("kb", "m"), ("kb", b_scale_rows)]
-  return sharding.rule(operands, [("m", n_dim)], sizes, need_replication_factors=replicated)
+  operands = [("m", k_dim), (n_dim, k_dim), ("kb", "m"), ("kb", b_scale_rows)]
+  reduced = ("kb",) if k % BLOCK == 0 else ()
+  return sharding.rule(operands, [("m", n_dim)], sizes, need_replication_factors=replicated,
+                       reduction_factors=reduced)
 
 
 def _partition(config, mesh, arg_shapes, result_shape):
-  """Each device multiplies its rows of A by its rows of B; a sharded K is gathered."""
-  (m, _), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
+  """Each device multiplies its rows of A by its rows of B. A K split alike in A and B into
+  whole 128-deep blocks (a weight gradient's tokens under data parallelism) stays split,
+  with the scales of its k-blocks, and the devices' partial products are added
+  (`sharding.split_k_sum`); a K split otherwise is gathered."""
+  (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
   m_axes, n_axes = sharding.gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
                                           m, n, _ROWS_PER_SHARD,
                                           max(config.b_block_rows, _ROWS_PER_SHARD))
-  whole = ()
-  arg_specs = [sharding.pspec(m_axes, whole), sharding.pspec(n_axes, whole),
-               sharding.pspec(whole, m_axes), sharding.pspec(whole, n_axes)]
-  return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
+  k_axes = sharding.gemm_k_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, k, BLOCK)
+  arg_specs = [sharding.pspec(m_axes, k_axes), sharding.pspec(n_axes, k_axes),
+               sharding.pspec(k_axes, m_axes), sharding.pspec(k_axes, n_axes)]
+  if not k_axes:
+    return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
+  out_axes, add = sharding.split_k_sum(mesh, result_shape, k_axes, (m, n), (m_axes, n_axes))
+  return arg_specs, [sharding.pspec(*out_axes)], lambda kernel, *shards: [add(kernel(*shards)[0])]
 
 
 def _workspace_bytes(config, a, b, sfa, sfb):

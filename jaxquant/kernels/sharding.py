@@ -72,22 +72,25 @@ def gemm_k_axes(mesh, a_sharding, b_sharding, k: int, multiple: int) -> tuple[st
   return keep_if_whole(mesh, a_axes, k, multiple)
 
 
-def scatter_dim(mesh, result_shape, axes: tuple[str, ...], dims: tuple[int, ...],
-                out_axes: list[tuple[str, ...]]):
-  """The output dim to reduce-scatter a sum over `axes` along: one the partitioner wants
-  split over exactly those axes (after the axes it already has) and that they divide; None
-  where there is none (the sum is all-reduced)."""
-  wanted = getattr(result_shape, "sharding", None)
-  if isinstance(result_shape, (list, tuple)):
-    wanted = getattr(result_shape[0], "sharding", None) if result_shape else None
-  if wanted is None or not hasattr(wanted, "spec"):
-    return None
-  wanted_axes = spec_axes(wanted, len(dims))
+def split_k_sum(mesh, result_shape, k_axes: tuple[str, ...], dims: tuple[int, int],
+                out_axes: tuple[tuple[str, ...], tuple[str, ...]]):
+  """How a GEMM whose K is split over `k_axes` adds its devices' partial products [M, N]
+  (`dims`, rows split over `out_axes`): (the result's axes per dim, the function of one
+  device's partial product giving its part of the sum). The sum is reduce-scattered along
+  a dim the partitioner wants split over exactly those axes (after the ones it has) and
+  that they divide, else all-reduced; in the partial products' dtype either way, as XLA
+  adds its own partitioned dots' (fp32 partials would double the bytes on the network)."""
+  wanted = getattr(result_shape[0] if isinstance(result_shape, (list, tuple)) and result_shape
+                   else result_shape, "sharding", None)
+  wanted_axes = spec_axes(wanted, 2) if hasattr(wanted, "spec") else [None, None]
   for d, size in enumerate(dims):
-    if (wanted_axes[d] == out_axes[d] + axes
-        and size % (axes_size(mesh, out_axes[d]) * axes_size(mesh, axes)) == 0):
-      return d
-  return None
+    if (wanted_axes[d] == out_axes[d] + k_axes
+        and size % (axes_size(mesh, out_axes[d]) * axes_size(mesh, k_axes)) == 0):
+      axes = list(out_axes)
+      axes[d] = axes[d] + k_axes
+      return axes, lambda partial, d=d: jax.lax.psum_scatter(partial, k_axes,
+                                                              scatter_dimension=d, tiled=True)
+  return list(out_axes), lambda partial: jax.lax.psum(partial, k_axes)
 
 
 def pspec(*dims: tuple[str, ...]) -> P:

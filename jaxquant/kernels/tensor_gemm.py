@@ -71,20 +71,8 @@ def _partition(config, mesh, arg_shapes, result_shape):
                sharding.pspec()]
   if not k_axes:
     return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
-  out_axes = [m_axes, n_axes]
-  scatter = sharding.scatter_dim(mesh, result_shape, k_axes, (m, n), out_axes)
-  if scatter is not None:
-    out_axes[scatter] = out_axes[scatter] + k_axes
-
-  def local(kernel, *shards):
-    # fp32 partials, rounded once after the sum, double the bytes on the network: tensor
-    # parallelism's all-reduces took 3x bf16's time with them (sharding.md).
-    partial = kernel(*shards)[0]
-    if scatter is None:
-      return [jax.lax.psum(partial, k_axes)]
-    return [jax.lax.psum_scatter(partial, k_axes, scatter_dimension=scatter, tiled=True)]
-
-  return arg_specs, [sharding.pspec(*out_axes)], local
+  out_axes, add = sharding.split_k_sum(mesh, result_shape, k_axes, (m, n), (m_axes, n_axes))
+  return arg_specs, [sharding.pspec(*out_axes)], lambda kernel, *shards: [add(kernel(*shards)[0])]
 
 
 tensor_gemm_p = primitive.define(primitive.KernelSpec(

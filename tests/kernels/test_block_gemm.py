@@ -116,8 +116,9 @@ def test_gemm_dispatch_uses_kernel(b_block):
 
 
 # (A spec, B spec, N, B's block rows, A stays row-sharded, B stays row-sharded): rows stay
-# sharded when each shard holds whole 128-row tiles (or 16 rows); a sharded K, a split
-# inside a tile, and one mesh axis on both operands' rows are resharded (None: either).
+# sharded when each shard holds whole 128-row tiles (or 16 rows); a K split in one operand
+# or into partial blocks (K = 384 here), a split inside a tile, and one mesh axis on both
+# operands' rows are resharded (None: either).
 SHARDED_CASES = [
     (("data", None), ("model", None), 512, 128, True, True),
     (("data", None), (None, None), 512, 128, True, None),
@@ -152,7 +153,7 @@ def test_sharded_operands_give_the_unsharded_result(eight_devices, a_spec, b_spe
 def test_partition_keeps_whole_block_rows_sharded(eight_devices, a_spec, b_spec, n,
                                                   b_block_rows, a_kept, b_kept):
   """What each device gets: its rows of A and of B when they split into whole blocks, and
-  the whole of K. (Checked on the partitioner itself: on the CPU, XLA may optimise a
+  the whole of K (which no case splits into whole blocks alike). (Checked on the partitioner itself: on the CPU, XLA may optimise a
   gather of the reference lowering away, which it cannot do around the CUDA kernel.)"""
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = _mesh(eight_devices)
@@ -170,3 +171,43 @@ def test_partition_keeps_whole_block_rows_sharded(eight_devices, a_spec, b_spec,
       assert rows(got) == (want_spec[0] if kept else None), f"{what}: {got}"
   assert rows(tuple(sa_got)[1:]) == rows(a_got) and rows(tuple(sb_got)[1:]) == rows(b_got)
   assert tuple(out) == (rows(a_got), rows(b_got))[:len(tuple(out))]
+
+
+# (A spec, B spec, B's block rows): K = 1024 split alike into whole 128-deep blocks.
+SPLIT_K_CASES = [
+    ((None, "data"), (None, "data"), 1),
+    ((None, "model"), (None, "model"), 128),
+    (("data", "model"), (None, "model"), 1),
+]
+
+
+@pytest.mark.parametrize("a_spec,b_spec,b_block_rows", SPLIT_K_CASES, ids=str)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_split_k_stays_split_and_gives_the_unsharded_result(eight_devices, a_spec, b_spec,
+                                                            b_block_rows, out_dtype):
+  """Each device takes its k-blocks of both operands and of their scales; the partial
+  products are added (in the output dtype: within a bf16 ulp, normwise, where it is bf16)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = _mesh(eight_devices)
+  m, n, k = 256, 512, 1024
+  a, b, sa, sb = codes_and_scales(11, m, n, k, b_block_rows)
+  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(dims, dtype,
+                                                         sharding=NamedSharding(mesh, P(*spec)))
+  config = bg.BlockGemmConfig(b_block_rows=b_block_rows, out_dtype=jnp.dtype(out_dtype).name)
+  # The primitive takes the scales MN-major: [K / 128, M] and [K / 128, N / block rows].
+  arg_shapes = [shape(a.shape, a.dtype, a_spec), shape(b.shape, b.dtype, b_spec),
+                shape(sa.T.shape, jnp.float32, (a_spec[1], a_spec[0])),
+                shape(sb.T.shape, jnp.float32, (b_spec[1], None))]
+  (a_got, b_got, sa_got, sb_got), _, _ = bg._partition(config, mesh, arg_shapes, None)
+  k_of = lambda spec: (tuple(spec) + (None, None))[1]
+  assert k_of(a_got) == k_of(b_got) == a_spec[1]
+  assert tuple(sa_got)[0] == tuple(sb_got)[0] == a_spec[1]
+  run = jax.jit(lambda *args: bg.block_fp8_gemm(*args, b_block_rows=b_block_rows,
+                                                out_dtype=out_dtype))
+  want = np.asarray(run(a, b, sa, sb), np.float64)
+  shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  args = (shard(a, a_spec), shard(b, b_spec), shard(sa, a_spec), shard(sb, (None, b_spec[1])))
+  hlo = run.lower(*args).compile().as_text()
+  assert "all-gather" not in hlo and "all-reduce" in hlo
+  got = np.asarray(run(*args), np.float64)
+  assert relative_error(got, want) <= (1e-6 if out_dtype == jnp.float32 else 2.0 ** -8)
