@@ -212,7 +212,7 @@ class Prepared:
     replicated = NamedSharding(mesh, P())
     tx = optax.adamw(1e-4)
     placed = jax.device_put(params, shardings)
-    opt_state = jax.jit(tx.init, out_shardings=None)(placed)
+    opt_state = jax.jit(tx.init)(placed)
     collections = jax.device_put(step.variant_collections(variant, params, stock.shape.d_model),
                                  replicated)
     x = jax.device_put(

@@ -92,7 +92,7 @@ def _partition(config, mesh, arg_shapes, result_shape):
   """Each device multiplies its rows of A by its rows of B. A K split alike in A and B into
   whole 128-deep blocks (a weight gradient's tokens under data parallelism) stays split,
   with the scales of its k-blocks, and the devices' partial products are added
-  (`sharding.split_k_sum`); a K split otherwise is gathered."""
+  (`sharding.split_k_results`); a K split otherwise is gathered."""
   (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
   m_axes, n_axes = sharding.gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
                                           m, n, _ROWS_PER_SHARD,
@@ -100,10 +100,8 @@ def _partition(config, mesh, arg_shapes, result_shape):
   k_axes = sharding.gemm_k_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, k, BLOCK)
   arg_specs = [sharding.pspec(m_axes, k_axes), sharding.pspec(n_axes, k_axes),
                sharding.pspec(k_axes, m_axes), sharding.pspec(k_axes, n_axes)]
-  if not k_axes:
-    return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
-  out_axes, add = sharding.split_k_sum(mesh, result_shape, k_axes, (m, n), (m_axes, n_axes))
-  return arg_specs, [sharding.pspec(*out_axes)], lambda kernel, *shards: [add(kernel(*shards)[0])]
+  return (arg_specs, *sharding.split_k_results(mesh, result_shape, k_axes, (m, n),
+                                               (m_axes, n_axes)))
 
 
 def _workspace_bytes(config, a, b, sfa, sfb):

@@ -72,25 +72,29 @@ def gemm_k_axes(mesh, a_sharding, b_sharding, k: int, multiple: int) -> tuple[st
   return keep_if_whole(mesh, a_axes, k, multiple)
 
 
-def split_k_sum(mesh, result_shape, k_axes: tuple[str, ...], dims: tuple[int, int],
-                out_axes: tuple[tuple[str, ...], tuple[str, ...]]):
-  """How a GEMM whose K is split over `k_axes` adds its devices' partial products [M, N]
-  (`dims`, rows split over `out_axes`): (the result's axes per dim, the function of one
-  device's partial product giving its part of the sum). The sum is reduce-scattered along
-  a dim the partitioner wants split over exactly those axes (after the ones it has) and
-  that they divide, else all-reduced; in the partial products' dtype either way, as XLA
-  adds its own partitioned dots' (fp32 partials would double the bytes on the network)."""
+def split_k_results(mesh, result_shape, k_axes: tuple[str, ...], dims: tuple[int, int],
+                    out_axes: tuple[tuple[str, ...], tuple[str, ...]]):
+  """The result specs and local function of a GEMM partition whose [M, N] result (`dims`)
+  has its rows split over `out_axes` and whose K is split over `k_axes` (none: each
+  device's product is its part of the result). The devices' partial products are
+  reduce-scattered along a dim the partitioner wants split over exactly those axes (after
+  the ones it has) and that they divide, else all-reduced; in the partial products' dtype
+  either way, as XLA adds its own partitioned dots' (fp32 partials would double the bytes
+  on the network)."""
+  if not k_axes:
+    return [pspec(*out_axes)], lambda kernel, *shards: kernel(*shards)
   wanted = getattr(result_shape[0] if isinstance(result_shape, (list, tuple)) and result_shape
                    else result_shape, "sharding", None)
   wanted_axes = spec_axes(wanted, 2) if hasattr(wanted, "spec") else [None, None]
+  axes, add = list(out_axes), lambda partial: jax.lax.psum(partial, k_axes)
   for d, size in enumerate(dims):
     if (wanted_axes[d] == out_axes[d] + k_axes
         and size % (axes_size(mesh, out_axes[d]) * axes_size(mesh, k_axes)) == 0):
-      axes = list(out_axes)
       axes[d] = axes[d] + k_axes
-      return axes, lambda partial, d=d: jax.lax.psum_scatter(partial, k_axes,
-                                                              scatter_dimension=d, tiled=True)
-  return list(out_axes), lambda partial: jax.lax.psum(partial, k_axes)
+      add = lambda partial, d=d: jax.lax.psum_scatter(partial, k_axes, scatter_dimension=d,
+                                                      tiled=True)
+      break
+  return [pspec(*axes)], lambda kernel, *shards: [add(kernel(*shards)[0])]
 
 
 def pspec(*dims: tuple[str, ...]) -> P:

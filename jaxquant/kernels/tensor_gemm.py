@@ -69,10 +69,8 @@ def _partition(config, mesh, arg_shapes, result_shape):
                                 _K_PER_SHARD)
   arg_specs = [sharding.pspec(m_axes, k_axes), sharding.pspec(n_axes, k_axes), sharding.pspec(),
                sharding.pspec()]
-  if not k_axes:
-    return arg_specs, [sharding.pspec(m_axes, n_axes)], lambda kernel, *shards: kernel(*shards)
-  out_axes, add = sharding.split_k_sum(mesh, result_shape, k_axes, (m, n), (m_axes, n_axes))
-  return arg_specs, [sharding.pspec(*out_axes)], lambda kernel, *shards: [add(kernel(*shards)[0])]
+  return (arg_specs, *sharding.split_k_results(mesh, result_shape, k_axes, (m, n),
+                                               (m_axes, n_axes)))
 
 
 tensor_gemm_p = primitive.define(primitive.KernelSpec(
