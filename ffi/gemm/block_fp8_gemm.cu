@@ -1,6 +1,6 @@
 // The block FP8 GEMM's FFI handler: checks the buffers and dispatches on B's block shape
 // and the output dtype. Problems go to cuBLASLt's block-scaled FP8 GEMM where it takes
-// them (lt_fp8_gemm.h; on the H100 at 8192^3, against bf16: B in 128x128 tiles 1.59-1.61x,
+// them (lt_gemm.h; on the H100 at 8192^3, against bf16: B in 128x128 tiles 1.59-1.61x,
 // 1x128 x 1x128 1.27x, against 1.44x and 1.09x for the CUTLASS kernel, docs/kernels.md);
 // what it declines to the CUTLASS instantiations in block_fp8_gemm_tiles.cu and
 // block_fp8_gemm_rows.cu (see block_fp8_gemm.cuh for the kernel). The call's workspace is a
@@ -10,7 +10,7 @@
 
 #include "block_fp8_gemm.cuh"
 #include "jaxquant/bindings.h"
-#include "lt_fp8_gemm.h"
+#include "lt_gemm.h"
 
 JAXQUANT_BLOCK_FP8_GEMM_INSTANCES(extern, 1)
 JAXQUANT_BLOCK_FP8_GEMM_INSTANCES(extern, 128)
@@ -81,8 +81,8 @@ ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, float* tiles,
   const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3, b_scales};
   // Block scales are applied to each 128-deep block's sums, so cuBLASLt promotes them
   // there: no fast-accumulation mode to ask for.
-  return lt_fp8_gemm(stream, device, gemm_workspace, lt_a, lt_b, d->untyped_data(), td, m, n, k,
-                     /*fast_accumulation=*/false);
+  return lt_gemm(stream, device, gemm_workspace, lt_a, lt_b, /*device_alpha_beta=*/nullptr,
+                 d->untyped_data(), td, m, n, k, /*fast_accumulation=*/false);
 }
 
 ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,

@@ -1,4 +1,4 @@
-// Per-tensor FP8 GEMM through cuBLASLt (lt_fp8_gemm.h): D = (sa * sb) * (A . B^T), A [M, K]
+// Per-tensor FP8 GEMM through cuBLASLt (lt_gemm.h): D = (sa * sb) * (A . B^T), A [M, K]
 // and B [N, K] FP8 codes in their stored (K-major) layout, sa and sb their decode scales
 // (device scalars), D [M, N] bf16 or fp32 rounded once from the fp32 sums.
 //
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "jaxquant/bindings.h"
-#include "lt_fp8_gemm.h"
+#include "lt_gemm.h"
 
 namespace jaxquant {
 namespace {
@@ -47,9 +47,9 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
   const LtOperand lt_a{a.untyped_data(), ta, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sa.typed_data()}};
   const LtOperand lt_b{b.untyped_data(), tb, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sb.typed_data()}};
   // No workspace: the algorithms that need none are as fast for per-tensor scales
-  // (lt_fp8_gemm.cu), and the handler stays safe to trace into XLA's command buffers.
-  auto ran = lt_fp8_gemm(stream, device, Workspace{}, lt_a, lt_b, d->untyped_data(), td,
-                         m, n, k, fast_accumulation);
+  // (lt_gemm.cu), and the handler stays safe to trace into XLA's command buffers.
+  auto ran = lt_gemm(stream, device, Workspace{}, lt_a, lt_b, /*device_alpha_beta=*/nullptr,
+                     d->untyped_data(), td, m, n, k, fast_accumulation);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
     return ffi::Error::Internal("fp8_tensor_gemm: cuBLASLt has no algorithm for M=" +

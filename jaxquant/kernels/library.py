@@ -32,6 +32,7 @@ TARGETS = {
     "jaxquant_block_fp8_gemm": "JaxquantBlockFp8Gemm",
     "jaxquant_dequant_gemm": "JaxquantDequantGemm",
     "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
+    "jaxquant_scaled_bf16_gemm": "JaxquantScaledBf16Gemm",
 }
 # Plain C functions that size a target's workspace, the result buffer its lowering adds
 # (primitive.KernelSpec.workspace_bytes; handlers.h): target -> (symbol, argument types).

@@ -72,6 +72,20 @@ def gemm_k_axes(mesh, a_sharding, b_sharding, k: int, multiple: int) -> tuple[st
   return keep_if_whole(mesh, a_axes, k, multiple)
 
 
+def scaled_gemm_partition(mesh, arg_shapes, result_shape, *, rows_multiple: int,
+                          k_multiple: int):
+  """(arg specs, result specs, local function) of a TN GEMM of A [M, K] and B [N, K] whose
+  other operands are replicated scales: A's and B's rows stay sharded in whole
+  `rows_multiple`s, a K split alike in both in whole `k_multiple`s (`split_k_results`
+  adds the devices' partial products); anything else is gathered."""
+  (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
+  m_axes, n_axes = gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, m, n,
+                                 rows_multiple, rows_multiple)
+  k_axes = gemm_k_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, k, k_multiple)
+  arg_specs = [pspec(m_axes, k_axes), pspec(n_axes, k_axes)] + [pspec()] * (len(arg_shapes) - 2)
+  return (arg_specs, *split_k_results(mesh, result_shape, k_axes, (m, n), (m_axes, n_axes)))
+
+
 def split_k_results(mesh, result_shape, k_axes: tuple[str, ...], dims: tuple[int, int],
                     out_axes: tuple[tuple[str, ...], tuple[str, ...]]):
   """The result specs and local function of a GEMM partition whose [M, N] result (`dims`)

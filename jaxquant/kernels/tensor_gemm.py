@@ -8,7 +8,7 @@ is the reference: codes to fp32, one fp32 dot, then the scales, then the roundin
 sharded jit, A's rows (tokens) and B's rows (output features) stay on their devices, and
 a K split alike in both (a weight gradient's tokens) is summed in parts, whose partial
 products the devices add (`_partition`). `fast_accumulation` is cuBLASLt's
-FAST_ACCUM mode (lt_fp8_gemm.h); the reference's sums are exact with or without it.
+FAST_ACCUM mode (lt_gemm.h); the reference's sums are exact with or without it.
 """
 
 from __future__ import annotations
@@ -62,15 +62,8 @@ def _partition(config, mesh, arg_shapes, result_shape):
   products, in the output dtype as XLA's own partitioned dots have theirs, are added
   across the devices (reduce-scattered where the result is wanted split over the same
   axes, else all-reduced). A K split otherwise is gathered."""
-  (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
-  m_axes, n_axes = sharding.gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
-                                          m, n, _ROWS_PER_SHARD, _ROWS_PER_SHARD)
-  k_axes = sharding.gemm_k_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, k,
-                                _K_PER_SHARD)
-  arg_specs = [sharding.pspec(m_axes, k_axes), sharding.pspec(n_axes, k_axes), sharding.pspec(),
-               sharding.pspec()]
-  return (arg_specs, *sharding.split_k_results(mesh, result_shape, k_axes, (m, n),
-                                               (m_axes, n_axes)))
+  return sharding.scaled_gemm_partition(mesh, arg_shapes, result_shape,
+                                        rows_multiple=_ROWS_PER_SHARD, k_multiple=_K_PER_SHARD)
 
 
 tensor_gemm_p = primitive.define(primitive.KernelSpec(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxquant import kernels
 from jaxquant.formats import Family
-from jaxquant.kernels import block_gemm, fused_dequant, tensor_gemm
+from jaxquant.kernels import bf16_gemm, block_gemm, fused_dequant, tensor_gemm
 from jaxquant.reference import outer_scales, split_scales
 from jaxquant.tensor import QuantizedData
 
@@ -152,13 +152,22 @@ def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32
 
 def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
                            fast_accumulation: bool = False) -> jax.Array:
-  """Each operand's block-scaled values (exact in bf16) from the dequantize kernel, XLA's
-  bf16 GEMM with fp32 accumulation, outer scales in the epilogue. The kernel's result is
+  """Each operand's block-scaled values (exact in bf16) from the dequantize kernel, a bf16
+  GEMM with fp32 accumulation, outer scales in the epilogue. The kernel's result is
   opaque to XLA, which would otherwise fuse the dequantization into a transposing fusion
-  at a quarter of the copy bandwidth (docs/kernels.md)."""
+  at a quarter of the copy bandwidth (docs/kernels.md). Per-tensor outer scales (NVFP4's
+  S_dec) go to jaxquant's cuBLASLt GEMM as its alpha, which rounds the scaled sums
+  to out_dtype itself; XLA's dot takes the rest (no outer scale, or per-token rows)."""
   va = kernels.dequantize_data(a, jnp.bfloat16, block_scales_only=True)
   vb = kernels.dequantize_data(b, jnp.bfloat16, block_scales_only=True)
-  return _bf16_gemm(va, vb, *outer_scales(a, b, s_dec_of=kernels.decode_scale), out_dtype)
+  oa, ob = outer_scales(a, b, s_dec_of=kernels.decode_scale)
+  n, k = vb.shape
+  scalars = [s for s in (oa, ob) if s is not None]
+  if (scalars and all(s.ndim == 0 for s in scalars)
+      and bf16_gemm.unsupported_reason(va.dtype, vb.dtype, n, k, out_dtype) is None):
+    scale = scalars[0] if len(scalars) == 1 else scalars[0] * scalars[1]  # as _epilogue's
+    return bf16_gemm.scaled_bf16_gemm(va, vb, scale, out_dtype=out_dtype)
+  return _bf16_gemm(va, vb, oa, ob, out_dtype)
 
 
 # The dequantize kernel's rule for k.

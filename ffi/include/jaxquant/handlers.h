@@ -24,6 +24,7 @@ JAXQUANT_HANDLER(JaxquantGroupedGemm);
 JAXQUANT_HANDLER(JaxquantBlockFp8Gemm);
 JAXQUANT_HANDLER(JaxquantDequantGemm);
 JAXQUANT_HANDLER(JaxquantFp8TensorGemm);
+JAXQUANT_HANDLER(JaxquantScaledBf16Gemm);
 
 #undef JAXQUANT_HANDLER
 

@@ -1,8 +1,8 @@
-// FP8 GEMMs through cuBLASLt (lt_fp8_gemm.h). Row-major D[m, n] = sum_k A[m, k] B[n, k] is
+// GEMMs through cuBLASLt (lt_gemm.h). Row-major D[m, n] = sum_k A[m, k] B[n, k] is
 // column-major D^T = B^T-op . A, the "TN" form cuBLASLt's FP8 GEMMs require: cuBLAS's
 // first operand is our B (transposed), its second our A, its output column-major [n, m],
 // i.e. our row-major D.
-#include "lt_fp8_gemm.h"
+#include "lt_gemm.h"
 
 #include <algorithm>
 #include <map>
@@ -27,7 +27,7 @@ constexpr uint32_t kMaxOperandAlignment = 256;
 
 ffi::Error lt_error(const char* what, cublasStatus_t status) {
   if (status == CUBLAS_STATUS_SUCCESS) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("cuBLASLt FP8 GEMM: ") + what + ": " +
+  return ffi::Error::Internal(std::string("cuBLASLt GEMM: ") + what + ": " +
                               cublasLtGetStatusString(status));
 }
 
@@ -69,9 +69,10 @@ struct Plan {
 class LtCache {
  public:
   // device, m, n, k, the types of A, B and D, the scale modes of A and B, the alignments of
-  // A, B and D, the most workspace an algorithm may use, and fast accumulation
+  // A, B and D, the most workspace an algorithm may use, fast accumulation, and whether
+  // alpha and beta come from the device
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, uint32_t, uint32_t,
-                         uint32_t, uint64_t, bool>;
+                         uint32_t, uint64_t, bool, bool>;
 
   static LtCache& instance() {
     static LtCache* cache = new LtCache();  // never destroyed: see above
@@ -85,7 +86,7 @@ class LtCache {
     cublasLtHandle_t created;
     const cublasStatus_t status = cublasLtCreate(&created);
     if (status != CUBLAS_STATUS_SUCCESS) {
-      return ffi::Unexpected(ffi::Error::Internal(std::string("cuBLASLt FP8 GEMM: creating the "
+      return ffi::Unexpected(ffi::Error::Internal(std::string("cuBLASLt GEMM: creating the "
                                                               "cuBLASLt handle: ") +
                                                   cublasLtGetStatusString(status)));
     }
@@ -123,7 +124,7 @@ ffi::ErrorOr<void*> workspace_for(const Workspace& workspace, size_t bytes) {
   if (bytes == 0) return static_cast<void*>(nullptr);
   if (bytes > workspace.bytes) {  // the preference's limit: cuBLASLt broke its promise
     return ffi::Unexpected(ffi::Error::Internal(
-        "cuBLASLt FP8 GEMM: an algorithm asked for " + std::to_string(bytes) +
+        "cuBLASLt GEMM: an algorithm asked for " + std::to_string(bytes) +
         " bytes of workspace, more than the " + std::to_string(workspace.bytes) + " given"));
   }
   return workspace.data;
@@ -193,9 +194,10 @@ ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, const Workspace& works
 
 }  // namespace
 
-ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Workspace& given,
-                               const LtOperand& a, const LtOperand& b, void* d, cudaDataType_t td,
-                               int64_t m, int64_t n, int64_t k, bool fast_accumulation) {
+ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace& given,
+                           const LtOperand& a, const LtOperand& b, const float* device_alpha_beta,
+                           void* d, cudaDataType_t td, int64_t m, int64_t n, int64_t k,
+                           bool fast_accumulation) {
   const Workspace workspace = given.after(0);
   LtCache& cache = LtCache::instance();
   auto handle = cache.handle(device);
@@ -207,9 +209,18 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Worksp
   const cublasOperation_t transposed = CUBLAS_OP_T, plain = CUBLAS_OP_N;
   JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, transposed));
   JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_TRANSB, plain));
-  // cuBLAS's first operand is our B.
-  JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b.scales.data));
-  JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.scales.data));
+  // cuBLAS's first operand is our B. bf16 values take no operand scales (cuBLASLt refuses
+  // them for non-FP8 types).
+  if (b.scales.data != nullptr) {
+    JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b.scales.data));
+  }
+  if (a.scales.data != nullptr) {
+    JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.scales.data));
+  }
+  if (device_alpha_beta != nullptr) {
+    JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_POINTER_MODE,
+                               static_cast<int32_t>(CUBLASLT_POINTER_MODE_DEVICE)));
+  }
   if (a.scales.mode != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F ||
       b.scales.mode != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) {
     JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, b.scales.mode));
@@ -227,10 +238,12 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Worksp
   JAXQUANT_LT_UNEXPECTED(lt_error("creating D's layout", cublasLtMatrixLayoutCreate(&raw_ld, td, n, m, n)));
   Layout ld(raw_ld);
 
-  const float alpha = 1.0f, beta = 0.0f;
+  const float host_alpha_beta[2] = {1.0f, 0.0f};
+  const float* alpha_beta = device_alpha_beta != nullptr ? device_alpha_beta : host_alpha_beta;
+  const float *alpha = alpha_beta, *beta = alpha_beta + 1;
   auto run = [&](cublasLtHandle_t h, const Plan& p, void* workspace) {
     return lt_error("running the GEMM",
-                    cublasLtMatmul(h, raw_desc, &alpha, b.data, raw_lb, a.data, raw_la, &beta, d,
+                    cublasLtMatmul(h, raw_desc, alpha, b.data, raw_lb, a.data, raw_la, beta, d,
                                    raw_ld, d, raw_ld, &p.algo, workspace, p.workspace_bytes, stream));
   };
   const uint32_t align_a = alignment_of(a.data), align_b = alignment_of(b.data),
@@ -241,7 +254,8 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Worksp
   // graph finds the timed plan instead of taking the heuristic's first.
   const uint64_t max_workspace = std::min<uint64_t>(workspace.bytes, kLtWorkspaceBytes);
   const LtCache::Key key{device, m, n, k, a.type, b.type, td, a.scales.mode, b.scales.mode,
-                         align_a, align_b, align_d, max_workspace, fast_accumulation};
+                         align_a, align_b, align_d, max_workspace, fast_accumulation,
+                         device_alpha_beta != nullptr};
   Plan plan;
   if (!cache.find(key, plan)) {
     cublasLtMatmulPreference_t raw_pref;
@@ -276,7 +290,7 @@ ffi::ErrorOr<bool> lt_fp8_gemm(cudaStream_t stream, int32_t device, const Worksp
     // times the candidates. (XLA runs a graph's first executions directly: the timing
     // normally happens then.)
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    JAXQUANT_LT_UNEXPECTED(cuda_error("cuBLASLt FP8 GEMM: querying stream capture",
+    JAXQUANT_LT_UNEXPECTED(cuda_error("cuBLASLt GEMM: querying stream capture",
                                       cudaStreamIsCapturing(stream, &capture)));
     if (capture != cudaStreamCaptureStatusNone) {
       plan = Plan{candidates[0].algo, candidates[0].workspaceSize};
