@@ -8,10 +8,10 @@ is the GEMM of MXFP8 / NVFP4 operands that dequantize first with per-tensor oute
 for its consumers to scale and round, twice the bytes of a bf16 result out and back in.
 The kernel's results are the reference's but for the sign of zero: cuBLASLt's epilogue
 writes +0 where the scaled sum is -0 (docs/kernels.md). Elsewhere the lowering is the
-reference: one fp32 dot, the scale, the rounding. Under a
-sharded jit A's and B's rows stay on their devices, and a K split alike in both is summed
-in parts whose scaled partial products the devices add (`sharding.split_k_results`), as
-the per-tensor FP8 GEMM's.
+reference: one fp32 dot, the scale, the rounding. Under a sharded jit A's and B's rows
+stay on their devices, and a K split alike in both is summed in parts whose scaled
+partial products the devices add (`sharding.split_k_results`), as the per-tensor FP8
+GEMM's.
 """
 
 from __future__ import annotations
