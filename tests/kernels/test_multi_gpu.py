@@ -72,17 +72,22 @@ def test_dequantize_takes_shards(mesh, spec):
   assert not _gathers(f.lower(placed).compile().as_text(), "u8", stored.data.shape), "codes gathered"
 
 
-@pytest.mark.parametrize("spec_a,spec_b", [(P("d", None), P()), (P(), P("d", None))],
-                         ids=["data_parallel", "weight_rows"])
-def test_dequantize_first_gemm_takes_shards(mesh, spec_a, spec_b):
-  """The MXFP8 GEMM of more than 32 rows (dequantize kernel, bf16 GEMM) with A's rows
-  (tokens) or B's rows (a column-parallel weight) sharded: one device's result."""
-  q = MXFP8Quantizer()
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("spec_a,spec_b", [(P("d", None), P()), (P(), P("d", None)),
+                                           (P(None, "d"), P(None, "d"))],
+                         ids=["data_parallel", "weight_rows", "split_k"])
+def test_dequantize_first_gemm_takes_shards(mesh, name, spec_a, spec_b):
+  """The MXFP8 / NVFP4 GEMM of more than 32 rows (dequantize kernel, then XLA's bf16 GEMM,
+  or for NVFP4's S_dec the scaled bf16 GEMM) with A's rows (tokens), B's rows (a
+  column-parallel weight) or K alike in both (a weight gradient's tokens) sharded: one
+  device's result."""
+  q = MXFP8Quantizer() if name == "mxfp8" else NVFP4Quantizer()
   a = reference.quantize(random_input(3, (1024, 2048), jnp.bfloat16), q).rowwise
   b = reference.quantize(random_input(4, (512, 2048), jnp.bfloat16), q).rowwise
   f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
   want = np.asarray(f(a, b), np.float64)
-  place = lambda qd, spec: jax.tree.map(lambda t: jax.device_put(t, NamedSharding(mesh, spec)), qd)
+  place = lambda qd, spec: jax.tree.map(  # NVFP4's global amax stays whole
+      lambda t: jax.device_put(t, NamedSharding(mesh, spec if t.ndim == 2 else P())), qd)
   got = np.asarray(f(place(a, spec_a), place(b, spec_b)), np.float64)
   assert relative_error(got, want) <= 1e-5
 
