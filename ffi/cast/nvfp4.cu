@@ -7,6 +7,12 @@
 // rowwise block of 16 spans 16 / kVec consecutive lanes of one row, a columnwise block (16
 // rows of one column) 4 consecutive lanes of a warp, 4 rows each. The RHT is applied to
 // the tile in shared memory, after the rowwise usage has read the original values.
+//
+// The values handler (jaxquant_nvfp4_values) is the same pass writing, instead of codes
+// and scales, each usage's block-scaled values in bf16 (E2M1 times its E4M3 block scale,
+// exact in bf16; S_dec left out), what a GEMM that dequantizes first multiplies: the
+// dequantize kernel's products with `block_scales_only`, bit for bit, with no dequantize
+// pass of their own (kernels/gemm_values.py).
 #include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
@@ -40,7 +46,31 @@ struct Nvfp4Out {
   uint8_t* row_scale;  // [M, K/16] or [M/16, K/16]
   uint8_t* col_data;   // [K, M/2]
   uint8_t* col_scale;  // [K, M/16] or [K/16, M/16]
+  __nv_bfloat16* row_values;  // [M, K], the values kernel's instead of the four above
+  __nv_bfloat16* col_values;  // [K, M]
 };
+
+// The bf16 values of N packed E2M1 codes (nibble i: element i) in a block of scale byte s:
+// the dequantize kernel's block-scales-only products, h * (2^14 s) with h the code times
+// 2^-14 (numerics.cuh), both exact, so the same bits.
+template <int N>
+__device__ __forceinline__ void e2m1_values(uint32_t packed, uint32_t s, __nv_bfloat16* out) {
+  const float multiplier = e4m3_to_float(static_cast<uint8_t>(s)) * 16384.0f;
+  static_assert(N == 4 || N == 8, "one 8- or 16-byte store");
+  uint2 words[N / 4];
+  __nv_bfloat16* v = reinterpret_cast<__nv_bfloat16*>(words);
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    const float2 h = e2m1x2_to_float2_scaled(packed >> (4 * i));
+    v[i] = from_float<__nv_bfloat16>(h.x * multiplier);
+    v[i + 1] = from_float<__nv_bfloat16>(h.y * multiplier);
+  }
+  if constexpr (N == 8) {
+    *reinterpret_cast<uint4*>(out) = make_uint4(words[0].x, words[0].y, words[1].x, words[1].y);
+  } else {
+    *reinterpret_cast<uint2*>(out) = words[0];
+  }
+}
 
 // E2M1 code of v (numerics.cuh) plus its rounding's bias; u is the element's random byte.
 template <bool kSr>
@@ -87,7 +117,7 @@ __device__ __forceinline__ uint32_t nibble_signs(const float (&f)[N]) {
 
 // The options that change the kernel's code are template parameters, so each variant
 // carries only its own registers and branches.
-template <typename T, bool kTile2d, bool kRht, bool kSr, bool kRowScaled>
+template <typename T, bool kTile2d, bool kRht, bool kSr, bool kRowScaled, bool kValues>
 __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kernel(
     const T* __restrict__ x, int64_t M, int64_t K, int strip_shift, Nvfp4Args args,
     Nvfp4Out out) {
@@ -118,9 +148,11 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
   // Output row lengths in bytes (M and K are multiples of 16, so the shifts are exact).
   const int64_t row_bytes = K >> 1, row_scale_bytes = K >> 4;
   const int64_t col_bytes = M >> 1, col_scale_bytes = M >> 4;
+  const bool rowwise = (kValues ? static_cast<void*>(out.row_values) : out.row_data) != nullptr;
+  const bool columnwise = (kValues ? static_cast<void*>(out.col_values) : out.col_data) != nullptr;
 
   auto store_row_scales = [&](TileOrigin first, int tiles) {
-    if (!kTile2d && out.row_data != nullptr) {
+    if (!kTile2d && !kValues && rowwise) {
       store_strip_scales<kBlock>(strip_scales, out.row_scale, M, row_scale_bytes, first,
                                  tiles * kColBlocks);
     }
@@ -156,7 +188,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
         const uint32_t s = nvfp4_scale_byte(t, row_global);
         tile_scale[rb][cb] = static_cast<uint8_t>(s);
         const int64_t mb = o.m0 / kBlock + rb, kb = o.k0 / kBlock + cb;
-        if (mb * kBlock < M && kb * kBlock < K) {
+        if (!kValues && mb * kBlock < M && kb * kBlock < K) {
           if (out.row_scale) out.row_scale[mb * row_scale_bytes + kb] = s;
           if (out.col_scale) out.col_scale[kb * col_scale_bytes + mb] = s;
         }
@@ -164,14 +196,16 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
       __syncthreads();
     }
 
-    if (out.row_data != nullptr) {
+    if (rowwise) {
       constexpr int kLanesPerBlock = kBlock / V;
       const int q = row_pass_chunk(), r_first = row_pass_row(0);
       const int64_t k = o.k0 + q * V;
       const bool k_in = k < K;
       // The pass rows are kCastPassRows apart, so they share one swizzle slot (tile.cuh).
       const Vec16<T>* src = &tile.at(r_first, q);
-      uint8_t* data = out.row_data + (o.m0 + r_first) * row_bytes + (k >> 1);
+      // Codes count half bytes, values whole elements: each advances by its own row length.
+      uint8_t* data = kValues ? nullptr : out.row_data + (o.m0 + r_first) * row_bytes + (k >> 1);
+      __nv_bfloat16* values = kValues ? out.row_values + (o.m0 + r_first) * K + k : nullptr;
       const int in_strip = static_cast<int>(o.k0 / kCastCols<T>) & ((1 << strip_shift) - 1);
       const int scale_byte = in_strip * kColBlocks + q / kLanesPerBlock;
       uint4 bits{};
@@ -198,7 +232,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
             s = nvfp4_scale_byte(a, g);
             enc = row_enc[s];
           }
-          if (q % kLanesPerBlock == 0) strip_scales[r][scale_byte] = s;
+          if (!kValues && q % kLanesPerBlock == 0) strip_scales[r][scale_byte] = s;
         }
         if (k_in && r < rows) {
           // SR: one Philox call per two passes (pass i+1's row is in range only if pass i's is).
@@ -221,16 +255,22 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
             signs = nibble_signs(f);
           }
           const uint32_t packed = g.nan ? 0u : (biased - packed_bias(kE2m1Bias<kSr>, V)) | signs;
-          if constexpr (V == 8) {
+          if constexpr (kValues) {
+            e2m1_values<V>(packed, s, values);
+          } else if constexpr (V == 8) {
             *reinterpret_cast<uint32_t*>(data) = packed;
           } else {
             *reinterpret_cast<uint16_t*>(data) = static_cast<uint16_t>(packed);
           }
         }
-        data += kCastPassRows * row_bytes;
+        if constexpr (kValues) {
+          values += kCastPassRows * K;
+        } else {
+          data += kCastPassRows * row_bytes;
+        }
       }
     }
-    if (out.col_data == nullptr) return;
+    if (!columnwise) return;
 
     if constexpr (kRht) {
       // In place, once the rowwise usage has read the tile: thread c transforms 16-row
@@ -261,8 +301,9 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
     if constexpr (!kTile2d) column_amaxes(c, 4, a);  // every lane takes part
     if (k_first >= K || 4 * lane >= rows) return;
     const int64_t m = o.m0 + 4 * lane;
-    uint8_t* data = out.col_data + k_first * col_bytes + (m >> 1);
-    uint8_t* scale = out.col_scale + k_first * col_scale_bytes + (m >> 4);
+    uint8_t* data = kValues ? nullptr : out.col_data + k_first * col_bytes + (m >> 1);
+    uint8_t* scale = kValues ? nullptr : out.col_scale + k_first * col_scale_bytes + (m >> 4);
+    __nv_bfloat16* values = kValues ? out.col_values + k_first * M + m : nullptr;
     uint4 bits{};
 #pragma unroll
     for (int e = 0; e < V; e += 2) {
@@ -298,14 +339,21 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
       }
       const uint32_t packed =
           col_global.nan ? 0u : (biased - packed_bias(kE2m1Bias<kSr>, 8)) | signs;
-      reinterpret_cast<uint16_t*>(data)[0] = static_cast<uint16_t>(packed);
-      reinterpret_cast<uint16_t*>(data + col_bytes)[0] = static_cast<uint16_t>(packed >> 16);
-      if (!kTile2d && lane % 4 == 0) {
-        scale[0] = s[0];
-        scale[col_scale_bytes] = s[1];
+      if constexpr (kValues) {
+        // Column e's 4 rows, then column e + 1's, each one 8-byte store.
+        e2m1_values<4>(packed, s[0], values);
+        e2m1_values<4>(packed >> 16, s[1], values + M);
+        values += 2 * M;
+      } else {
+        reinterpret_cast<uint16_t*>(data)[0] = static_cast<uint16_t>(packed);
+        reinterpret_cast<uint16_t*>(data + col_bytes)[0] = static_cast<uint16_t>(packed >> 16);
+        if (!kTile2d && lane % 4 == 0) {
+          scale[0] = s[0];
+          scale[col_scale_bytes] = s[1];
+        }
+        data += 2 * col_bytes;
+        scale += 2 * col_scale_bytes;
       }
-      data += 2 * col_bytes;
-      scale += 2 * col_scale_bytes;
     }
   }, store_row_scales);
 }
@@ -314,25 +362,29 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
 
 namespace {
 
-ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_amax,
-                      ffi::AnyBuffer col_amax, ffi::AnyBuffer seed, ffi::RemainingRets rets,
-                      KernelConfig cfg) {
-  int64_t M, K;
-  if (!matrix_dims(x, M, K)) return invalid("nvfp4_cast: x must be rank 2");
-  if (M % kBlock || K % kBlock) return invalid("nvfp4_cast: dims must be multiples of 16");
+// Checks the operands both handlers share; M and K come back.
+ffi::Error check_nvfp4_operands(ffi::AnyBuffer x, ffi::AnyBuffer row_amax, ffi::AnyBuffer col_amax,
+                                ffi::AnyBuffer seed, const KernelConfig& cfg, const std::string& what,
+                                int64_t& M, int64_t& K) {
+  if (!matrix_dims(x, M, K)) return invalid(what + ": x must be rank 2");
+  if (M % kBlock || K % kBlock) return invalid(what + ": dims must be multiples of 16");
   const bool tile_2d = cfg.block_rows == kBlock;
-  if (tile_2d && (cfg.rht || cfg.row_scaled)) return invalid("nvfp4_cast: 16x16 tiles take no RHT or row scales");
+  if (tile_2d && (cfg.rht || cfg.row_scaled)) return invalid(what + ": 16x16 tiles take no RHT or row scales");
   const size_t want_row_amax = cfg.row_scaled ? static_cast<size_t>(M) : 1;
   if (row_amax.element_type() != ffi::DataType::F32 || row_amax.element_count() != want_row_amax ||
       col_amax.element_type() != ffi::DataType::F32 || col_amax.element_count() != 1) {
-    return invalid("nvfp4_cast: global amaxes must be float32 of the expected size");
+    return invalid(what + ": global amaxes must be float32 of the expected size");
   }
   if (cfg.stochastic_rounding && (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 2)) {
-    return invalid("nvfp4_cast: the stochastic-rounding seed must be uint32[2]");
+    return invalid(what + ": the stochastic-rounding seed must be uint32[2]");
   }
-  Nvfp4Out out{};
-  if (auto err = take_cast_results(rets, cfg, "nvfp4_cast", out); err.failure()) return err;
-  if (M == 0 || K == 0) return ffi::Error::Success();
+  return ffi::Error::Success();
+}
+
+template <bool kValues>
+ffi::Error launch_nvfp4(cudaStream_t stream, ffi::AnyBuffer x, int64_t M, int64_t K,
+                        ffi::AnyBuffer row_amax, ffi::AnyBuffer col_amax, ffi::AnyBuffer seed,
+                        const KernelConfig& cfg, const Nvfp4Out& out, const char* what) {
   Nvfp4Args args{};
   args.row_amax = reinterpret_cast<const float*>(row_amax.untyped_data());
   args.col_amax = reinterpret_cast<const float*>(col_amax.untyped_data());
@@ -345,32 +397,72 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
       constexpr size_t smem = kCastStageBytes<T, kStages>;
       CastPlan plan{};
       const cudaError_t err = plan_cast<T>(kernel, M, K, smem, max_strip_shift, plan);
-      if (err != cudaSuccess) return cuda_error("nvfp4_cast: launch plan", err);
+      if (err != cudaSuccess) return cuda_error((std::string(what) + ": launch plan").c_str(), err);
       kernel<<<plan.grid, kCastThreads, smem, stream>>>(xp, M, K, plan.strip_shift, args, out);
-      return cuda_status("nvfp4_cast");
+      return cuda_status(what);
     };
     // kTile2d, kRht, kSr, kRowScaled as template arguments.
     auto variant = [&](auto tile_2d, auto rht) {
       constexpr bool k2d = decltype(tile_2d)::value, kRht = decltype(rht)::value;
       if constexpr (k2d) {
-        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, true, false, true, false>, 0)
-                                       : launch(nvfp4_cast_kernel<T, true, false, false, false>, 0);
+        return cfg.stochastic_rounding
+                   ? launch(nvfp4_cast_kernel<T, true, false, true, false, kValues>, 0)
+                   : launch(nvfp4_cast_kernel<T, true, false, false, false, kValues>, 0);
       } else if (cfg.row_scaled) {
-        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, false, kRht, true, true>)
-                                       : launch(nvfp4_cast_kernel<T, false, kRht, false, true>);
+        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, false, kRht, true, true, kValues>)
+                                       : launch(nvfp4_cast_kernel<T, false, kRht, false, true, kValues>);
       } else {
-        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, false, kRht, true, false>)
-                                       : launch(nvfp4_cast_kernel<T, false, kRht, false, false>);
+        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, false, kRht, true, false, kValues>)
+                                       : launch(nvfp4_cast_kernel<T, false, kRht, false, false, kValues>);
       }
     };
-    if (tile_2d) return variant(std::true_type{}, std::false_type{});
+    if (cfg.block_rows == kBlock) return variant(std::true_type{}, std::false_type{});
     return cfg.rht ? variant(std::false_type{}, std::true_type{})
                    : variant(std::false_type{}, std::false_type{});
   });
+}
+
+ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_amax,
+                      ffi::AnyBuffer col_amax, ffi::AnyBuffer seed, ffi::RemainingRets rets,
+                      KernelConfig cfg) {
+  int64_t M, K;
+  if (auto err = check_nvfp4_operands(x, row_amax, col_amax, seed, cfg, "nvfp4_cast", M, K);
+      err.failure()) {
+    return err;
+  }
+  Nvfp4Out out{};
+  if (auto err = take_cast_results(rets, cfg, "nvfp4_cast", out); err.failure()) return err;
+  if (M == 0 || K == 0) return ffi::Error::Success();
+  return launch_nvfp4<false>(stream, x, M, K, row_amax, col_amax, seed, cfg, out, "nvfp4_cast");
+}
+
+// The cast's operands and attributes; results: the rowwise values [M, K] if `rowwise`,
+// then the columnwise values [K, M] if `columnwise`, bf16 (kernels/gemm_values.py).
+ffi::Error nvfp4_values(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_amax,
+                        ffi::AnyBuffer col_amax, ffi::AnyBuffer seed, ffi::RemainingRets rets,
+                        KernelConfig cfg) {
+  int64_t M, K;
+  if (auto err = check_nvfp4_operands(x, row_amax, col_amax, seed, cfg, "nvfp4_values", M, K);
+      err.failure()) {
+    return err;
+  }
+  Nvfp4Out out{};
+  size_t next = 0;
+  for (auto [wanted, values] : {std::pair{cfg.rowwise, &out.row_values},
+                                std::pair{cfg.columnwise, &out.col_values}}) {
+    if (!wanted) continue;
+    auto result = result_ptr<__nv_bfloat16>(rets, next++);
+    if (!result.has_value()) return invalid("nvfp4_values: missing results");
+    *values = *result;
+  }
+  if (M == 0 || K == 0) return ffi::Error::Success();
+  return launch_nvfp4<true>(stream, x, M, K, row_amax, col_amax, seed, cfg, out, "nvfp4_values");
 }
 
 }  // namespace
 }  // namespace jaxquant
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Cast, jaxquant::nvfp4_cast,
+                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Values, jaxquant::nvfp4_values,
                               jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);

@@ -107,7 +107,7 @@ def _sharding_rule(config: KernelConfig, shapes, mesh_size):
   return sharding.rule(operands, results, sizes, need_replication_factors=replicated)
 
 
-def _partition(config: KernelConfig, mesh, arg_shapes, result_shape):
+def partition(config: KernelConfig, mesh, arg_shapes, result_shape):
   m, k = arg_shapes[0].shape
   mi, ki = _blocks(config)
   m_axes, k_axes = sharding.spec_axes(arg_shapes[0].sharding, 2)
@@ -139,4 +139,4 @@ def _partition(config: KernelConfig, mesh, arg_shapes, result_shape):
 
 cast_p = primitive.define(primitive.KernelSpec(
     name="jaxquant_cast", ffi_target=lambda config: TARGETS[config.format.family], abstract_eval=_abstract_eval,
-    reference=reference_cast, partition=_partition, sharding_rule=_sharding_rule))
+    reference=reference_cast, partition=partition, sharding_rule=_sharding_rule))

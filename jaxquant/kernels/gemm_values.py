@@ -1,31 +1,47 @@
-"""MXFP8 quantized straight to the values a GEMM multiplies, by a kernel.
+"""MXFP8 and NVFP4 quantized straight to the values a GEMM multiplies, by a kernel.
 
-Hopper has no MXFP8 tensor cores: an MXFP8 GEMM there dequantizes each operand to bf16
-(code times its block's 2^(e - 127), exact in bf16) and multiplies those on bf16 tensor
-cores (ops/gemm.py). Where every operand of a layer's GEMMs goes that way, its codes and
-scales are never read but by the dequantize kernel; this primitive casts x and writes the
+Hopper has no MXFP8 or NVFP4 tensor cores: a GEMM of either there dequantizes each
+operand to bf16 (the codes times their block scales, exact in bf16) and multiplies those
+on bf16 tensor cores (ops/gemm.py), NVFP4's global decode scales S_dec applied to the
+sums. Where every operand of a layer's GEMMs goes that way, its codes and scales are
+never read but by the dequantize kernel; these primitives cast x and write the
 dequantized bf16 values of each usage in its stored layout instead (rowwise [M, K],
-columnwise [K, M]): one pass over x and no dequantize pass, the same bits as
-`reference.dequantize_data` of the cast's usage, rounded to bf16. Under a sharded jit each
-device casts its shard where the shard holds whole 32-element blocks.
+columnwise [K, M]): one pass over x and no dequantize pass, the same bits as the dequantize
+kernel's block-scaled values of the cast's usage (`reference.dequantize_data` for MXFP8,
+`reference.nvfp4.dequantize_values` for NVFP4), rounded to bf16. An NVFP4 usage comes
+with the global amax its S_dec is taken from (`ScaledValues`). Under a sharded jit each
+device casts its shard where the shard holds whole blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.core import ShapedArray
 
-from jaxquant.kernels import primitive, sharding
-from jaxquant.kernels.config import ELEMENT_CODES
-from jaxquant.quantizers import MXFP8Quantizer
-from jaxquant.reference import dequantize_data, mxfp8
-from jaxquant.tensor import Usage
+from jaxquant.kernels import cast, primitive, sharding
+from jaxquant.kernels.config import ELEMENT_CODES, KernelConfig, cast_config
+from jaxquant.kernels.quantize import cast_seed, nvfp4_amaxes
+from jaxquant.kernels.reference_cast import reference_cast
+from jaxquant.quantizers import MXFP8Quantizer, NVFP4Quantizer
+from jaxquant.reference import dequantize_data, mxfp8, nvfp4
+from jaxquant.tensor import QuantizedData, Usage
 
 BLOCK = 32  # MXFP8's block, and the kernel's alignment of both dims
+NVFP4_BLOCK = 16  # NVFP4's block (and 16x16 tile), the NVFP4 kernel's alignment
+
+
+class ScaledValues(NamedTuple):
+  """An NVFP4 usage as a GEMM that dequantizes first takes it: the block-scaled values in
+  bf16, in the usage's stored layout, and the global amax (fp32 ()) whose S_dec scales
+  the GEMM's sums."""
+
+  values: jax.Array
+  amax: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,3 +126,84 @@ def mxfp8_values(x2d: jax.Array, quantizer: MXFP8Quantizer, usages) -> dict[Usag
     raise ValueError(f"mxfp8_values: usages must be among rowwise, columnwise, got {usages}")
   config = ValuesConfig(quantizer.element, "rowwise" in usages, "columnwise" in usages)
   return dict(zip(config.usages, values_p.bind(x2d, config=config)))
+
+
+# ---- NVFP4 ----
+
+def _nvfp4_abstract_eval(x, row_amax, col_amax, seed, *, config: KernelConfig):
+  return [ShapedArray(_stored(u, *x.shape), jnp.bfloat16) for u in config.usages]
+
+
+def _nvfp4_reference(x, row_amax, col_amax, seed, *, config: KernelConfig):
+  """The cast's reference, each usage's codes times their block scales, in bf16."""
+  outs = reference_cast(x, row_amax, col_amax, seed, config=config)
+  values = []
+  for i, usage in enumerate(config.usages):
+    amax = row_amax if usage == "rowwise" else col_amax
+    qd = QuantizedData(outs[2 * i], outs[2 * i + 1], amax, config.usage_format(usage))
+    values.append(nvfp4.dequantize_values(qd).astype(jnp.bfloat16))
+  return values
+
+
+def _nvfp4_sharding_rule(config: KernelConfig, shapes, mesh_size):
+  m, k = shapes[0]
+  seed = ("seed",) if config.stochastic_rounding else ()
+  row_amax = lambda M: (M,) if config.format.row_scaled else ()
+  dims = lambda M, K: {"rowwise": (M, K), "columnwise": (K, M)}
+  if (m // NVFP4_BLOCK) % mesh_size or (k // NVFP4_BLOCK) % mesh_size:
+    # Fewer blocks than an even split needs: keep the tensor whole (`_partition` would).
+    return sharding.rule([("m", "k"), row_amax("m"), (), seed],
+                         [dims("m", "k")[u] for u in config.usages], {},
+                         need_replication_factors=("k", "m") + seed)
+  M, K = ("mb", "mi"), ("kb", "ki")
+  sizes = dict(mb=m // NVFP4_BLOCK, mi=NVFP4_BLOCK, kb=k // NVFP4_BLOCK, ki=NVFP4_BLOCK, seed=2)
+  return sharding.rule([(M, K), row_amax(M), (), seed], [dims(M, K)[u] for u in config.usages],
+                       sizes, need_replication_factors=seed)
+
+
+def _nvfp4_partition(config: KernelConfig, mesh, arg_shapes, result_shape):
+  # The cast's partitioning (whole blocks per shard, a random stream per shard), with one
+  # result per usage: the values take their codes' specs.
+  arg_specs, cast_specs, local = cast.partition(config, mesh, arg_shapes, result_shape)
+  return arg_specs, cast_specs[::2], local
+
+
+nvfp4_values_p = primitive.define(primitive.KernelSpec(
+    name="jaxquant_nvfp4_values", ffi_target=lambda config: "jaxquant_nvfp4_values",
+    abstract_eval=_nvfp4_abstract_eval, reference=_nvfp4_reference, partition=_nvfp4_partition,
+    sharding_rule=_nvfp4_sharding_rule))
+
+
+def nvfp4_unsupported_reason(quantizer, rows: int, cols: int, dtype) -> Optional[str]:
+  """Why the NVFP4 values kernel cannot cast an [rows, cols] `dtype` matrix for `quantizer`."""
+  if not isinstance(quantizer, NVFP4Quantizer):
+    return f"the NVFP4 values kernel casts NVFP4 only, got {quantizer!r}"
+  if quantizer.per_token:
+    return "the NVFP4 values kernel takes per-tensor global amaxes, not per_token rows"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    return f"the values kernel takes bfloat16, float16 or float32 input, got {jnp.dtype(dtype).name}"
+  if rows % NVFP4_BLOCK or cols % NVFP4_BLOCK:
+    return (f"the NVFP4 values kernel needs both dims of the [{rows}, {cols}] matrix divisible "
+            f"by {NVFP4_BLOCK}")
+  return None
+
+
+def nvfp4_values(x2d: jax.Array, quantizer: NVFP4Quantizer, usages, *,
+                 key: Optional[jax.Array] = None) -> dict[Usage, ScaledValues]:
+  """{usage: ScaledValues of `quantizer`'s cast of x2d [M, K] for that usage}: the values
+  bit for bit the dequantize kernel's block-scaled ones of the cast (its global amaxes
+  taken as the cast takes them), in bf16; `key` for stochastic rounding."""
+  usages = tuple(usages)
+  reason = (nvfp4_unsupported_reason(quantizer, *jnp.shape(x2d), x2d.dtype) if jnp.ndim(x2d) == 2
+            else f"the values kernel takes a 2-D matrix, got shape {jnp.shape(x2d)}")
+  if reason:
+    raise ValueError(f"nvfp4_values: {reason}")
+  if not usages or set(usages) - {"rowwise", "columnwise"}:
+    raise ValueError(f"nvfp4_values: usages must be among rowwise, columnwise, got {usages}")
+  config = cast_config(quantizer, usages)
+  if config.stochastic_rounding and key is None:
+    raise ValueError(f"nvfp4_values: {quantizer!r} rounds stochastically: pass a PRNG key as key=")
+  row_amax, col_amax = nvfp4_amaxes(x2d, quantizer, usages)
+  values = nvfp4_values_p.bind(x2d, row_amax, col_amax, cast_seed(config, key), config=config)
+  amaxes = {"rowwise": row_amax, "columnwise": col_amax}
+  return {u: ScaledValues(v, amaxes[u]) for u, v in zip(config.usages, values)}

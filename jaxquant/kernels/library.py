@@ -25,6 +25,7 @@ TARGETS = {
     "jaxquant_mxfp8_cast": "JaxquantMxfp8Cast",
     "jaxquant_mxfp8_values": "JaxquantMxfp8Values",
     "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
+    "jaxquant_nvfp4_values": "JaxquantNvfp4Values",
     "jaxquant_nvfp4_decode_scale": "JaxquantNvfp4DecodeScale",
     "jaxquant_delayed_scale": "JaxquantDelayedScale",
     "jaxquant_dequantize": "JaxquantDequantize",

@@ -71,9 +71,9 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
     # w = kernel.T: the weight's usages are cast from the kernel itself where they can be.
     quantize_fn, source = ((quantize_transposed_operand, kernel) if tensor_type == "weight"
                            else (quantize_operand, matrix))
-    if cfg.gemm_values:  # no state, key or gather: MXFP8 has none, takes_gemm_values none
+    if cfg.gemm_values:  # no state or gather: MXFP8 / NVFP4 have none, takes_gemm_values none
       quantize_fn = lambda source, q, usages, key, state, weight=tensor_type == "weight": (
-          gemm_values_operand(source, q, usages, transposed=weight), state)
+          gemm_values_operand(source, q, usages, key=key, transposed=weight), state)
     elif tensor_type == "weight" and cfg.weight_gather is not None:
       # No key: a weight that rounds stochastically is never gathered quantized.
       quantize_fn = lambda kernel, q, usages, key, state: quantize_shards(
@@ -122,7 +122,7 @@ def _grad_output_operands(cfg, dy, key, state):
   if not usages:
     return {u: stored(dy, u) for u in USAGES}, None
   if cfg.gemm_values:
-    return gemm_values_operand(dy, cfg.quantizer("grad_output"), usages), None
+    return gemm_values_operand(dy, cfg.quantizer("grad_output"), usages, key=key), None
   # A zeroed history makes slot 0 of the recorded state exactly this tensor's amax.
   probe = None if state is None else scaling.DelayedScalingState(
       jnp.zeros_like(state.amax_history), state.scale)

@@ -1,7 +1,8 @@
 """The one GEMM dispatch point: C[m, n] = sum_k A[m, k] * B[n, k] ("TN").
 
 Operands are one usage each: a `QuantizedData` in its stored layout (rows x k) or a
-high-precision [rows, k] array. The implementation is chosen from the platform and the pair
+high-precision [rows, k] array; or NVFP4's values as its values kernel writes them
+(kernels/gemm_values.py `ScaledValues`), beside another or MXFP8's bf16 values. The implementation is chosen from the platform and the pair
 of operand families; a kernel is one more entry in `_IMPLEMENTATIONS`, never a branch in
 an op. The reference emulation (dequantize with block scales, fp32 `dot_general`, outer
 scales in the epilogue) serves every pair, mixed ones included, on every platform.
@@ -22,10 +23,11 @@ import jax.numpy as jnp
 from jaxquant import kernels
 from jaxquant.formats import Family
 from jaxquant.kernels import bf16_gemm, block_gemm, fused_dequant, tensor_gemm
-from jaxquant.reference import outer_scales, split_scales
+from jaxquant.kernels.gemm_values import ScaledValues
+from jaxquant.reference import nvfp4, outer_scales, split_scales
 from jaxquant.tensor import QuantizedData
 
-Operand = Union[QuantizedData, jax.Array]
+Operand = Union[QuantizedData, jax.Array, ScaledValues]
 GemmFn = Callable[..., jax.Array]
 
 
@@ -170,6 +172,26 @@ def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.
   return _bf16_gemm(va, vb, oa, ob, out_dtype)
 
 
+def _scaled_values_gemm(a, b, *, out_dtype=jnp.float32, use_kernels: bool = True) -> jax.Array:
+  """`_dequantize_first_gemm` on values the casts wrote (no dequantize pass): NVFP4's
+  `ScaledValues` and MXFP8's bf16 values, in any pairing with at least one NVFP4 side
+  (hybrids). The S_decs from one decode-scale call, their product cuBLASLt's alpha: the
+  same bits. Without kernels: the reference's S_dec and XLA's dot with the scales after
+  the sum."""
+  use_kernels = use_kernels and kernels.available()
+  sides = [(op.values, op.amax) if isinstance(op, ScaledValues) else (op, None) for op in (a, b)]
+  (va, amax_a), (vb, amax_b) = sides
+  amaxes = [amax for amax in (amax_a, amax_b) if amax is not None]
+  s_dec_of = kernels.decode_scale if use_kernels else lambda amax: nvfp4.global_scales(amax)[1]
+  s_dec = iter(s_dec_of(jnp.stack(amaxes)))
+  oa, ob = (None if amax is None else next(s_dec) for amax in (amax_a, amax_b))
+  n, k = vb.shape
+  if use_kernels and bf16_gemm.unsupported_reason(va.dtype, vb.dtype, n, k, out_dtype) is None:
+    scale = oa * ob if oa is not None and ob is not None else oa if oa is not None else ob
+    return bf16_gemm.scaled_bf16_gemm(va, vb, scale, out_dtype=out_dtype)
+  return _scaled_dot(va, vb, oa, ob, out_dtype)
+
+
 # The dequantize kernel's rule for k.
 _DEQUANTIZE_K_MULTIPLE = 16
 
@@ -225,13 +247,22 @@ def gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, fast_accumulation: bo
 
   `fast_accumulation` lets a per-tensor FP8 kernel accumulate in its fast mode (see the
   module docstring). `implementation="reference"` (or JAXQUANT_BACKEND=reference) forces
-  the reference.
+  the reference (for NVFP4 values, `ScaledValues`: XLA's dot of the values).
   """
+  reference = implementation == "reference" or os.environ.get("JAXQUANT_BACKEND") == "reference"
+  if any(isinstance(op, ScaledValues) for op in (a, b)):
+    if any(isinstance(op, QuantizedData) for op in (a, b)):
+      raise TypeError("gemm: NVFP4 values (ScaledValues) multiply NVFP4 or MXFP8 values, not "
+                      f"codes: got {type(a).__name__} and {type(b).__name__}")
+    ka, kb = (op.values.shape[1] if isinstance(op, ScaledValues) else op.shape[1] for op in (a, b))
+    if ka != kb:
+      raise ValueError(f"gemm: contraction dims differ: A has k={ka}, B has k={kb}")
+    return _scaled_values_gemm(a, b, out_dtype=out_dtype, use_kernels=not reference)
   ka = a.stored_shape[1] if isinstance(a, QuantizedData) else a.shape[1]
   kb = b.stored_shape[1] if isinstance(b, QuantizedData) else b.shape[1]
   if ka != kb:
     raise ValueError(f"gemm: contraction dims differ: A has k={ka}, B has k={kb}")
-  if implementation == "reference" or os.environ.get("JAXQUANT_BACKEND") == "reference":
+  if reference:
     return reference_gemm(a, b, out_dtype=out_dtype)
   fn = _select(jax.default_backend(), _family(a), _family(b))
   return fn(a, b, out_dtype=out_dtype, fast_accumulation=fast_accumulation)

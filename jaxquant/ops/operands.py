@@ -31,7 +31,7 @@ from jaxquant.formats import Family
 from jaxquant.kernels import gemm_values
 from jaxquant.ops.gemm import dequantizes_first
 # kernels where they run, else the reference
-from jaxquant.ops.quantize import quantize, resolve_implementation, uses_kernels
+from jaxquant.ops.quantize import cast_groups, quantize, resolve_implementation, uses_kernels
 from jaxquant.quantizers import (BASE_QUANTIZER_TYPES, QUANTIZER_TYPES, MXFP8Quantizer,
                                  NVFP4Quantizer, Quantizer, for_usage, needs_key, needs_state)
 from jaxquant.roles import TENSOR_TYPES
@@ -170,32 +170,64 @@ def quantize_transposed_operand(matrix: jax.Array, quantizer: Optional[Quantizer
   return {u: operands[_OTHER_USAGE[u]] for u in usages}, new_state
 
 
+def _values_family(quantizer: Optional[Quantizer]) -> Optional[Family]:
+  """The family a values kernel casts `quantizer` (a base quantizer) to: MXFP8, NVFP4 with
+  per-tensor global amaxes (no per_token), else None."""
+  if type(quantizer) is MXFP8Quantizer:
+    return Family.MXFP8
+  if type(quantizer) is NVFP4Quantizer and not quantizer.per_token:
+    return Family.NVFP4
+  return None
+
+
 def takes_gemm_values(quantizers: Mapping[str, Optional[Quantizer]], backward: str,
                       m: int, k: int, n: int) -> bool:
   """Whether a linear layer's operands are cast straight to the bf16 values its GEMMs
-  multiply (kernels.mxfp8_values) instead of to codes and scales: every role MXFP8, all
-  three GEMMs quantized, each one dequantizing first on this platform (ops.gemm), and
-  dims the values kernel takes (its dtypes are those `dense` accepts). The GEMM inputs are
-  the same bits; what the backward pass keeps is bf16 values instead of 8-bit codes."""
-  if backward != "quantized" or not all(type(quantizers.get(t)) is MXFP8Quantizer
-                                          for t in TENSOR_TYPES):
+  multiply (kernels/gemm_values.py) instead of to codes and scales: every usage of every
+  role MXFP8 or NVFP4 with per-tensor global amaxes (no per_token; hybrids of the two
+  too), all three GEMMs quantized, each one dequantizing first on this platform
+  (ops.gemm), and dims the values kernels take (their dtypes are those `dense` accepts).
+  The GEMM inputs are the same bits; what the backward pass keeps is bf16 values instead
+  of 8- or 4-bit codes."""
+  if backward != "quantized" or not uses_kernels():
     return False
-  if not uses_kernels() or any(d % gemm_values.BLOCK for d in (m, k, n)):
+  family = {(t, u): _values_family(for_usage(quantizers.get(t), u))
+            for t in TENSOR_TYPES for u in USAGES}
+  if None in family.values():
     return False
-  mxfp8 = Family.MXFP8
-  # (A rows, B rows, k) of fprop, dgrad and wgrad.
-  return all(dequantizes_first(mxfp8, mxfp8, ra, rb, kk) for ra, rb, kk in
-             ((m, n, k), (m, k, n), (k, n, m)))
+  block = max(gemm_values.BLOCK if f is Family.MXFP8 else gemm_values.NVFP4_BLOCK
+              for f in family.values())
+  if any(d % block for d in (m, k, n)):
+    return False
+  # (A, B, A rows, B rows, k) of fprop, dgrad and wgrad.
+  gemms = ((("input", "rowwise"), ("weight", "rowwise"), m, n, k),
+           (("grad_output", "rowwise"), ("weight", "columnwise"), m, k, n),
+           (("input", "columnwise"), ("grad_output", "columnwise"), k, n, m))
+  return all(dequantizes_first(family[a], family[b], ra, rb, kk) for a, b, ra, rb, kk in gemms)
 
 
-def gemm_values_operand(matrix: jax.Array, quantizer: MXFP8Quantizer, usages, *,
-                        transposed: bool = False) -> dict:
-  """{usage: bf16 values} of `matrix` (or, `transposed`, of matrix.T cast from matrix as it
-  is, as `quantize_transposed_operand` does: MXFP8 treats both usages alike)."""
-  if not transposed:
-    return gemm_values.mxfp8_values(matrix, quantizer, usages)
-  values = gemm_values.mxfp8_values(matrix, quantizer, _swapped(usages))
-  return {u: values[_OTHER_USAGE[u]] for u in usages}
+def gemm_values_operand(matrix: jax.Array, quantizer: Quantizer, usages, *,
+                        key: Optional[jax.Array] = None, transposed: bool = False) -> dict:
+  """{usage: the values the GEMM multiplies} of `matrix`: bf16 values (MXFP8) or
+  `ScaledValues` (NVFP4; `key` for stochastic rounding), one cast per distinct base
+  quantizer (a hybrid's two usages: two). `transposed`: of matrix.T, each usage cast from
+  matrix as it is where its quantizer treats both usages alike, as
+  `quantize_transposed_operand` does."""
+  def cast(source, base, wanted):
+    if isinstance(base, NVFP4Quantizer):
+      return gemm_values.nvfp4_values(source, base, wanted, key=key)
+    return gemm_values.mxfp8_values(source, base, wanted)
+
+  operands = {}
+  for base, group in cast_groups(quantizer, tuple(usages)):
+    if not transposed:
+      operands.update(cast(matrix, base, group))
+    elif not treats_usages_alike(base):
+      operands.update(cast(matrix.T, base, group))
+    else:
+      values = cast(matrix, base, _swapped(group))
+      operands.update({u: values[_OTHER_USAGE[u]] for u in group})
+  return operands
 
 
 def dequantized(operand, usage: Usage) -> jax.Array:

@@ -153,6 +153,15 @@ def mxfp8_values(impl, x):  # the CPU lowering is the reference
 
 check("mxfp8_values", mxfp8_values, lambda seed: (random_input(seed, (512, 1024), jnp.bfloat16),))
 print("mxfp8_values ok", flush=True)
+
+
+def nvfp4_values(impl, x):  # the CPU lowering is the reference
+  values = gemm_values.nvfp4_values(x * 2, QUANTIZERS["nvfp4_rht"], ("rowwise", "columnwise"))
+  return {u: (v.values.astype(jnp.float32) + 1, v.amax) for u, v in values.items()}
+
+
+check("nvfp4_values", nvfp4_values, lambda seed: (random_input(seed, (512, 1024), jnp.bfloat16),))
+print("nvfp4_values ok", flush=True)
 '''
 
 # Every cast family (amax, dequantize and the RHT, 16x16 and per-token variants included).
@@ -171,5 +180,5 @@ def test_kernels_replay_from_command_buffers():
   assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
   done = NAMES + ["fp8_tensor_gemm", "block_fp8_gemm_block_128x128", "block_fp8_gemm_block_1x128",
                   "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn", "dequant_gemm",
-                  "mxfp8_values"]
+                  "mxfp8_values", "nvfp4_values"]
   assert run.stdout.split() == [w for name in done for w in (name, "ok")]

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jaxquant
 from jaxquant import kernels, reference
 from jaxquant.ops import gemm as gemm_ops
-from jaxquant.kernels import grouped
+from jaxquant.kernels import gemm_values, grouped
 from jaxquant.quantizers import BlockFloat8Quantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 from kernel_cases import (BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, assert_same_bits, random_input,
                           relative_error)
@@ -58,6 +58,19 @@ def test_cast_takes_shards(mesh, name, spec):
   xs = jax.device_put(x, NamedSharding(mesh, spec))
   f = jax.jit(lambda x: kernels.quantize_usages(x, quantizer, BOTH))
   assert_same_bits(f(xs), want, f"{name} sharded {spec}")
+  assert not _gathers(f.lower(xs).compile().as_text(), "bf16", x.shape), "input gathered"
+
+
+@pytest.mark.parametrize("spec", [P("d", None), P(None, "d")], ids=str)
+def test_nvfp4_values_take_shards(mesh, spec):
+  """The NVFP4 values kernel (the RHT's columnwise usage too) on each device's shard, with
+  the global amaxes: one device's bits, and the input never gathered."""
+  quantizer = NVFP4Quantizer(rht=True)
+  x = random_input(1, (1024, 2048), jnp.bfloat16)
+  f = jax.jit(lambda x: gemm_values.nvfp4_values(x, quantizer, BOTH))
+  want = f(x)
+  xs = jax.device_put(x, NamedSharding(mesh, spec))
+  assert_same_bits(f(xs), want, f"sharded {spec}")
   assert not _gathers(f.lower(xs).compile().as_text(), "bf16", x.shape), "input gathered"
 
 

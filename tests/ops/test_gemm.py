@@ -68,3 +68,20 @@ def test_bf16_route_matches_reference(name):
   # Same products, fp32 sums in another order: relative to each row's norm.
   err = jnp.linalg.norm(narrow - wide, axis=1) / jnp.linalg.norm(wide, axis=1)
   assert float(err.max()) <= 1e-5
+
+
+def test_values_operands_take_values_only():
+  """NVFP4 values (`ScaledValues`) multiply values (NVFP4's, or MXFP8's bf16), never codes,
+  and the contraction dims must agree; the reference route is XLA's dot of the values with
+  the S_decs after the sum."""
+  from jaxquant.kernels.gemm_values import ScaledValues, nvfp4_values
+  x = _wide_range_matrix(3)
+  a = nvfp4_values(x, NVFP4Quantizer(), ("rowwise",))["rowwise"]
+  codes = _quantize_rowwise(x, NVFP4Quantizer())
+  with pytest.raises(TypeError, match="multiply NVFP4 or MXFP8 values, not codes"):
+    gemm_lib.gemm(a, codes)
+  with pytest.raises(ValueError, match="contraction dims differ: A has k=256, B has k=128"):
+    gemm_lib.gemm(a, ScaledValues(a.values[:, :128], a.amax))
+  got = gemm_lib.gemm(a, a, implementation="reference")
+  want = gemm_lib.reference_gemm(codes, codes)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)

@@ -17,6 +17,7 @@ JAXQUANT_HANDLER(JaxquantFp8BlockCast);
 JAXQUANT_HANDLER(JaxquantMxfp8Cast);
 JAXQUANT_HANDLER(JaxquantMxfp8Values);
 JAXQUANT_HANDLER(JaxquantNvfp4Cast);
+JAXQUANT_HANDLER(JaxquantNvfp4Values);
 JAXQUANT_HANDLER(JaxquantNvfp4DecodeScale);
 JAXQUANT_HANDLER(JaxquantDelayedScale);
 JAXQUANT_HANDLER(JaxquantDequantize);
