@@ -8,6 +8,7 @@ and never gather their input, GEMMs match one device's result.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -146,12 +147,22 @@ def test_grouped_gemm_with_sharded_tokens(mesh):
   assert relative_error(got, want) <= BF16_MMA_TOLERANCE
 
 
-@pytest.mark.parametrize("recipe", [jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8],
-                         ids=lambda r: r.name)
+def _nvfp4_rounding_to_nearest(role):
+  """The nvfp4 recipe without stochastic rounding: each device's random stream differs
+  from one device's, rounding to nearest is the same on any sharding."""
+  q = jaxquant.recipes.nvfp4_factory(role)
+  return dataclasses.replace(q, stochastic_rounding=False)
+
+
+@pytest.mark.parametrize("recipe", [
+    jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8,
+    jaxquant.recipes.CustomRecipe(_nvfp4_rounding_to_nearest, name="nvfp4_rne")],
+    ids=lambda r: r.name)
 def test_dense_training_step_data_parallel(mesh, recipe):
   """Forward and backward of `dense` with the tokens sharded: per-tensor amaxes are global
   (pmax in the cast's partition), so every quantized value is one device's, and the
-  outputs and gradients match one device's up to the sums' order (bf16 outputs)."""
+  outputs and gradients match one device's up to the sums' order (bf16 outputs). (mxfp8
+  and nvfp4_rne cast straight to the values their GEMMs multiply.)"""
   x = random_input(5, (1024, 512), jnp.bfloat16)
   kernel = (random_input(6, (512, 256), jnp.bfloat16) * 0.05).astype(jnp.bfloat16)
 
