@@ -74,17 +74,23 @@ def _reference(x, *, config: ValuesConfig):
           for u in config.usages]
 
 
-def _sharding_rule(config: ValuesConfig, shapes, mesh_size):
-  m, k = shapes[0]
-  if (m // BLOCK) % mesh_size or (k // BLOCK) % mesh_size:
-    # Fewer blocks than an even split needs: keep the tensor whole (`_partition` would).
-    dims = {"rowwise": ("m", "k"), "columnwise": ("k", "m")}
-    return sharding.rule([("m", "k")], [dims[u] for u in config.usages], {},
-                         need_replication_factors=("k", "m"))
-  M, K = ("mb", "mi"), ("kb", "ki")
+def _values_rule(usages, m: int, k: int, block: int, mesh_size: int,
+                 more_operands=lambda M: [], replicated: tuple = ()):
+  """The Shardy rule of a values cast: x [M, K] (then `more_operands(M)`) to each usage's
+  values in its stored layout, M and K split only into whole blocks."""
+  whole = (m // block) % mesh_size or (k // block) % mesh_size
+  # Fewer blocks than an even split needs: keep the tensor whole (the partitions would).
+  M, K = ("m", "k") if whole else (("mb", "mi"), ("kb", "ki"))
   dims = {"rowwise": (M, K), "columnwise": (K, M)}
-  sizes = dict(mb=m // BLOCK, mi=BLOCK, kb=k // BLOCK, ki=BLOCK)
-  return sharding.rule([(M, K)], [dims[u] for u in config.usages], sizes)
+  operands, results = [(M, K), *more_operands(M)], [dims[u] for u in usages]
+  if whole:
+    return sharding.rule(operands, results, {}, need_replication_factors=("k", "m") + replicated)
+  sizes = dict(mb=m // block, mi=block, kb=k // block, ki=block)
+  return sharding.rule(operands, results, sizes, need_replication_factors=replicated)
+
+
+def _sharding_rule(config: ValuesConfig, shapes, mesh_size):
+  return _values_rule(config.usages, *shapes[0], BLOCK, mesh_size)
 
 
 def _partition(config: ValuesConfig, mesh, arg_shapes, result_shape):
@@ -146,19 +152,10 @@ def _nvfp4_reference(x, row_amax, col_amax, seed, *, config: KernelConfig):
 
 
 def _nvfp4_sharding_rule(config: KernelConfig, shapes, mesh_size):
-  m, k = shapes[0]
+  # The row amax ([M] per token, else a scalar), the column amax, the seed (replicated).
   seed = ("seed",) if config.stochastic_rounding else ()
-  row_amax = lambda M: (M,) if config.format.row_scaled else ()
-  dims = lambda M, K: {"rowwise": (M, K), "columnwise": (K, M)}
-  if (m // NVFP4_BLOCK) % mesh_size or (k // NVFP4_BLOCK) % mesh_size:
-    # Fewer blocks than an even split needs: keep the tensor whole (`_partition` would).
-    return sharding.rule([("m", "k"), row_amax("m"), (), seed],
-                         [dims("m", "k")[u] for u in config.usages], {},
-                         need_replication_factors=("k", "m") + seed)
-  M, K = ("mb", "mi"), ("kb", "ki")
-  sizes = dict(mb=m // NVFP4_BLOCK, mi=NVFP4_BLOCK, kb=k // NVFP4_BLOCK, ki=NVFP4_BLOCK, seed=2)
-  return sharding.rule([(M, K), row_amax(M), (), seed], [dims(M, K)[u] for u in config.usages],
-                       sizes, need_replication_factors=seed)
+  more = lambda M: [(M,) if config.format.row_scaled else (), (), seed]
+  return _values_rule(config.usages, *shapes[0], NVFP4_BLOCK, mesh_size, more, seed)
 
 
 def _nvfp4_partition(config: KernelConfig, mesh, arg_shapes, result_shape):

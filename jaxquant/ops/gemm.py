@@ -2,9 +2,9 @@
 
 Operands are one usage each: a `QuantizedData` in its stored layout (rows x k) or a
 high-precision [rows, k] array; or NVFP4's values as its values kernel writes them
-(kernels/gemm_values.py `ScaledValues`), beside another or MXFP8's bf16 values. The implementation is chosen from the platform and the pair
-of operand families; a kernel is one more entry in `_IMPLEMENTATIONS`, never a branch in
-an op. The reference emulation (dequantize with block scales, fp32 `dot_general`, outer
+(kernels/gemm_values.py `ScaledValues`), beside another or MXFP8's bf16 values. The
+implementation is chosen from the platform and the pair of operand families; a kernel is
+one more entry in `_IMPLEMENTATIONS`, never a branch in an op. The reference emulation (dequantize with block scales, fp32 `dot_general`, outer
 scales in the epilogue) serves every pair, mixed ones included, on every platform.
 
 Every implementation takes `fast_accumulation`: leave to the kernel the promotion of FP8
@@ -187,7 +187,8 @@ def _scaled_values_gemm(a, b, *, out_dtype=jnp.float32, use_kernels: bool = True
   oa, ob = (None if amax is None else next(s_dec) for amax in (amax_a, amax_b))
   n, k = vb.shape
   if use_kernels and bf16_gemm.unsupported_reason(va.dtype, vb.dtype, n, k, out_dtype) is None:
-    scale = oa * ob if oa is not None and ob is not None else oa if oa is not None else ob
+    scalars = [s for s in (oa, ob) if s is not None]
+    scale = scalars[0] if len(scalars) == 1 else scalars[0] * scalars[1]  # as _epilogue's
     return bf16_gemm.scaled_bf16_gemm(va, vb, scale, out_dtype=out_dtype)
   return _scaled_dot(va, vb, oa, ob, out_dtype)
 
