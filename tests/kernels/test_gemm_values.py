@@ -135,8 +135,9 @@ def test_nvfp4_reference_lowering_matches_oracle(name, dt):
 
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4_16x16"])
 def test_nvfp4_one_device_eight_devices_and_vmap(eight_devices, name):
-  # Without RHT: the RHT's reference (a fori_loop) crashes XLA:CPU under a partitioned
-  # jit whatever the primitive (the amax and cast primitives too).
+  # Without RHT: the reference RHT's exact-arithmetic host callback does not run in a
+  # program sharded over fake CPU devices (docs/sharding.md, "Limits"); test_multi_gpu.py
+  # shards the RHT on GPUs.
   quantizer = NVFP4_CASES[name]
   x = random_input(5, (256, 512), jnp.bfloat16)
   run = jax.jit(lambda x: nvfp4_values(x, quantizer, USAGES))
