@@ -163,9 +163,16 @@ def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.
   va = kernels.dequantize_data(a, jnp.bfloat16, block_scales_only=True)
   vb = kernels.dequantize_data(b, jnp.bfloat16, block_scales_only=True)
   oa, ob = outer_scales(a, b, s_dec_of=kernels.decode_scale)
+  return _outer_scaled_bf16_gemm(va, vb, oa, ob, out_dtype)
+
+
+def _outer_scaled_bf16_gemm(va, vb, oa, ob, out_dtype, use_kernel: bool = True) -> jax.Array:
+  """bf16 values with their outer scales (None, scalars, or per-token rows): per-tensor
+  scales as the alpha of jaxquant's cuBLASLt GEMM, which rounds the scaled sums to
+  out_dtype itself; XLA's dot takes the rest."""
   n, k = vb.shape
   scalars = [s for s in (oa, ob) if s is not None]
-  if (scalars and all(s.ndim == 0 for s in scalars)
+  if (use_kernel and scalars and all(s.ndim == 0 for s in scalars)
       and bf16_gemm.unsupported_reason(va.dtype, vb.dtype, n, k, out_dtype) is None):
     scale = scalars[0] if len(scalars) == 1 else scalars[0] * scalars[1]  # as _epilogue's
     return bf16_gemm.scaled_bf16_gemm(va, vb, scale, out_dtype=out_dtype)
@@ -185,12 +192,7 @@ def _scaled_values_gemm(a, b, *, out_dtype=jnp.float32, use_kernels: bool = True
   s_dec_of = kernels.decode_scale if use_kernels else lambda amax: nvfp4.global_scales(amax)[1]
   s_dec = iter(s_dec_of(jnp.stack(amaxes)))
   oa, ob = (None if amax is None else next(s_dec) for amax in (amax_a, amax_b))
-  n, k = vb.shape
-  if use_kernels and bf16_gemm.unsupported_reason(va.dtype, vb.dtype, n, k, out_dtype) is None:
-    scalars = [s for s in (oa, ob) if s is not None]
-    scale = scalars[0] if len(scalars) == 1 else scalars[0] * scalars[1]  # as _epilogue's
-    return bf16_gemm.scaled_bf16_gemm(va, vb, scale, out_dtype=out_dtype)
-  return _scaled_dot(va, vb, oa, ob, out_dtype)
+  return _outer_scaled_bf16_gemm(va, vb, oa, ob, out_dtype, use_kernel=use_kernels)
 
 
 # The dequantize kernel's rule for k.
