@@ -45,20 +45,31 @@ def per_variant(lines) -> list[dict]:
     elif (match := _PHASE.search(line)) and match.group(2) == STEP_MODULE:
       phases[match.group(1)] = float(match.group(3)) * _SECONDS[match.group(4)]
     elif (match := _COMPILED.match(line)) and match.group(1) == compiling:
-      variants.append({"variant": compiling, "compile_s": float(match.group(2)),
-                       "phases": phases, "passes": passes})
+      variants.append(
+        {
+          "variant": compiling,
+          "compile_s": float(match.group(2)),
+          "phases": phases,
+          "passes": passes,
+        }
+      )
       compiling = None
   return variants
 
 
 def table(variants: list[dict], top: int) -> str:
-  rows = ["| variant | compile (s) | RunHloPasses (s) | RunBackend (s) | passes summed (s) | "
-          "slowest passes (s) |", "| --- | --- | --- | --- | --- | --- |"]
+  rows = [
+    "| variant | compile (s) | RunHloPasses (s) | RunBackend (s) | passes summed (s) | "
+    "slowest passes (s) |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
   for v in variants:
     slowest = ", ".join(f"{name} {t:.2f}" for name, t in v["passes"].most_common(top))
     phase = lambda name: f"{v['phases'][name]:.2f}" if name in v["phases"] else "-"
-    rows.append(f"| {v['variant']} | {v['compile_s']:.1f} | {phase('RunHloPasses')} | "
-                f"{phase('RunBackend')} | {sum(v['passes'].values()):.2f} | {slowest} |")
+    rows.append(
+      f"| {v['variant']} | {v['compile_s']:.1f} | {phase('RunHloPasses')} | "
+      f"{phase('RunBackend')} | {sum(v['passes'].values()):.2f} | {slowest} |"
+    )
   return "\n".join(rows)
 
 

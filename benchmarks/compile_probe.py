@@ -30,7 +30,6 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import optax
-
 import step
 import step_variants
 from step_model import SHAPES, DecoderStack
@@ -61,9 +60,9 @@ def _no_fold_in():
 
 # name: (variant -> variant, context while tracing)
 SUSPECTS = {
-    "delayed_update": (_keep_state, contextlib.nullcontext),
-    "role_keys": (lambda variant: variant, _module_key_for_every_role),
-    "fold_in": (lambda variant: variant, _no_fold_in),
+  "delayed_update": (_keep_state, contextlib.nullcontext),
+  "role_keys": (lambda variant: variant, _module_key_for_every_role),
+  "fold_in": (lambda variant: variant, _no_fold_in),
 }
 
 
@@ -119,10 +118,14 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shape", default="1b", choices=sorted(TOKENS))
   parser.add_argument("--layers", type=int, default=2)
-  parser.add_argument("--only", default=",".join(step_variants.ORDER),
-                      help="comma-separated variants (step_variants.ORDER)")
-  parser.add_argument("--suspects", default=",".join(SUSPECTS),
-                      help=f"comma-separated, of {list(SUSPECTS)}")
+  parser.add_argument(
+    "--only",
+    default=",".join(step_variants.ORDER),
+    help="comma-separated variants (step_variants.ORDER)",
+  )
+  parser.add_argument(
+    "--suspects", default=",".join(SUSPECTS), help=f"comma-separated, of {list(SUSPECTS)}"
+  )
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args(argv)
   attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -135,7 +138,9 @@ def main(argv=None):
     except ImportError as error:
       print(f"{name}: skipped ({error})")
       continue
-    print(f"{name:18s} {'':22s} {probe.fastest_compile_s(variant, args.repeats):6.2f} s", flush=True)
+    print(
+      f"{name:18s} {'':22s} {probe.fastest_compile_s(variant, args.repeats):6.2f} s", flush=True
+    )
     for suspect in suspects:
       if not probe.applies(suspect, variant):
         continue

@@ -32,11 +32,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from records import ResultFile, results_path
+from timing import Call, interleaved_seconds
 
 import jaxquant.flax as jqf
 from jaxquant import kernels, recipes
-from records import ResultFile, results_path
-from timing import Call, interleaved_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +68,21 @@ class Layer(nn.Module):
 
   def _einsum(self, weight_shape, equation, name, x):
     if self.stock:
-      return nn.Einsum(weight_shape, equation, use_bias=False, dtype=jnp.bfloat16,
-                       name=name)(x)
+      return nn.Einsum(weight_shape, equation, use_bias=False, dtype=jnp.bfloat16, name=name)(x)
     return Einsum(weight_shape, name=name)(equation, x)
 
   @nn.compact
   def __call__(self, x):
     s = self.shape
     h = nn.RMSNorm(dtype=jnp.bfloat16, name="attn_norm")(x)
-    q, k, v = (self._einsum((s.heads, s.d_model, s.head_dim), "BTD,NDH->BTNH", n, h)
-               for n in ("q_einsum", "k_einsum", "v_einsum"))
+    q, k, v = (
+      self._einsum((s.heads, s.d_model, s.head_dim), "BTD,NDH->BTNH", n, h)
+      for n in ("q_einsum", "k_einsum", "v_einsum")
+    )
     attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    x = x + self._einsum((s.heads, s.head_dim, s.d_model), "BTNH,NHD->BTD", "attn_vec_einsum",
-                         attended)
+    x = x + self._einsum(
+      (s.heads, s.head_dim, s.d_model), "BTNH,NHD->BTD", "attn_vec_einsum", attended
+    )
     h = nn.RMSNorm(dtype=jnp.bfloat16, name="mlp_norm")(x)
     gate = self._einsum((2, s.d_model, s.ffn), "...F,NFH->...NH", "gating_einsum", h)
     hidden = jax.nn.silu(gate[..., 0, :]) * gate[..., 1, :]
@@ -119,20 +121,29 @@ def main():
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--recipe", default="fp8_current", choices=sorted(recipes.PRESETS))
   parser.add_argument("--rounds", type=int, default=8)
-  parser.add_argument("--quick", action="store_true",
-                      help="a tiny shape (a smoke run: no results file unless --out)")
-  parser.add_argument("--out", default=None, help="results file to merge into (default "
-                      "benchmarks/results/<gpu>/custom_layers_step.json)")
+  parser.add_argument(
+    "--quick", action="store_true", help="a tiny shape (a smoke run: no results file unless --out)"
+  )
+  parser.add_argument(
+    "--out",
+    default=None,
+    help="results file to merge into (default benchmarks/results/<gpu>/custom_layers_step.json)",
+  )
   args = parser.parse_args()
   shape = QUICK if args.quick else Shape()
   seq = 128 if args.quick else args.seq
   recipe = recipes.get(args.recipe)
   device = jax.devices()[0].device_kind
-  print(f"{device}, JAX {jax.__version__}, kernels: "
-        f"{'yes' if kernels.available() else kernels.unavailable_reason()}")
-  results = ResultFile(results_path(args.out, "custom_layers_step", device, smoke=args.quick),
-                       benchmark="custom_layers_step", device=device,
-                       jax_version=jax.__version__)
+  print(
+    f"{device}, JAX {jax.__version__}, kernels: "
+    f"{'yes' if kernels.available() else kernels.unavailable_reason()}"
+  )
+  results = ResultFile(
+    results_path(args.out, "custom_layers_step", device, smoke=args.quick),
+    benchmark="custom_layers_step",
+    device=device,
+    jax_version=jax.__version__,
+  )
   x = jax.random.normal(jax.random.key(0), (args.batch, seq, shape.d_model), jnp.bfloat16)
   tx = optax.adamw(1e-4)
   calls = {}
@@ -145,17 +156,24 @@ def main():
       assert len(report.quantized) == 6 * args.layers, "a GEMM of the custom model was missed"
     calls[variant] = Call(train_step(model, tx), (params, tx.init(params), x))
   samples = interleaved_seconds(calls, rounds=args.rounds)
-  record_shape = {**dataclasses.asdict(shape), "layers": args.layers, "batch": args.batch,
-                  "seq": seq, "recipe": args.recipe}
+  record_shape = {
+    **dataclasses.asdict(shape),
+    "layers": args.layers,
+    "batch": args.batch,
+    "seq": seq,
+    "recipe": args.recipe,
+  }
   for variant, times in samples.items():
     results.add(f"{variant}_layers_step", record_shape, "step_ms", statistics.median(times) * 1e3)
-  per_round = [c / s for c, s in zip(samples["custom"], samples["stock"])]
+  per_round = [c / s for c, s in zip(samples["custom"], samples["stock"], strict=False)]
   ratio = statistics.median(samples["custom"]) / statistics.median(samples["stock"])
   results.add("custom_layers_step", record_shape, "ratio_custom_vs_stock", ratio)
-  results.add("custom_layers_step", record_shape, "ratio_custom_vs_stock_lowest_round",
-              min(per_round))
-  results.add("custom_layers_step", record_shape, "ratio_custom_vs_stock_highest_round",
-              max(per_round))
+  results.add(
+    "custom_layers_step", record_shape, "ratio_custom_vs_stock_lowest_round", min(per_round)
+  )
+  results.add(
+    "custom_layers_step", record_shape, "ratio_custom_vs_stock_highest_round", max(per_round)
+  )
   for record in results.records:
     print(record["op"], record["metric"], record["value"])
   print(f"merged into {results.path}" if results.path else "--quick: no results file written")

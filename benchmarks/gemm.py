@@ -34,13 +34,13 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
+from records import ResultFile, results_path
+from timing import Call, batched, interleaved_seconds, speedup
 
 import jaxquant
 from jaxquant import kernels
 from jaxquant import quantizers as Q
 from jaxquant.ops import gemm as gemm_ops
-from records import ResultFile, results_path
-from timing import Call, batched, interleaved_seconds, speedup
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (2048, 8192, 8192), (16, 8192, 8192))
 QUICK_SHAPES = ((1024, 1024, 1024), (16, 1024, 1024))
@@ -81,8 +81,10 @@ class Records:
     self.results = results
 
   def add(self, record):
-    print(f"{record['op']:<44} {record['shape']:<36} {record['metric']:<20} {record['value']:8.3f}",
-          flush=True)
+    print(
+      f"{record['op']:<44} {record['shape']:<36} {record['metric']:<20} {record['value']:8.3f}",
+      flush=True,
+    )
     self.results.add(record["op"], record["shape"], record["metric"], record["value"])
 
 
@@ -90,12 +92,19 @@ def _fp8_spellings(pairs):
   """Other routes to the same per-tensor FP8 GEMM: the dot's own bf16 output (scales after,
   a second rounding), and jaxquant's grouped kernel with one group (scales fused)."""
   dims = (((1,), (1,)), ((), ()))
-  bf16_out = lambda a, b: (jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.bfloat16)
-                           * (a.scale_inv * b.scale_inv)).astype(jnp.bfloat16)
+  bf16_out = lambda a, b: (
+    jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.bfloat16)
+    * (a.scale_inv * b.scale_inv)
+  ).astype(jnp.bfloat16)
   calls = {"gemm_fp8_tensor_xla_bf16_out": batched(bf16_out, pairs)}
   if kernels.available():
-    one = lambda a, b: kernels.grouped_gemm(a.data, b.data[None], jnp.full((1,), a.data.shape[0], jnp.int32),
-                                            (a.scale_inv * b.scale_inv).reshape(1), jnp.bfloat16)
+    one = lambda a, b: kernels.grouped_gemm(
+      a.data,
+      b.data[None],
+      jnp.full((1,), a.data.shape[0], jnp.int32),
+      (a.scale_inv * b.scale_inv).reshape(1),
+      jnp.bfloat16,
+    )
     calls["gemm_fp8_tensor_jaxquant_kernel"] = batched(one, pairs)
   return calls
 
@@ -119,8 +128,14 @@ def _add_speedups(records, shape, samples, base, metric, flops=None):
     records.add({"op": op, "shape": shape, "metric": metric, "value": value})
     records.add({"op": op, "shape": shape, "metric": f"{metric}_lowest_round", "value": lowest})
     if flops:
-      records.add({"op": op, "shape": shape, "metric": "tflops",
-                   "value": flops / statistics.median(times) / 1e12})
+      records.add(
+        {
+          "op": op,
+          "shape": shape,
+          "metric": "tflops",
+          "value": flops / statistics.median(times) / 1e12,
+        }
+      )
 
 
 # GEMMs with at most this many rows are timed as 8 independent calls in one jitted call
@@ -134,18 +149,28 @@ def gemm_records(shapes, records):
     flops = 2.0 * m * n * k
     copies = SMALL_COPIES if m <= SMALL_ROWS else 1
     operands = [_operands(m, n, k, seed=i) for i in range(copies)]
-    calls = {"gemm_bf16_jnp_dot": batched(
-        lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16), operands)}
+    calls = {
+      "gemm_bf16_jnp_dot": batched(
+        lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16), operands
+      )
+    }
     block = (Q.BlockFloat8Quantizer(block="1x128"), Q.BlockFloat8Quantizer(block="128x128"))
-    for name, quantizers in (("fp8_tensor", (Q.Float8Quantizer(),)), ("fp8_block", block),
-                             ("mxfp8", (Q.MXFP8Quantizer(),)), ("nvfp4", (Q.NVFP4Quantizer(),))):
+    for name, quantizers in (
+      ("fp8_tensor", (Q.Float8Quantizer(),)),
+      ("fp8_block", block),
+      ("mxfp8", (Q.MXFP8Quantizer(),)),
+      ("nvfp4", (Q.NVFP4Quantizer(),)),
+    ):
       pairs = [_quantized_pair(x, w, *quantizers) for x, w in operands]
       calls[f"gemm_{name}_prequantized"] = batched(
-          lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16), pairs)
+        lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16), pairs
+      )
       if name == "fp8_tensor":
         calls.update(_fp8_spellings(pairs))
     for name, quantizer in (("mxfp8", Q.MXFP8Quantizer()), ("nvfp4", Q.NVFP4Quantizer())):
-      fn = lambda ad, bd, as_, bs: jax.nn.scaled_matmul(ad, bd, as_, bs, preferred_element_type=jnp.bfloat16)
+      fn = lambda ad, bd, as_, bs: jax.nn.scaled_matmul(
+        ad, bd, as_, bs, preferred_element_type=jnp.bfloat16
+      )
       try:
         call = batched(fn, [_scaled_matmul_inputs(x, w, quantizer) for x, w in operands])
       except Exception as e:  # an older JAX without jax.nn.scaled_matmul
@@ -157,25 +182,46 @@ def gemm_records(shapes, records):
       x, w = operands[0]
       kernel = w.T  # Flax layout [K, N]
       for recipe in (jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8):
-        fn = jax.jit(lambda x, kern, recipe=recipe: jaxquant.dense(x, kern, recipe=recipe, name="bench"))
+        fn = jax.jit(
+          lambda x, kern, recipe=recipe: jaxquant.dense(x, kern, recipe=recipe, name="bench")
+        )
         calls[f"dense_fwd_{recipe.name}_incl_quantize"] = Call(fn, (x, kernel))
     samples = interleaved_seconds(calls)
     shape = f"{m}x{n}x{k}"
-    records.add({"op": "gemm_bf16_jnp_dot", "shape": shape, "metric": "tflops",
-                 "value": flops / statistics.median(samples["gemm_bf16_jnp_dot"]) / 1e12})
+    records.add(
+      {
+        "op": "gemm_bf16_jnp_dot",
+        "shape": shape,
+        "metric": "tflops",
+        "value": flops / statistics.median(samples["gemm_bf16_jnp_dot"]) / 1e12,
+      }
+    )
     _add_speedups(records, shape, samples, "gemm_bf16_jnp_dot", "speedup_vs_bf16", flops)
     for name in ("mxfp8", "nvfp4"):  # JAX's own block-scaled GEMM: the second yardstick
       theirs = f"jax_scaled_matmul_{name}_prequantized"
       if theirs in samples:
-        _add_speedups(records, shape, {theirs: samples[theirs],
-                                       f"gemm_{name}_prequantized": samples[f"gemm_{name}_prequantized"]},
-                      theirs, "speedup_vs_jax_scaled_matmul")
+        _add_speedups(
+          records,
+          shape,
+          {
+            theirs: samples[theirs],
+            f"gemm_{name}_prequantized": samples[f"gemm_{name}_prequantized"],
+          },
+          theirs,
+          "speedup_vs_jax_scaled_matmul",
+        )
 
 
 # The 8B step's per-tensor FP8 GEMMs (benchmarks/step_model.py, 4 x 4096 tokens): fprop
 # and dgrad of the attention and MLP projections, and the MLP's wgrads (k = the tokens).
-ACCUMULATION_SHAPES = ((16384, 4096, 4096), (16384, 1024, 4096), (16384, 14336, 4096),
-                       (16384, 4096, 14336), (4096, 14336, 16384), (14336, 4096, 16384))
+ACCUMULATION_SHAPES = (
+  (16384, 4096, 4096),
+  (16384, 1024, 4096),
+  (16384, 14336, 4096),
+  (16384, 4096, 14336),
+  (4096, 14336, 16384),
+  (14336, 4096, 16384),
+)
 QUICK_ACCUMULATION_SHAPES = ((1024, 1024, 1024),)
 ACCURACY_KS, QUICK_ACCURACY_KS = (1024, 4096, 16384, 65536), (1024,)
 
@@ -193,20 +239,33 @@ def accumulation_records(shapes, ks, records):
     return
   one = jnp.float32(1.0)
   modes = {"split": False, "fast": True}
-  gemm = lambda fast: jax.jit(lambda a, b: kernels.fp8_tensor_gemm(
-      a, b, one, one, out_dtype=jnp.bfloat16, fast_accumulation=fast))
+  gemm = lambda fast: jax.jit(
+    lambda a, b: kernels.fp8_tensor_gemm(
+      a, b, one, one, out_dtype=jnp.bfloat16, fast_accumulation=fast
+    )
+  )
   for m, n, k in shapes:
     x, w = _operands(m, n, k)
-    a, b = (_fp8_codes(jax.random.key(i), rows, k, jnp.float8_e4m3fn)
-            for i, rows in enumerate((m, n)))
+    a, b = (
+      _fp8_codes(jax.random.key(i), rows, k, jnp.float8_e4m3fn) for i, rows in enumerate((m, n))
+    )
     calls = {"gemm_bf16_jnp_dot": Call(jax.jit(lambda x, w: jnp.dot(x, w.T)), (x, w))}
-    calls.update({f"gemm_fp8_tensor_{mode}_accumulation": Call(gemm(fast), (a, b))
-                  for mode, fast in modes.items()})
+    calls.update(
+      {
+        f"gemm_fp8_tensor_{mode}_accumulation": Call(gemm(fast), (a, b))
+        for mode, fast in modes.items()
+      }
+    )
     samples = interleaved_seconds(calls)
     shape = f"{m}x{n}x{k}"
     _add_speedups(records, shape, samples, "gemm_bf16_jnp_dot", "speedup_vs_bf16", 2.0 * m * n * k)
-    _add_speedups(records, shape, {op: samples[op] for op in calls if op.startswith("gemm_fp8")},
-                  "gemm_fp8_tensor_split_accumulation", "speedup_vs_split_accumulation")
+    _add_speedups(
+      records,
+      shape,
+      {op: samples[op] for op in calls if op.startswith("gemm_fp8")},
+      "gemm_fp8_tensor_split_accumulation",
+      "speedup_vs_split_accumulation",
+    )
   rows = 512
   for k in ks:
     for data, positive in (("signed", False), ("positive", True)):
@@ -215,11 +274,21 @@ def accumulation_records(shapes, ks, records):
       f64 = lambda t: np.asarray(t.astype(jnp.float32), np.float64)
       want = f64(a) @ f64(b).T
       for mode, fast in modes.items():
-        got = np.asarray(jax.jit(lambda a, b, fast=fast: kernels.fp8_tensor_gemm(
-            a, b, one, one, fast_accumulation=fast))(a, b), np.float64)
+        got = np.asarray(
+          jax.jit(
+            lambda a, b, fast=fast: kernels.fp8_tensor_gemm(a, b, one, one, fast_accumulation=fast)
+          )(a, b),
+          np.float64,
+        )
         error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        records.add({"op": f"gemm_fp8_tensor_{mode}_accumulation", "shape": f"{rows}x{rows}x{k} {data}",
-                     "metric": "relative_error", "value": error})
+        records.add(
+          {
+            "op": f"gemm_fp8_tensor_{mode}_accumulation",
+            "shape": f"{rows}x{rows}x{k} {data}",
+            "metric": "relative_error",
+            "value": error,
+          }
+        )
 
 
 GROUPED_SHAPES = ((8, 16384, 4096, 4096), (64, 32768, 2048, 1408))  # (G, M, K, N)
@@ -247,14 +316,26 @@ def grouped_records(shapes, records, with_ragged_dot=False):
     w = jax.random.normal(kw, (g, n, k), jnp.bfloat16)
     alpha = jnp.full((g,), 0.5, jnp.float32)
     xf, wf = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
-    calls = {"dense_bf16": Call(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)),
-                                (x, w[0])),
-             "dense_fp8": Call(jax.jit(lambda a, b: (jax.lax.dot_general(
-                 a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.5
-                                                      ).astype(jnp.bfloat16)), (xf, wf[0]))}
+    calls = {
+      "dense_bf16": Call(
+        jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.bfloat16)), (x, w[0])
+      ),
+      "dense_fp8": Call(
+        jax.jit(
+          lambda a, b: (
+            jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            * 0.5
+          ).astype(jnp.bfloat16)
+        ),
+        (xf, wf[0]),
+      ),
+    }
     run = jax.jit(lambda a, b, s, al: kernels.grouped_gemm(a, b, s, al, jnp.bfloat16))
-    ragged = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), s,
-                                                        preferred_element_type=jnp.bfloat16))
+    ragged = jax.jit(
+      lambda a, b, s: jax.lax.ragged_dot(
+        a, jnp.swapaxes(b, 1, 2), s, preferred_element_type=jnp.bfloat16
+      )
+    )
     for tag, balanced in (("balanced", True), ("dirichlet", False)):
       sizes = _group_sizes(g, m, balanced)
       if kernels.available():
@@ -268,57 +349,98 @@ def grouped_records(shapes, records, with_ragged_dot=False):
         op, tag = name.split(",")
         base = samples["dense_fp8" if "_fp8_" in op else "dense_bf16"]
         value, lowest = speedup(base, times)
-        records.add({"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format", "value": value})
-        records.add({"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format_lowest_round",
-                     "value": lowest})
+        records.add(
+          {"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format", "value": value}
+        )
+        records.add(
+          {
+            "op": op,
+            "shape": f"{shape},{tag}",
+            "metric": "vs_dense_same_format_lowest_round",
+            "value": lowest,
+          }
+        )
 
 
 def mlp_step_records(records, tokens=16384, hidden=4096, ffn=16384):
   """Forward + backward of y = down(gelu(up(x))) under each recipe, vs bf16 (timed in turns)."""
   kx, ku, kd = jax.random.split(jax.random.key(1), 3)
   x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
-  up = (jax.random.normal(ku, (hidden, ffn), jnp.bfloat16) * hidden ** -0.5).astype(jnp.bfloat16)
-  down = (jax.random.normal(kd, (ffn, hidden), jnp.bfloat16) * ffn ** -0.5).astype(jnp.bfloat16)
+  up = (jax.random.normal(ku, (hidden, ffn), jnp.bfloat16) * hidden**-0.5).astype(jnp.bfloat16)
+  down = (jax.random.normal(kd, (ffn, hidden), jnp.bfloat16) * ffn**-0.5).astype(jnp.bfloat16)
 
   def step_fn(recipe):
     def loss(params, x):
       h = jaxquant.dense(x, params[0], recipe=recipe, name="mlp/up")
       y = jaxquant.dense(jax.nn.gelu(h), params[1], recipe=recipe, name="mlp/down")
       return jnp.mean(y.astype(jnp.float32) ** 2)
+
     return jax.jit(jax.grad(loss))
 
   shape = f"tokens={tokens},hidden={hidden},ffn={ffn}"
-  recipes = (jaxquant.recipes.bf16, jaxquant.recipes.fp8_current, jaxquant.recipes.fp8_block,
-             jaxquant.recipes.mxfp8)
-  samples = interleaved_seconds({f"mlp_train_step_{r.name}": Call(step_fn(r), ((up, down), x))
-                                 for r in recipes}, reps=5, rounds=8)
+  recipes = (
+    jaxquant.recipes.bf16,
+    jaxquant.recipes.fp8_current,
+    jaxquant.recipes.fp8_block,
+    jaxquant.recipes.mxfp8,
+  )
+  samples = interleaved_seconds(
+    {f"mlp_train_step_{r.name}": Call(step_fn(r), ((up, down), x)) for r in recipes},
+    reps=5,
+    rounds=8,
+  )
   base = "mlp_train_step_bf16"
-  records.add({"op": base, "shape": shape, "metric": "ms", "value": statistics.median(samples[base]) * 1e3})
+  records.add(
+    {"op": base, "shape": shape, "metric": "ms", "value": statistics.median(samples[base]) * 1e3}
+  )
   _add_speedups(records, shape, samples, base, "speedup_vs_bf16")
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="small shapes (a smoke run: no results file unless --out)")
-  parser.add_argument("--out", default=None,
-                      help="results file to merge into (default benchmarks/results/<gpu>/gemm.json)")
-  parser.add_argument("--ragged-dot", action="store_true",
-                      help="also time jax.lax.ragged_dot in the grouped section (minutes to compile)")
+  parser.add_argument(
+    "--quick", action="store_true", help="small shapes (a smoke run: no results file unless --out)"
+  )
+  parser.add_argument(
+    "--out",
+    default=None,
+    help="results file to merge into (default benchmarks/results/<gpu>/gemm.json)",
+  )
+  parser.add_argument(
+    "--ragged-dot",
+    action="store_true",
+    help="also time jax.lax.ragged_dot in the grouped section (minutes to compile)",
+  )
   parser.add_argument("--gemm-shapes", help="MxNxK,... for the gemm section (default: the four)")
-  parser.add_argument("--only", choices=("gemm", "grouped", "mlp", "accumulation"), action="append",
-                      help="run only these sections (repeatable; default: all)")
+  parser.add_argument(
+    "--only",
+    choices=("gemm", "grouped", "mlp", "accumulation"),
+    action="append",
+    help="run only these sections (repeatable; default: all)",
+  )
   args = parser.parse_args()
   device = jax.devices()[0].device_kind
-  records = Records(ResultFile(results_path(args.out, "gemm", device, smoke=args.quick),
-                               benchmark="gemm", device=device, jax_version=jax.__version__))
+  records = Records(
+    ResultFile(
+      results_path(args.out, "gemm", device, smoke=args.quick),
+      benchmark="gemm",
+      device=device,
+      jax_version=jax.__version__,
+    )
+  )
   sections = set(args.only or ("gemm", "grouped", "mlp", "accumulation"))
   if "accumulation" in sections:
-    accumulation_records(QUICK_ACCUMULATION_SHAPES if args.quick else ACCUMULATION_SHAPES,
-                         QUICK_ACCURACY_KS if args.quick else ACCURACY_KS, records)
+    accumulation_records(
+      QUICK_ACCUMULATION_SHAPES if args.quick else ACCUMULATION_SHAPES,
+      QUICK_ACCURACY_KS if args.quick else ACCURACY_KS,
+      records,
+    )
   if "grouped" in sections:
-    grouped_records(QUICK_GROUPED_SHAPES if args.quick else GROUPED_SHAPES, records,
-                    with_ragged_dot=args.ragged_dot)
+    grouped_records(
+      QUICK_GROUPED_SHAPES if args.quick else GROUPED_SHAPES,
+      records,
+      with_ragged_dot=args.ragged_dot,
+    )
   if "mlp" in sections:  # before the long gemm section, so a cut-short run still has it
     mlp_step_records(records, *((1024, 256, 1024) if args.quick else ()))
   if "gemm" in sections:
@@ -326,8 +448,11 @@ def main():
     if args.gemm_shapes:
       shapes = [tuple(int(d) for d in s.split("x")) for s in args.gemm_shapes.split(",")]
     gemm_records(shapes, records)
-  print(f"merged into {records.results.path}" if records.results.path
-        else "--quick: no results file written")
+  print(
+    f"merged into {records.results.path}"
+    if records.results.path
+    else "--quick: no results file written"
+  )
 
 
 if __name__ == "__main__":

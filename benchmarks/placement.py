@@ -44,9 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 import step
 import step_variants
+from records import ResultFile, results_path
+from step_model import SHAPES, DecoderStack
+from timing import interleaved_seconds, speedup
+
 from jaxquant import kernels
 from jaxquant.formats import ELEMENT_DTYPES, ELEMENT_MAX, Family
 from jaxquant.kernels import quantize as kernel_quantize
@@ -55,9 +58,6 @@ from jaxquant.quantizers import DelayedFloat8Quantizer
 from jaxquant.reference import elements, fp32
 from jaxquant.reference import fp8 as reference_fp8
 from jaxquant.tensor import QuantizedData
-from records import ResultFile, results_path
-from step_model import SHAPES, DecoderStack
-from timing import interleaved_seconds, speedup
 
 PLACEMENTS = ("default", "amax_kernel", "xla_cast", "xla_rowwise_cast")
 # The NaN code of each element (NUMERICS.md): XLA's convert gives others.
@@ -69,8 +69,9 @@ def xla_codes(x: jax.Array, scale: jax.Array, element: str, fmax: float) -> jax.
   value (the convert itself would overflow to NaN), NaN to the format's NaN code."""
   y = jnp.clip(x.astype(jnp.float32) * scale, -fmax, fmax)  # NaN passes through
   codes = elements.dtype_to_codes(y.astype(ELEMENT_DTYPES[element]))
-  return elements.codes_to_dtype(jnp.where(jnp.isnan(y), jnp.uint8(NAN_CODE[element]), codes),
-                                 element)
+  return elements.codes_to_dtype(
+    jnp.where(jnp.isnan(y), jnp.uint8(NAN_CODE[element]), codes), element
+  )
 
 
 def xla_quantize_usages_and_amax(columnwise_by_kernel: bool):
@@ -86,8 +87,13 @@ def xla_quantize_usages_and_amax(columnwise_by_kernel: bool):
     if isinstance(quantizer, DelayedFloat8Quantizer):
       observed = tensor_amax(x2d)  # the amax delayed scaling records
     else:
-      scale = reference_fp8.scale_from_amax(tensor_amax(x2d), fmt.fmax, eps=quantizer.eps,
-                                            pow2=quantizer.pow2_scales, input_dtype=x2d.dtype)
+      scale = reference_fp8.scale_from_amax(
+        tensor_amax(x2d),
+        fmt.fmax,
+        eps=quantizer.eps,
+        pow2=quantizer.pow2_scales,
+        input_dtype=x2d.dtype,
+      )
     scale_inv = fp32.div(jnp.float32(1.0), scale)
     rowwise = xla_codes(x2d, scale, fmt.element, fmt.fmax)
     out = {}
@@ -95,10 +101,13 @@ def xla_quantize_usages_and_amax(columnwise_by_kernel: bool):
       out["rowwise"] = QuantizedData(rowwise, scale_inv, None, fmt)
     if "columnwise" in usages:
       if columnwise_by_kernel:
-        out["columnwise"] = kernel_cast(x2d, quantizer, ("columnwise",), key=key,
-                                        scale=delayed_scale)[0]["columnwise"]
+        out["columnwise"] = kernel_cast(
+          x2d, quantizer, ("columnwise",), key=key, scale=delayed_scale
+        )[0]["columnwise"]
       else:
-        out["columnwise"] = QuantizedData(rowwise.T, scale_inv, None, quantizer.format("columnwise"))
+        out["columnwise"] = QuantizedData(
+          rowwise.T, scale_inv, None, quantizer.format("columnwise")
+        )
     return out, observed
 
   return cast
@@ -114,7 +123,8 @@ def placed(placement: str):
       kernel_quantize.tensor_amax = kernels.amax
     if placement in ("xla_cast", "xla_rowwise_cast"):
       kernels.quantize_usages_and_amax = xla_quantize_usages_and_amax(
-          columnwise_by_kernel=placement == "xla_rowwise_cast")
+        columnwise_by_kernel=placement == "xla_rowwise_cast"
+      )
     yield
   finally:
     kernel_quantize.tensor_amax, kernels.quantize_usages_and_amax = saved
@@ -125,19 +135,47 @@ def xla_codes_differ() -> int:
   """Codes of XLA's convert that differ from the reference cast's, over random values
   across fp32's range and NUMERICS.md's edges, for both elements and three scales."""
   rng = np.random.default_rng(0)
-  x = (rng.standard_normal((1024, 1024)) * np.exp(rng.uniform(-30, 30, (1024, 1024)))).astype(np.float32)
-  edges = np.float32([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 1e-40, 448, 449, 464,
-                      465, 480, -480, 57344, 61440, 1e30, -1e30, 2.0**-10, 1.5 * 2.0**-9,
-                      2.0**-17, 1.5 * 2.0**-16])
-  x.flat[:edges.size] = edges
+  x = (rng.standard_normal((1024, 1024)) * np.exp(rng.uniform(-30, 30, (1024, 1024)))).astype(
+    np.float32
+  )
+  edges = np.float32(
+    [
+      0.0,
+      -0.0,
+      np.nan,
+      np.inf,
+      -np.inf,
+      1e-45,
+      -1e-45,
+      1e-40,
+      448,
+      449,
+      464,
+      465,
+      480,
+      -480,
+      57344,
+      61440,
+      1e30,
+      -1e30,
+      2.0**-10,
+      1.5 * 2.0**-9,
+      2.0**-17,
+      1.5 * 2.0**-16,
+    ]
+  )
+  x.flat[: edges.size] = edges
   differ = 0
   for element in ("e4m3", "e5m2"):
     fmax = ELEMENT_MAX[element]
     for scale in (1.0, 3.7, 1e-3):
       want = jax.jit(lambda v: reference_fp8.cast(v, jnp.float32(scale), element))(x)
       got = jax.jit(lambda v: xla_codes(v, jnp.float32(scale), element, fmax))(x)
-      differ += int(np.sum(np.asarray(elements.dtype_to_codes(want)) !=
-                           np.asarray(elements.dtype_to_codes(got))))
+      differ += int(
+        np.sum(
+          np.asarray(elements.dtype_to_codes(want)) != np.asarray(elements.dtype_to_codes(got))
+        )
+      )
   return differ
 
 
@@ -154,26 +192,34 @@ def run_shape(shape_name, presets, placements, args, results):
     plan.append(("qwix_fp8_tensor", "qwix_fp8_tensor", None))
   else:
     print(f"Qwix skipped: {step_variants.qwix_unavailable_reason()}")
-  plan += [(f"{preset}_{placement}", preset, placement)
-           for preset in presets for placement in placements]
+  plan += [
+    (f"{preset}_{placement}", preset, placement) for preset in presets for placement in placements
+  ]
   prepared, first_loss = {}, {}
   for label, name, placement in plan:
     variant = dataclasses.replace(step_variants.build(name, stock), name=label)
     collections = step.variant_collections(variant, params, shape.d_model)
     arguments = (params, opt_state, collections, x, key)
     with placed(placement) if placement else contextlib.nullcontext():
-      prepared[label] = step.Prepared(variant, step.train_step(variant, tx), arguments,
-                                      args.warmup_steps)
+      prepared[label] = step.Prepared(
+        variant, step.train_step(variant, tx), arguments, args.warmup_steps
+      )
     hlo = prepared[label].executable.as_text()
-    print(f"    {label}: {hlo.count('jaxquant_amax')} amax and {hlo.count('jaxquant_cast')} cast "
-          "custom-call mentions in the optimized HLO")
+    print(
+      f"    {label}: {hlo.count('jaxquant_amax')} amax and {hlo.count('jaxquant_cast')} cast "
+      "custom-call mentions in the optimized HLO"
+    )
     first_loss[label] = np.asarray(prepared[label].executable(*arguments)[3])
     if placement and placement != "default":
       default = f"{name}_default"
       same = default in first_loss and first_loss[default].tobytes() == first_loss[label].tobytes()
       print(f"    {label}: first step's loss {'equals' if same else 'differs from'} {default}'s")
-  samples = interleaved_seconds({n: p.call for n, p in prepared.items()}, reps=args.reps,
-                                rounds=args.rounds, warmup_s=args.warmup_s)
+  samples = interleaved_seconds(
+    {n: p.call for n, p in prepared.items()},
+    reps=args.reps,
+    rounds=args.rounds,
+    warmup_s=args.warmup_s,
+  )
 
   def add(name, metric, value):
     print(f"placement_{name:<32} {shape_name:<5} {metric:<20} {value:9.3f}", flush=True)
@@ -193,7 +239,9 @@ def main(argv=None):
   parser.add_argument("--shapes", default="8b")
   parser.add_argument("--presets", default="fp8_current,fp8_delayed")
   parser.add_argument("--placements", default=",".join(PLACEMENTS))
-  parser.add_argument("--quick", action="store_true", help="tiny shape, few repetitions, no results file unless --out")
+  parser.add_argument(
+    "--quick", action="store_true", help="tiny shape, few repetitions, no results file unless --out"
+  )
   parser.add_argument("--out")
   own, rest = parser.parse_known_args(argv)
   # Shape, batch, timing and attention options are step.py's.
@@ -204,15 +252,22 @@ def main(argv=None):
   if unknown:
     parser.error(f"unknown placements {unknown}; placements are {list(PLACEMENTS)}")
   device = jax.devices()[0]
-  print(f"{device.device_kind}, jax {jax.__version__}; jaxquant kernels: "
-        f"{kernels.available() or kernels.unavailable_reason()}", flush=True)
+  print(
+    f"{device.device_kind}, jax {jax.__version__}; jaxquant kernels: "
+    f"{kernels.available() or kernels.unavailable_reason()}",
+    flush=True,
+  )
   differ = xla_codes_differ()
   print(f"XLA's convert against the reference cast: {differ} codes differ")
   if differ:
     placements = [p for p in placements if p in ("default", "amax_kernel")]
     print(f"timing only {placements}: the XLA casts do not compute the reference's codes")
-  results = ResultFile(results_path(own.out, "placement", device.device_kind, smoke=own.quick),
-                       benchmark="placement", device=device.device_kind, jax_version=jax.__version__)
+  results = ResultFile(
+    results_path(own.out, "placement", device.device_kind, smoke=own.quick),
+    benchmark="placement",
+    device=device.device_kind,
+    jax_version=jax.__version__,
+  )
   step.warm_backend(args)
   for shape_name in args.shapes:
     run_shape(shape_name, presets, placements, args, results)

@@ -66,23 +66,31 @@ class ResultFile:
   """One benchmark's result file for one device, merged record by record; with no path
   (a smoke run) the records are only kept in memory."""
 
-  def __init__(self, path: pathlib.Path | None, *, benchmark: str, device: str,
-               jax_version: str, command: str | None = None):
+  def __init__(
+    self,
+    path: pathlib.Path | None,
+    *,
+    benchmark: str,
+    device: str,
+    jax_version: str,
+    command: str | None = None,
+  ):
     self.path = None if path is None else pathlib.Path(path)
     self.benchmark, self.device = benchmark, device
     self.provenance = {
-        "command": command or invocation(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-        "jax": jax_version,
+      "command": command or invocation(),
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+      "jax": jax_version,
     }
     self.records = []
     if self.path is not None and self.path.exists():
       old = json.loads(self.path.read_text())
       if old.get("benchmark") != benchmark or old.get("device") != device:
         raise ValueError(
-            f"{self.path} holds benchmark {old.get('benchmark')!r} on {old.get('device')!r}, "
-            f"this run is {benchmark!r} on {device!r}: records of one benchmark and device "
-            "only merge with each other (pass another --out)")
+          f"{self.path} holds benchmark {old.get('benchmark')!r} on {old.get('device')!r}, "
+          f"this run is {benchmark!r} on {device!r}: records of one benchmark and device "
+          "only merge with each other (pass another --out)"
+        )
       self.records = old["records"]
     self._index = {_key(r): i for i, r in enumerate(self.records)}
 
@@ -90,8 +98,13 @@ class ResultFile:
     """Records one figure (replacing the file's record of the same op, shape and metric)
     and rewrites the file."""
     # Significant digits, not decimals: an error of 1e-4 keeps its digits as a speedup does.
-    record = {"op": op, "shape": shape, "metric": metric, "value": float(f"{float(value):.5g}"),
-              **self.provenance}
+    record = {
+      "op": op,
+      "shape": shape,
+      "metric": metric,
+      "value": float(f"{float(value):.5g}"),
+      **self.provenance,
+    }
     key = _key(record)
     if key in self._index:
       self.records[self._index[key]] = record
@@ -101,6 +114,10 @@ class ResultFile:
     if self.path is None:
       return record
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    self.path.write_text(json.dumps({"benchmark": self.benchmark, "device": self.device,
-                                     "records": self.records}, indent=1) + "\n")
+    self.path.write_text(
+      json.dumps(
+        {"benchmark": self.benchmark, "device": self.device, "records": self.records}, indent=1
+      )
+      + "\n"
+    )
     return record

@@ -23,6 +23,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from records import ResultFile, results_path
+from timing import device_seconds
 
 from jaxquant import kernels
 from jaxquant.kernels.amax import amax
@@ -31,10 +33,13 @@ from jaxquant.kernels.config import cast_config
 from jaxquant.kernels.quantize import cast_seed, nvfp4_amaxes
 from jaxquant.kernels.reference_cast import reference_cast
 from jaxquant.ops import quantize as ops
-from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer)
-from records import ResultFile, results_path
-from timing import device_seconds
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+)
 
 BOTH = ("rowwise", "columnwise")
 
@@ -68,13 +73,24 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rows", type=int, default=16384)
   parser.add_argument("--cols", type=int, default=8192)
-  parser.add_argument("--quick", action="store_true",
-                      help="fewer repetitions (a smoke run: no results file unless --out)")
-  parser.add_argument("--out", default=None,
-                      help="results file to merge into (default benchmarks/results/<gpu>/casts.json)")
-  parser.add_argument("--only", default=None, help="regex: run only the cases whose op name matches")
-  parser.add_argument("--profile", action="store_true",
-                      help="run each kernel once, untimed and without the XLA path (under ncu)")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="fewer repetitions (a smoke run: no results file unless --out)",
+  )
+  parser.add_argument(
+    "--out",
+    default=None,
+    help="results file to merge into (default benchmarks/results/<gpu>/casts.json)",
+  )
+  parser.add_argument(
+    "--only", default=None, help="regex: run only the cases whose op name matches"
+  )
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="run each kernel once, untimed and without the XLA path (under ncu)",
+  )
   args = parser.parse_args()
   if not kernels.available():
     raise SystemExit(f"kernels unavailable: {kernels.unavailable_reason()}")
@@ -90,23 +106,27 @@ def main():
   measured = []  # (op, bytes moved, kernel ms, XLA ms or nan)
 
   cases = [
-      # (op name, quantizer, usages, mode): mode "cast" gives the kernel its amaxes,
-      # "quantize" includes the amax pass (the input is then read twice by the kernels).
-      ("fp8_tensor_cast_transpose", DelayedFloat8Quantizer(), BOTH, "cast"),
-      ("fp8_tensor_cast_row", DelayedFloat8Quantizer(), ("rowwise",), "cast"),
-      ("fp8_current_amax_cast_transpose", Float8Quantizer(), BOTH, "quantize"),
-      ("mxfp8_row_col", MXFP8Quantizer(), BOTH, "cast"),
-      ("mxfp8_row", MXFP8Quantizer(), ("rowwise",), "cast"),
-      ("nvfp4_row_col", NVFP4Quantizer(), BOTH, "cast"),
-      ("nvfp4_row_col_incl_amax", NVFP4Quantizer(), BOTH, "quantize"),
-      ("nvfp4_rht_row_col", NVFP4Quantizer(rht=True), BOTH, "cast"),
-      ("nvfp4_rht_sr_row_col", NVFP4Quantizer(rht=True, stochastic_rounding=True), BOTH, "cast"),
-      ("nvfp4_rht_sr_row_col_incl_amax", NVFP4Quantizer(rht=True, stochastic_rounding=True),
-       BOTH, "quantize"),
-      ("nvfp4_16x16_row_col", NVFP4Quantizer(tile_2d=True), BOTH, "cast"),
-      ("nvfp4_per_token_row", NVFP4Quantizer(per_token=True), ("rowwise",), "cast"),
-      ("block_fp8_1x128_row_col", BlockFloat8Quantizer(), BOTH, "cast"),
-      ("block_fp8_128x128_row_col", BlockFloat8Quantizer(block="128x128"), BOTH, "cast"),
+    # (op name, quantizer, usages, mode): mode "cast" gives the kernel its amaxes,
+    # "quantize" includes the amax pass (the input is then read twice by the kernels).
+    ("fp8_tensor_cast_transpose", DelayedFloat8Quantizer(), BOTH, "cast"),
+    ("fp8_tensor_cast_row", DelayedFloat8Quantizer(), ("rowwise",), "cast"),
+    ("fp8_current_amax_cast_transpose", Float8Quantizer(), BOTH, "quantize"),
+    ("mxfp8_row_col", MXFP8Quantizer(), BOTH, "cast"),
+    ("mxfp8_row", MXFP8Quantizer(), ("rowwise",), "cast"),
+    ("nvfp4_row_col", NVFP4Quantizer(), BOTH, "cast"),
+    ("nvfp4_row_col_incl_amax", NVFP4Quantizer(), BOTH, "quantize"),
+    ("nvfp4_rht_row_col", NVFP4Quantizer(rht=True), BOTH, "cast"),
+    ("nvfp4_rht_sr_row_col", NVFP4Quantizer(rht=True, stochastic_rounding=True), BOTH, "cast"),
+    (
+      "nvfp4_rht_sr_row_col_incl_amax",
+      NVFP4Quantizer(rht=True, stochastic_rounding=True),
+      BOTH,
+      "quantize",
+    ),
+    ("nvfp4_16x16_row_col", NVFP4Quantizer(tile_2d=True), BOTH, "cast"),
+    ("nvfp4_per_token_row", NVFP4Quantizer(per_token=True), ("rowwise",), "cast"),
+    ("block_fp8_1x128_row_col", BlockFloat8Quantizer(), BOTH, "cast"),
+    ("block_fp8_128x128_row_col", BlockFloat8Quantizer(block="128x128"), BOTH, "cast"),
   ]
   if args.only:
     cases = [c for c in cases if re.search(args.only, c[0])]
@@ -127,14 +147,20 @@ def main():
       kernel_args = xla_args = (x,)
       out = kernel(x)
     moved = x.nbytes + nbytes(out)
-    measured.append((op, moved, time_ms(kernel, *kernel_args, **reps),
-                     time_ms(xla, *xla_args, **reps)))
+    measured.append(
+      (op, moved, time_ms(kernel, *kernel_args, **reps), time_ms(xla, *xla_args, **reps))
+    )
 
   if args.profile:
     return
   deq = jax.jit(lambda qt: ops.dequantize(qt, "rowwise", jnp.bfloat16, implementation="kernel"))
-  deq_xla = jax.jit(lambda qt: ops.dequantize(qt, "rowwise", jnp.bfloat16, implementation="reference"))
-  for op, q in (("mxfp8_dequantize_row", MXFP8Quantizer()), ("nvfp4_dequantize_row", NVFP4Quantizer())):
+  deq_xla = jax.jit(
+    lambda qt: ops.dequantize(qt, "rowwise", jnp.bfloat16, implementation="reference")
+  )
+  for op, q in (
+    ("mxfp8_dequantize_row", MXFP8Quantizer()),
+    ("nvfp4_dequantize_row", NVFP4Quantizer()),
+  ):
     qt = ops.quantize(x, q, ("rowwise",), implementation="kernel")
     moved = nbytes(qt.rowwise) + x.nbytes
     measured.append((op, moved, time_ms(deq, qt, **reps), time_ms(deq_xla, qt, **reps)))
@@ -146,8 +172,12 @@ def main():
   copy_ms.append(time_ms(copy, x, **reps))
   copy_tbps = 2 * x.nbytes / min(copy_ms) / 1e9
   gpu = jax.devices()[0].device_kind
-  results = ResultFile(results_path(args.out, "casts", gpu, smoke=args.quick), benchmark="casts",
-                       device=gpu, jax_version=jax.__version__)
+  results = ResultFile(
+    results_path(args.out, "casts", gpu, smoke=args.quick),
+    benchmark="casts",
+    device=gpu,
+    jax_version=jax.__version__,
+  )
 
   def record(op, metric, value):
     results.add(op, list(shape), metric, value)
@@ -161,8 +191,10 @@ def main():
       record(op, "speedup_vs_xla", x_ms / k_ms)
     rows.append((op, k_ms, x_ms, tbps, tbps / copy_tbps, x_ms / k_ms))
 
-  print(f"\n{gpu}, input {shape} bf16, device copy {copy_tbps:.2f} TB/s "
-        f"({' / '.join(f'{ms:.3f}' for ms in copy_ms)} ms, first / last)")
+  print(
+    f"\n{gpu}, input {shape} bf16, device copy {copy_tbps:.2f} TB/s "
+    f"({' / '.join(f'{ms:.3f}' for ms in copy_ms)} ms, first / last)"
+  )
   print(f"{'op':34s} {'kernel ms':>9s} {'xla ms':>8s} {'TB/s':>6s} {'of copy':>7s} {'vs xla':>7s}")
   for op, k_ms, x_ms, tbps, frac, speed in rows:
     print(f"{op:34s} {k_ms:9.3f} {x_ms:8.3f} {tbps:6.2f} {frac:7.2f} {speed:6.1f}x")

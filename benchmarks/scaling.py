@@ -58,16 +58,17 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-import jaxquant.flax as jqf
-from jaxquant import kernels, recipes
 import step
 import step_variants
 import trace_summary
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from records import ResultFile, results_path
 from step_model import SHAPES, DecoderStack
 from timing import Call, interleaved_seconds, speedup
+
+import jaxquant.flax as jqf
+from jaxquant import kernels, recipes
 
 FSDP, TENSOR = "fsdp", "tensor"
 LAYOUTS = ("fsdp", "fsdp_tp")
@@ -100,9 +101,13 @@ class Config:
     return f"{shape_name} {'one' if self.n == 1 else self.layout} n={self.n}"
 
   def mesh(self) -> Mesh:
-    devices = jax.devices()[:self.n]
-    return jax.make_mesh((self.fsdp, self.tensor), (FSDP, TENSOR),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+    devices = jax.devices()[: self.n]
+    return jax.make_mesh(
+      (self.fsdp, self.tensor),
+      (FSDP, TENSOR),
+      axis_types=(jax.sharding.AxisType.Auto,) * 2,
+      devices=devices,
+    )
 
 
 def configs(device_counts: list[int], layouts: list[str]) -> list[Config]:
@@ -130,7 +135,8 @@ def param_spec(path: tuple[str, ...]) -> P:
 
 def param_specs(params):
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: param_spec(tuple(k.key for k in path)), params)
+    lambda path, _: param_spec(tuple(k.key for k in path)), params
+  )
 
 
 def build_variant(name: str, stock: DecoderStack, mesh: Mesh, specs) -> step_variants.Variant:
@@ -138,15 +144,35 @@ def build_variant(name: str, stock: DecoderStack, mesh: Mesh, specs) -> step_var
     return step_variants.build(name, stock)
   gather = jqf.ModelWeightGather(mesh, specs, axis=FSDP)
   return step_variants.Variant(
-      name, jqf.quantize_model(stock, recipes.fp8_current, weight_gather=gather),
-      jqf.update_quant_state)
+    name,
+    jqf.quantize_model(stock, recipes.fp8_current, weight_gather=gather),
+    jqf.update_quant_state,
+  )
 
 
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|f8e8m0fnu|f4e2m1fn|"
-                    r"bf16|f16|f32|f64)\[([0-9,]*)\]")
-_BITS = {"pred": 8, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "f8e8m0fnu": 8,
-         "f4e2m1fn": 4, "s16": 16, "u16": 16, "bf16": 16, "f16": 16, "s32": 32, "u32": 32,
-         "f32": 32, "s64": 64, "u64": 64, "f64": 64}
+_SHAPE = re.compile(
+  r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|f8e8m0fnu|f4e2m1fn|"
+  r"bf16|f16|f32|f64)\[([0-9,]*)\]"
+)
+_BITS = {
+  "pred": 8,
+  "s8": 8,
+  "u8": 8,
+  "f8e4m3fn": 8,
+  "f8e5m2": 8,
+  "f8e8m0fnu": 8,
+  "f4e2m1fn": 4,
+  "s16": 16,
+  "u16": 16,
+  "bf16": 16,
+  "f16": 16,
+  "s32": 32,
+  "u32": 32,
+  "f32": 32,
+  "s64": 64,
+  "u64": 64,
+  "f64": 64,
+}
 _ALL_GATHER = re.compile(r"=\s*(.*?)\s+all-gather(-start)?\(")
 
 
@@ -161,7 +187,7 @@ def all_gather_bytes(hlo_text: str) -> int:
       continue
     shapes = _SHAPE.findall(found.group(1))
     if found.group(2):
-      shapes = shapes[len(shapes) // 2:]
+      shapes = shapes[len(shapes) // 2 :]
     for dtype, dims in shapes:
       elements = math.prod(int(d) for d in dims.split(",") if d)
       total += elements * _BITS[dtype] // 8
@@ -170,8 +196,11 @@ def all_gather_bytes(hlo_text: str) -> int:
 
 # NCCL's kernels (ncclDevKernel_AllGather_RING_LL, ...) by collective, and on the CPU the
 # host events of XLA's collective ops.
-COLLECTIVES = {"all_gather": ("allgather", "all-gather"), "reduce_scatter": ("reducescatter",
-               "reduce-scatter"), "all_reduce": ("allreduce", "all-reduce")}
+COLLECTIVES = {
+  "all_gather": ("allgather", "all-gather"),
+  "reduce_scatter": ("reducescatter", "reduce-scatter"),
+  "all_reduce": ("allreduce", "all-reduce"),
+}
 
 
 def collective_of(event) -> str | None:
@@ -213,15 +242,21 @@ class Prepared:
     tx = optax.adamw(1e-4)
     placed = jax.device_put(params, shardings)
     opt_state = jax.jit(tx.init)(placed)
-    collections = jax.device_put(step.variant_collections(variant, params, stock.shape.d_model),
-                                 replicated)
+    collections = jax.device_put(
+      step.variant_collections(variant, params, stock.shape.d_model), replicated
+    )
     x = jax.device_put(
-        jax.random.normal(jax.random.key(2), (args.batch_per_device * config.n, args.seq,
-                                              stock.shape.d_model), jnp.bfloat16),
-        NamedSharding(mesh, P(FSDP)))
+      jax.random.normal(
+        jax.random.key(2),
+        (args.batch_per_device * config.n, args.seq, stock.shape.d_model),
+        jnp.bfloat16,
+      ),
+      NamedSharding(mesh, P(FSDP)),
+    )
     key = jax.device_put(jax.random.key(3), replicated)
-    train_step = jax.jit(step.train_step(variant, tx),
-                         out_shardings=(shardings, None, None, replicated))
+    train_step = jax.jit(
+      step.train_step(variant, tx), out_shardings=(shardings, None, None, replicated)
+    )
     self.executable = train_step.lower(placed, opt_state, collections, x, key).compile()
     hlo = self.executable.as_text()
     self.gather_gib = all_gather_bytes(hlo) / 2**30
@@ -233,8 +268,10 @@ class Prepared:
     loss = None
     for _ in range(args.warmup_steps):  # carries the collections on
       *state, loss = self.executable(*state, x, key)
-    print(f"    {variant.name}: loss {float(loss):.4g}, all-gathered {self.gather_gib:.3f} GiB "
-          "a step", flush=True)
+    print(
+      f"    {variant.name}: loss {float(loss):.4g}, all-gathered {self.gather_gib:.3f} GiB a step",
+      flush=True,
+    )
     if not math.isfinite(float(loss)):
       raise FloatingPointError(f"{variant.name}: loss {float(loss)} after the warm-up")
     self.call = Call(self.executable, (placed, opt_state, state[2], x, key))
@@ -246,22 +283,29 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
   print(f"{label}: mesh fsdp={config.fsdp} x tensor={config.tensor}", flush=True)
   mesh = config.mesh()
   specs = param_specs(params)
-  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                           is_leaf=lambda s: isinstance(s, P))
+  shardings = jax.tree.map(
+    lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda s: isinstance(s, P)
+  )
   prepared = {}
   for name in names:
     if name == GATHERED and config.fsdp == 1:
       continue  # nothing is gathered over fsdp
     try:  # one variant that fails costs only itself
-      prepared[name] = Prepared(build_variant(name, stock, mesh, specs), config, args, stock,
-                                params, shardings)
+      prepared[name] = Prepared(
+        build_variant(name, stock, mesh, specs), config, args, stock, params, shardings
+      )
     except Exception as error:
-      print(f"    {name}: FAILED, not recorded: {type(error).__name__}: {str(error)[:2000]}",
-            flush=True)
+      print(
+        f"    {name}: FAILED, not recorded: {type(error).__name__}: {str(error)[:2000]}", flush=True
+      )
   if not prepared:
     return
-  samples = interleaved_seconds({n: p.call for n, p in prepared.items()}, reps=args.reps,
-                                rounds=args.rounds, warmup_s=args.warmup_s)
+  samples = interleaved_seconds(
+    {n: p.call for n, p in prepared.items()},
+    reps=args.reps,
+    rounds=args.rounds,
+    warmup_s=args.warmup_s,
+  )
 
   peers = [n for n in samples if n in step_variants.PEERS]
   best_peer = min(peers, key=lambda n: statistics.median(samples[n]), default=None)
@@ -300,34 +344,48 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
   parser.add_argument("--layers", type=int, default=2)
-  parser.add_argument("--devices", default="2,4,8",
-                      help="comma-separated device counts beside the one-device baseline; "
-                           "counts above the devices present are skipped")
+  parser.add_argument(
+    "--devices",
+    default="2,4,8",
+    help="comma-separated device counts beside the one-device baseline; "
+    "counts above the devices present are skipped",
+  )
   parser.add_argument("--batch-per-device", type=int, default=4)
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--layouts", default=",".join(LAYOUTS))
   parser.add_argument("--variants", default=",".join(VARIANTS))
-  parser.add_argument("--attention", choices=("cudnn", "xla"),
-                      help="dot_product_attention's implementation (default: cudnn on a GPU, else xla)")
+  parser.add_argument(
+    "--attention",
+    choices=("cudnn", "xla"),
+    help="dot_product_attention's implementation (default: cudnn on a GPU, else xla)",
+  )
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--warmup-s", type=float, default=0.25)
   parser.add_argument("--warmup-steps", type=int, default=2)
   parser.add_argument("--profile-steps", type=int, default=2)
-  parser.add_argument("--hlo-dir", type=pathlib.Path,
-                      help="write each compiled step's optimized HLO here")
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny shape, one layer, 1 x 128 tokens a device, few repetitions (a "
-                           "smoke run: no results file unless --out)")
-  parser.add_argument("--out", help="results file to merge into "
-                                    "(default benchmarks/results/<gpu>/scaling.json)")
+  parser.add_argument(
+    "--hlo-dir", type=pathlib.Path, help="write each compiled step's optimized HLO here"
+  )
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="tiny shape, one layer, 1 x 128 tokens a device, few repetitions (a "
+    "smoke run: no results file unless --out)",
+  )
+  parser.add_argument(
+    "--out", help="results file to merge into (default benchmarks/results/<gpu>/scaling.json)"
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.shape, args.layers, args.batch_per_device, args.seq = "tiny", 1, 1, 128
     args.reps, args.rounds, args.warmup_s, args.warmup_steps = 1, 1, 0.0, 1
   split = lambda text: [t.strip() for t in text.split(",") if t.strip()]
   args.layouts, args.variants = split(args.layouts), split(args.variants)
-  for given, known, what in ((args.layouts, LAYOUTS, "layouts"), (args.variants, KNOWN, "variants")):
+  for given, known, what in (
+    (args.layouts, LAYOUTS, "layouts"),
+    (args.variants, KNOWN, "variants"),
+  ):
     unknown = sorted(set(given) - set(known))
     if unknown:
       parser.error(f"unknown {what} {unknown}; {what} are {list(known)}")
@@ -352,13 +410,19 @@ def main(argv=None):
   device = devices[0]
   counts = [n for n in args.devices if 1 < n <= len(devices)]
   skipped = [n for n in args.devices if n > len(devices)]
-  print(f"{len(devices)} x {device.device_kind}, jax {jax.__version__}; jaxquant kernels: "
-        f"{kernels.available() or kernels.unavailable_reason()}; {args.shape}, {args.layers} "
-        f"layers, {args.batch_per_device} x {args.seq} tokens a device; device counts 1 and "
-        f"{counts}" + (f" ({skipped} skipped: {len(devices)} devices)" if skipped else ""),
-        flush=True)
-  results = ResultFile(results_path(args.out, "scaling", device.device_kind, smoke=args.quick),
-                       benchmark="scaling", device=device.device_kind, jax_version=jax.__version__)
+  print(
+    f"{len(devices)} x {device.device_kind}, jax {jax.__version__}; jaxquant kernels: "
+    f"{kernels.available() or kernels.unavailable_reason()}; {args.shape}, {args.layers} "
+    f"layers, {args.batch_per_device} x {args.seq} tokens a device; device counts 1 and "
+    f"{counts}" + (f" ({skipped} skipped: {len(devices)} devices)" if skipped else ""),
+    flush=True,
+  )
+  results = ResultFile(
+    results_path(args.out, "scaling", device.device_kind, smoke=args.quick),
+    benchmark="scaling",
+    device=device.device_kind,
+    jax_version=jax.__version__,
+  )
   stock = DecoderStack(SHAPES[args.shape], args.layers, attention=args.attention)
   params = jax.device_get(step.init_variables(stock, stock.shape.d_model)["params"])
   one_device_tps: dict[str, float] = {}

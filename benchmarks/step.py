@@ -56,13 +56,13 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-
-from jaxquant import kernels
 import step_variants
 import trace_summary
 from records import ResultFile, results_path
 from step_model import SHAPES, DecoderStack
 from timing import Call, interleaved_seconds, speedup
+
+from jaxquant import kernels
 
 # Init runs the forward pass once; params and the collections' shapes do not depend on
 # the token count, so it runs on this many (a multiple of every scaling block).
@@ -86,16 +86,22 @@ def train_step(variant: step_variants.Variant, tx: optax.GradientTransformation)
   """The README's Linen train step: grads w.r.t. the params and the other collections."""
 
   def loss_fn(params, collections, x, key):
-    y, updated = variant.model.apply({"params": params, **collections}, x, rngs={"quant": key},
-                                     mutable=list(collections))
+    y, updated = variant.model.apply(
+      {"params": params, **collections}, x, rngs={"quant": key}, mutable=list(collections)
+    )
     return jnp.mean(jnp.square(y.astype(jnp.float32))), updated
 
   def step(params, opt_state, collections, x, key):
     (loss, updated), (grads, state_grads) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(params, collections, x, key)
+      loss_fn, argnums=(0, 1), has_aux=True
+    )(params, collections, x, key)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state, variant.advance(updated, state_grads),
-            loss)
+    return (
+      optax.apply_updates(params, updates),
+      opt_state,
+      variant.advance(updated, state_grads),
+      loss,
+    )
 
   return step
 
@@ -132,8 +138,12 @@ def memory_gib(compiled) -> float | None:
     return None
   peak = getattr(m, "peak_memory_in_bytes", 0)
   if not peak:
-    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
+    peak = (
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      + m.temp_size_in_bytes
+      - m.alias_size_in_bytes
+    )
   return peak / 2**30
 
 
@@ -157,8 +167,11 @@ class Prepared:
     self.step_estimate_s = (time.perf_counter() - start) / max(warmup_steps, 1)
     self.call = Call(self.executable, (args[0], args[1], collections, x, key))
     peak = "" if self.peak_gib is None else f", XLA memory {self.peak_gib:.2f} GiB"
-    print(f"  {self.name}: compiled in {self.compile_s:.1f} s (trace+lower {lowered_s:.1f} s){peak}; "
-          f"warm-up {self.step_estimate_s * 1e3:.1f} ms/step, loss {loss:.4g}", flush=True)
+    print(
+      f"  {self.name}: compiled in {self.compile_s:.1f} s (trace+lower {lowered_s:.1f} s){peak}; "
+      f"warm-up {self.step_estimate_s * 1e3:.1f} ms/step, loss {loss:.4g}",
+      flush=True,
+    )
     if not math.isfinite(loss):
       raise FloatingPointError(f"{self.name}: loss {loss} after {warmup_steps} warm-up steps")
 
@@ -195,20 +208,32 @@ def prepare_shape(shape_name, names, args, clock, compile_history) -> dict[str, 
     guess = compile_history.get(name, max(seen) if seen else 0.0)
     steps = [p.step_estimate_s for p in prepared.values()]
     step_guess = max(steps) if steps else 0.0
-    needed = guess + args.warmup_steps * step_guess + timing_estimate_s(
-        steps + [step_guess] if step_guess else steps, args)
+    needed = (
+      guess
+      + args.warmup_steps * step_guess
+      + timing_estimate_s(steps + [step_guess] if step_guess else steps, args)
+    )
     if not clock.fits(needed):
-      print(f"  {name}: skipped, the deadline: about {needed:.0f} s more needed, "
-            f"{args.deadline_s - clock.elapsed():.0f} s left", flush=True)
+      print(
+        f"  {name}: skipped, the deadline: about {needed:.0f} s more needed, "
+        f"{args.deadline_s - clock.elapsed():.0f} s left",
+        flush=True,
+      )
       continue
     print(f"  {name}: compiling (estimate {guess:.0f} s) at {clock.elapsed():.0f} s", flush=True)
     try:  # one variant that fails (to compile, or with a non-finite loss) costs only itself
       variant = step_variants.build(name, stock)
       collections = variant_collections(variant, params, shape.d_model)
-      prepared[name] = Prepared(variant, train_step(variant, tx),
-                                (params, opt_state, collections, x, key), args.warmup_steps)
+      prepared[name] = Prepared(
+        variant,
+        train_step(variant, tx),
+        (params, opt_state, collections, x, key),
+        args.warmup_steps,
+      )
     except Exception as error:
-      print(f"  {name}: FAILED, not recorded: {type(error).__name__}: {str(error)[:2000]}", flush=True)
+      print(
+        f"  {name}: FAILED, not recorded: {type(error).__name__}: {str(error)[:2000]}", flush=True
+      )
       continue
     compile_history[name] = prepared[name].compile_s
   return prepared
@@ -216,10 +241,17 @@ def prepare_shape(shape_name, names, args, clock, compile_history) -> dict[str, 
 
 def record_shape(results, shape_name, prepared, args, clock):
   steps = [p.step_estimate_s for p in prepared.values()]
-  print(f"timing {len(prepared)} variants at {shape_name}, {args.rounds} rounds "
-        f"(estimate {timing_estimate_s(steps, args):.0f} s) at {clock.elapsed():.0f} s", flush=True)
-  samples = interleaved_seconds({n: p.call for n, p in prepared.items()}, reps=args.reps,
-                                rounds=args.rounds, warmup_s=args.warmup_s)
+  print(
+    f"timing {len(prepared)} variants at {shape_name}, {args.rounds} rounds "
+    f"(estimate {timing_estimate_s(steps, args):.0f} s) at {clock.elapsed():.0f} s",
+    flush=True,
+  )
+  samples = interleaved_seconds(
+    {n: p.call for n, p in prepared.items()},
+    reps=args.reps,
+    rounds=args.rounds,
+    warmup_s=args.warmup_s,
+  )
   peers = [n for n in samples if n in step_variants.PEERS]
   best_peer = min(peers, key=lambda n: statistics.median(samples[n]), default=None)
   if best_peer:
@@ -294,30 +326,51 @@ def parse_args(argv=None):
   parser.add_argument("--layers", type=int, default=2)
   parser.add_argument("--batch", type=int, default=4)
   parser.add_argument("--seq", type=int, default=4096)
-  parser.add_argument("--attention", choices=("cudnn", "xla"),
-                      help="dot_product_attention's implementation (default: cudnn on a GPU, else xla)")
-  parser.add_argument("--only", help=f"comma-separated variants to run, of {list(step_variants.ORDER)}")
+  parser.add_argument(
+    "--attention",
+    choices=("cudnn", "xla"),
+    help="dot_product_attention's implementation (default: cudnn on a GPU, else xla)",
+  )
+  parser.add_argument(
+    "--only", help=f"comma-separated variants to run, of {list(step_variants.ORDER)}"
+  )
   parser.add_argument("--skip", help="comma-separated variants not to run")
   parser.add_argument("--reps", type=int, help="timed steps per turn, at least (default 5)")
   parser.add_argument("--rounds", type=int, help="turns of every variant (default 5)")
-  parser.add_argument("--warmup-s", type=float,
-                      help="seconds of untimed steps before each turn (default 0.25)")
+  parser.add_argument(
+    "--warmup-s", type=float, help="seconds of untimed steps before each turn (default 0.25)"
+  )
   parser.add_argument("--warmup-steps", type=int, help="steps run after compiling (default 3)")
-  parser.add_argument("--deadline-s", type=float,
-                      help="skip variants whose compile and timing would end later than this")
-  parser.add_argument("--profile", type=pathlib.Path, metavar="DIR",
-                      help="profile --profile-variants at the first shape into DIR")
+  parser.add_argument(
+    "--deadline-s",
+    type=float,
+    help="skip variants whose compile and timing would end later than this",
+  )
+  parser.add_argument(
+    "--profile",
+    type=pathlib.Path,
+    metavar="DIR",
+    help="profile --profile-variants at the first shape into DIR",
+  )
   parser.add_argument("--profile-variants", default="bf16,fp8_current")
   parser.add_argument("--profile-steps", type=int, default=3)
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny shape, 2 x 128 tokens, few repetitions (a smoke run: no results "
-                           "file unless --out)")
-  parser.add_argument("--out", help="results file to merge into (default benchmarks/results/<gpu>/step.json)")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="tiny shape, 2 x 128 tokens, few repetitions (a smoke run: no results file unless --out)",
+  )
+  parser.add_argument(
+    "--out", help="results file to merge into (default benchmarks/results/<gpu>/step.json)"
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.shapes, args.batch, args.seq = "tiny", 2, 128
-  for name, default, quick in (("reps", 5, 2), ("rounds", 5, 2), ("warmup_s", 0.25, 0.0),
-                               ("warmup_steps", 3, 1)):
+  for name, default, quick in (
+    ("reps", 5, 2),
+    ("rounds", 5, 2),
+    ("warmup_s", 0.25, 0.0),
+    ("warmup_steps", 3, 1),
+  ):
     if getattr(args, name) is None:
       setattr(args, name, quick if args.quick else default)
   if args.warmup_steps < 1:
@@ -335,12 +388,19 @@ def main(argv=None):
   args = parse_args(argv)
   clock = Clock(args.deadline_s)
   device = jax.devices()[0]
-  print(f"{device.device_kind}, jax {jax.__version__}; jaxquant kernels: "
-        f"{kernels.available() or kernels.unavailable_reason()}; attention {args.attention}; "
-        f"{args.layers} layers, {args.batch} x {args.seq} tokens", flush=True)
+  print(
+    f"{device.device_kind}, jax {jax.__version__}; jaxquant kernels: "
+    f"{kernels.available() or kernels.unavailable_reason()}; attention {args.attention}; "
+    f"{args.layers} layers, {args.batch} x {args.seq} tokens",
+    flush=True,
+  )
   names = selected_variants(args)
-  results = ResultFile(results_path(args.out, "step", device.device_kind, smoke=args.quick),
-                       benchmark="step", device=device.device_kind, jax_version=jax.__version__)
+  results = ResultFile(
+    results_path(args.out, "step", device.device_kind, smoke=args.quick),
+    benchmark="step",
+    device=device.device_kind,
+    jax_version=jax.__version__,
+  )
   warm_backend(args)
   compile_history: dict[str, float] = {}
   for index, shape_name in enumerate(args.shapes):
@@ -350,8 +410,12 @@ def main(argv=None):
       record_shape(results, shape_name, prepared, args, clock)
     if args.profile and index == 0:
       try:  # the records are in; a failed profile should not cost the next shape
-        profile(prepared, [n.strip() for n in args.profile_variants.split(",")], args.profile,
-                args.profile_steps)
+        profile(
+          prepared,
+          [n.strip() for n in args.profile_variants.split(",")],
+          args.profile,
+          args.profile_steps,
+        )
       except Exception as error:
         print(f"PROFILE FAILED: {type(error).__name__}: {error}", flush=True)
     stats = device.memory_stats() or {}
@@ -359,8 +423,10 @@ def main(argv=None):
       print(f"process-wide device memory peak so far: {stats['peak_bytes_in_use'] / 2**30:.2f} GiB")
     del prepared
     gc.collect()
-  print(f"done in {clock.elapsed():.0f} s; " + (f"merged into {results.path}" if results.path
-                                                else "--quick: no results file written"))
+  print(
+    f"done in {clock.elapsed():.0f} s; "
+    + (f"merged into {results.path}" if results.path else "--quick: no results file written")
+  )
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ class Shape:
 # Llama 3 8B and Llama 3.2 1B (both grouped-query attention with 8 key/value heads), and
 # a tiny one for CPU smoke runs.
 SHAPES = {
-    "8b": Shape(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336),
-    "1b": Shape(d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192),
-    "tiny": Shape(d_model=256, n_heads=4, n_kv_heads=2, d_ff=512),
+  "8b": Shape(d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336),
+  "1b": Shape(d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192),
+  "tiny": Shape(d_model=256, n_heads=4, n_kv_heads=2, d_ff=512),
 }
 
 # Every projection's module name ends so; a peer that selects layers by module path
@@ -55,8 +55,9 @@ def rotary(x: jax.Array, base: float = 500000.0) -> jax.Array:
   angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * frequencies[None, :]
   sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
   first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
-                         axis=-1).astype(x.dtype)
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(
+    x.dtype
+  )
 
 
 class DecoderStack(nn.Module):
@@ -70,9 +71,15 @@ class DecoderStack(nn.Module):
   dot_general_cls: Any = None
 
   def _dense(self, features: int, name: str) -> nn.Dense:
-    return nn.Dense(features, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                    kernel_init=nn.initializers.normal(stddev=0.02),
-                    dot_general_cls=self.dot_general_cls, name=name)
+    return nn.Dense(
+      features,
+      use_bias=False,
+      dtype=jnp.bfloat16,
+      param_dtype=jnp.float32,
+      kernel_init=nn.initializers.normal(stddev=0.02),
+      dot_general_cls=self.dot_general_cls,
+      name=name,
+    )
 
   def _norm(self, name: str) -> nn.RMSNorm:
     return nn.RMSNorm(epsilon=1e-5, dtype=jnp.bfloat16, param_dtype=jnp.float32, name=name)
@@ -84,8 +91,7 @@ class DecoderStack(nn.Module):
     q = rotary(heads(self._dense(s.n_heads * s.head_dim, f"{prefix}q_proj")(x), s.n_heads))
     k = rotary(heads(self._dense(s.n_kv_heads * s.head_dim, f"{prefix}k_proj")(x), s.n_kv_heads))
     v = heads(self._dense(s.n_kv_heads * s.head_dim, f"{prefix}v_proj")(x), s.n_kv_heads)
-    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation=self.attention)
+    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
     return self._dense(s.d_model, f"{prefix}o_proj")(attended.reshape(batch, seq, s.d_model))
 
   def _mlp(self, x: jax.Array, prefix: str) -> jax.Array:

@@ -27,10 +27,10 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen import fp8_ops
+from step_model import PROJECTION_PATH_REGEX, DecoderStack
 
 import jaxquant.flax as jqf
 from jaxquant import recipes
-from step_model import PROJECTION_PATH_REGEX, DecoderStack
 
 PEERS = ("flax_fp8", "qwix_fp8_channel", "qwix_fp8_tensor")
 PRESETS = tuple(recipes.PRESETS)
@@ -39,9 +39,20 @@ FAST = {"fp8_current_fast": "fp8_current", "fp8_delayed_fast": "fp8_delayed"}
 # The order variants are compiled and timed in: the baseline, the headline recipe and the
 # peers first, so that a run cut short (or one given a deadline) still has the comparisons
 # that matter most; the recipes slowest to compile last.
-ORDER = ("bf16", "fp8_current", "flax_fp8", "qwix_fp8_channel", "qwix_fp8_tensor",
-         "fp8_delayed", "fp8_current_fast", "fp8_delayed_fast", "fp8_block", "mxfp8", "nvfp4",
-         "hybrid")
+ORDER = (
+  "bf16",
+  "fp8_current",
+  "flax_fp8",
+  "qwix_fp8_channel",
+  "qwix_fp8_tensor",
+  "fp8_delayed",
+  "fp8_current_fast",
+  "fp8_delayed_fast",
+  "fp8_block",
+  "mxfp8",
+  "nvfp4",
+  "hybrid",
+)
 assert set(ORDER) == set(PRESETS) | set(PEERS) | set(FAST)
 
 
@@ -50,7 +61,10 @@ def _keep(collections, state_grads):
 
 
 def _overwrite_with_gradient(collections, state_grads):
-  return {**collections, fp8_ops.OVERWRITE_WITH_GRADIENT: state_grads[fp8_ops.OVERWRITE_WITH_GRADIENT]}
+  return {
+    **collections,
+    fp8_ops.OVERWRITE_WITH_GRADIENT: state_grads[fp8_ops.OVERWRITE_WITH_GRADIENT],
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +89,14 @@ def qwix_unavailable_reason() -> str | None:
 
 def _qwix_model(stock: nn.Module, per_channel: bool) -> nn.Module:
   import qwix
-  rule = qwix.QtRule(module_path=PROJECTION_PATH_REGEX, weight_qtype=jnp.float8_e4m3fn,
-                     act_qtype=jnp.float8_e4m3fn, bwd_qtype=jnp.float8_e5m2,
-                     disable_channelwise_axes=not per_channel)
+
+  rule = qwix.QtRule(
+    module_path=PROJECTION_PATH_REGEX,
+    weight_qtype=jnp.float8_e4m3fn,
+    act_qtype=jnp.float8_e4m3fn,
+    bwd_qtype=jnp.float8_e5m2,
+    disable_channelwise_axes=not per_channel,
+  )
   return qwix.quantize_model(stock, qwix.QtProvider([rule]))
 
 
@@ -88,12 +107,14 @@ def build(name: str, stock: DecoderStack) -> Variant:
   if name in PRESETS:
     return Variant(name, jqf.quantize_model(stock, recipes.get(name)), jqf.update_quant_state)
   if name in FAST:
-    recipe = dataclasses.replace(recipes.get(FAST[name]), name=name,
-                                 fast_accumulation=recipes.GEMMS)
+    recipe = dataclasses.replace(
+      recipes.get(FAST[name]), name=name, fast_accumulation=recipes.GEMMS
+    )
     return Variant(name, jqf.quantize_model(stock, recipe), jqf.update_quant_state)
   if name == "flax_fp8":
-    return Variant(name, stock.clone(dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),
-                   _overwrite_with_gradient)
+    return Variant(
+      name, stock.clone(dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp), _overwrite_with_gradient
+    )
   if name in ("qwix_fp8_tensor", "qwix_fp8_channel"):
     return Variant(name, _qwix_model(stock, per_channel=name == "qwix_fp8_channel"), _keep)
   raise ValueError(f"unknown variant {name!r}; variants are {list(ORDER)}")

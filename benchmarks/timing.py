@@ -68,8 +68,9 @@ def _turn_seconds(call: Call, reps: int, warmup_s: float) -> float:
   return _timed(call, max(reps, int(warmup_s / per_call)))
 
 
-def interleaved_seconds(calls: Mapping[str, Call], *, reps: int = 20, rounds: int = 8,
-                        warmup_s: float = 0.25) -> dict[str, list[float]]:
+def interleaved_seconds(
+  calls: Mapping[str, Call], *, reps: int = 20, rounds: int = 8, warmup_s: float = 0.25
+) -> dict[str, list[float]]:
   """Per-op device seconds of every call in every round: each round gives the calls a turn
   in order, a warm-up of about warmup_s and then a timed run (`_turn_seconds`)."""
   for call in calls.values():  # compile
@@ -83,11 +84,12 @@ def interleaved_seconds(calls: Mapping[str, Call], *, reps: int = 20, rounds: in
 
 def speedup(base: list[float], contender: list[float]) -> tuple[float, float]:
   """(ratio of the median times, lowest ratio of one round): base time over contender's."""
-  per_round = [b / c for b, c in zip(base, contender)]
+  per_round = [b / c for b, c in zip(base, contender, strict=False)]
   return statistics.median(base) / statistics.median(contender), min(per_round)
 
 
 def device_seconds(fn, *args, reps: int = 20, rounds: int = 5) -> float:
   """Median over `rounds` of the mean time of `reps` back-to-back calls of fn(*args)."""
-  return statistics.median(interleaved_seconds({"fn": Call(fn, args)}, reps=reps,
-                                               rounds=rounds)["fn"])
+  return statistics.median(
+    interleaved_seconds({"fn": Call(fn, args)}, reps=reps, rounds=rounds)["fn"]
+  )

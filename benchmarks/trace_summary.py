@@ -42,8 +42,15 @@ import jax
 # on the CPU), which no `except` can catch: there, only the JSON trace is read.
 XPLANE_READABLE = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12)
 
-CATEGORIES = ("jaxquant GEMM", "jaxquant cast, amax, dequantize", "XLA GEMM (cuBLAS, cuBLASLt)",
-              "attention (cuDNN)", "copy / transpose", "XLA fusion", "other")
+CATEGORIES = (
+  "jaxquant GEMM",
+  "jaxquant cast, amax, dequantize",
+  "XLA GEMM (cuBLAS, cuBLASLt)",
+  "attention (cuDNN)",
+  "copy / transpose",
+  "XLA fusion",
+  "other",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +87,13 @@ def category(event: Event, targets: dict[str, str]) -> str:
     return CATEGORIES[0] if "jaxquant" in targets.get(event.hlo_op, "") else CATEGORIES[2]
   if any(s in name for s in ("cudnn", "fmha", "flash", "sdpa")):
     return CATEGORIES[3]
-  if ("memcpy" in name or "transpose" in name or "transpose" in op or name.startswith("copy")
-      or op.startswith("copy")):
+  if (
+    "memcpy" in name
+    or "transpose" in name
+    or "transpose" in op
+    or name.startswith("copy")
+    or op.startswith("copy")
+  ):
     return CATEGORIES[4]
   if "fusion" in name or "fusion" in op or name.startswith(("loop_", "input_", "wrapped_")):
     return CATEGORIES[5]
@@ -89,13 +101,23 @@ def category(event: Event, targets: dict[str, str]) -> str:
 
 
 # Lines a profiler derives from the stream lines (each kernel again, as an op or a module).
-_DERIVED_LINES = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework Ops",
-                  "Framework Name Scope", "Source code", "XLA TraceMe", "TensorFlow Ops",
-                  "TensorFlow Name Scope")
+_DERIVED_LINES = (
+  "XLA Modules",
+  "XLA Ops",
+  "Async XLA Ops",
+  "Steps",
+  "Framework Ops",
+  "Framework Name Scope",
+  "Source code",
+  "XLA TraceMe",
+  "TensorFlow Ops",
+  "TensorFlow Name Scope",
+)
 
 
-def _device_lines(planes: list[tuple[str, list[tuple[str, list[Event]]]]],
-                  device: int | None = None) -> list[Event]:
+def _device_lines(
+  planes: list[tuple[str, list[tuple[str, list[Event]]]]], device: int | None = None
+) -> list[Event]:
   """The events of the GPU planes' stream lines (of GPU `device` alone where given); on a
   trace with no GPU plane, the host events labelled with an HLO op."""
   plane = re.compile(r"/device:GPU" if device is None else rf"/device:GPU:{device}(?!\d)")
@@ -118,10 +140,21 @@ def _stat(stats, key) -> str:
 
 def _planes_from_xplane(path: pathlib.Path):
   from jax.profiler import ProfileData
+
   data = ProfileData.from_file(str(path))
-  return [(plane.name, [(line.name, [Event(e.name, e.start_ns, e.duration_ns, _stat(e.stats, "hlo_op"))
-                                     for e in line.events]) for line in plane.lines])
-          for plane in data.planes]
+  return [
+    (
+      plane.name,
+      [
+        (
+          line.name,
+          [Event(e.name, e.start_ns, e.duration_ns, _stat(e.stats, "hlo_op")) for e in line.events],
+        )
+        for line in plane.lines
+      ],
+    )
+    for plane in data.planes
+  ]
 
 
 def _planes_from_trace_json(path: pathlib.Path):
@@ -136,8 +169,9 @@ def _planes_from_trace_json(path: pathlib.Path):
   lines = collections.defaultdict(list)
   for e in trace["traceEvents"]:
     if e.get("ph") == "X":
-      lines[e["pid"], e.get("tid")].append(Event(e["name"], e["ts"] * 1e3, e.get("dur", 0) * 1e3,
-                                                 _stat(e.get("args", {}), "hlo_op")))
+      lines[e["pid"], e.get("tid")].append(
+        Event(e["name"], e["ts"] * 1e3, e.get("dur", 0) * 1e3, _stat(e.get("args", {}), "hlo_op"))
+      )
   planes = collections.defaultdict(list)
   for (pid, tid), events in lines.items():
     planes[process.get(pid, str(pid))].append((thread.get((pid, tid), str(tid)), events))
@@ -147,7 +181,9 @@ def _planes_from_trace_json(path: pathlib.Path):
 def load_events(trace_dir: pathlib.Path, device: int | None = None) -> tuple[list[Event], str]:
   """(device events, which file they came from) of the newest trace under trace_dir: of
   every GPU, or of GPU `device` alone."""
-  newest = lambda pattern: max(trace_dir.rglob(pattern), key=lambda p: p.stat().st_mtime, default=None)
+  newest = lambda pattern: max(
+    trace_dir.rglob(pattern), key=lambda p: p.stat().st_mtime, default=None
+  )
   xplane, trace_json = newest("*.xplane.pb"), newest("*.trace.json.gz")
   errors = []
   for path, reader in ((xplane, _planes_from_xplane), (trace_json, _planes_from_trace_json)):
@@ -171,8 +207,9 @@ def busy_ns(events: list[Event]) -> float:
   return total
 
 
-def summarize(events: list[Event], steps: int, targets: dict[str, str] | None = None,
-              top: int = 20) -> dict:
+def summarize(
+  events: list[Event], steps: int, targets: dict[str, str] | None = None, top: int = 20
+) -> dict:
   """Per-step milliseconds by category, the busy and idle device time, the top kernels."""
   targets = targets or {}
   events = [e for e in events if e.duration_ns > 0]
@@ -197,21 +234,30 @@ def summarize(events: list[Event], steps: int, targets: dict[str, str] | None = 
       unattributed += e.duration_ns
   kernel_sum = sum(time.values())
   return {
-      "steps": steps,
-      "device_span_ms": per_step(span),
-      "device_busy_ms": per_step(busy),
-      "idle_ms": per_step(span - busy),
-      # Above busy where streams overlap: the categories add up to this.
-      "kernel_time_ms": per_step(kernel_sum),
-      "categories": {c: {"ms": per_step(time[c]), "share": time[c] / kernel_sum,
-                         "kernels": count[c] / steps} for c in CATEGORIES if count[c]},
-      "custom_call_targets_ms": {t: per_step(ns) for t, ns in target_time.most_common()},
-      # Library GEMMs whose HLO op names no custom call: counted as XLA's, though some may be
-      # jaxquant's (a trace without per-op annotations).
-      "library_gemm_unattributed_ms": per_step(unattributed),
-      "top_kernels": [{"name": name[:160], "category": kernel_category[name],
-                       "ms": per_step(ns), "count": kernel_count[name] / steps}
-                      for name, ns in kernel_time.most_common(top)],
+    "steps": steps,
+    "device_span_ms": per_step(span),
+    "device_busy_ms": per_step(busy),
+    "idle_ms": per_step(span - busy),
+    # Above busy where streams overlap: the categories add up to this.
+    "kernel_time_ms": per_step(kernel_sum),
+    "categories": {
+      c: {"ms": per_step(time[c]), "share": time[c] / kernel_sum, "kernels": count[c] / steps}
+      for c in CATEGORIES
+      if count[c]
+    },
+    "custom_call_targets_ms": {t: per_step(ns) for t, ns in target_time.most_common()},
+    # Library GEMMs whose HLO op names no custom call: counted as XLA's, though some may be
+    # jaxquant's (a trace without per-op annotations).
+    "library_gemm_unattributed_ms": per_step(unattributed),
+    "top_kernels": [
+      {
+        "name": name[:160],
+        "category": kernel_category[name],
+        "ms": per_step(ns),
+        "count": kernel_count[name] / steps,
+      }
+      for name, ns in kernel_time.most_common(top)
+    ],
   }
 
 
@@ -220,23 +266,36 @@ def markdown(summaries: dict[str, dict]) -> str:
   names = list(summaries)
   rows = [f"| per step | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
   cell = lambda s, key: f"{s[key]:.2f}" if key in s else "-"
-  for key, label in (("wall_ms", "wall (host, timed)"), ("device_span_ms", "device span"),
-                     ("device_busy_ms", "device busy"), ("idle_ms", "idle (host gaps)"),
-                     ("library_gemm_unattributed_ms", "cuBLAS GEMMs of no known op")):
+  for key, label in (
+    ("wall_ms", "wall (host, timed)"),
+    ("device_span_ms", "device span"),
+    ("device_busy_ms", "device busy"),
+    ("idle_ms", "idle (host gaps)"),
+    ("library_gemm_unattributed_ms", "cuBLAS GEMMs of no known op"),
+  ):
     rows.append(f"| {label} ms | {' | '.join(cell(summaries[n], key) for n in names)} |")
   for c in CATEGORIES:
     cells = []
     for n in names:
       entry = summaries[n]["categories"].get(c)
-      cells.append(f"{entry['ms']:.2f} ({entry['share']:.0%}, {entry['kernels']:.0f} kernels)"
-                   if entry else "-")
+      cells.append(
+        f"{entry['ms']:.2f} ({entry['share']:.0%}, {entry['kernels']:.0f} kernels)"
+        if entry
+        else "-"
+      )
     rows.append(f"| {c} ms | {' | '.join(cells)} |")
   parts = ["\n".join(rows)]
   for n in names:
     top = summaries[n]["top_kernels"]
-    lines = [f"\nTop kernels, {n} (ms per step, launches per step):", "",
-             "| ms | count | category | kernel |", "|---|---|---|---|"]
-    lines += [f"| {k['ms']:.3f} | {k['count']:.0f} | {k['category']} | `{k['name'][:100]}` |" for k in top]
+    lines = [
+      f"\nTop kernels, {n} (ms per step, launches per step):",
+      "",
+      "| ms | count | category | kernel |",
+      "|---|---|---|---|",
+    ]
+    lines += [
+      f"| {k['ms']:.3f} | {k['count']:.0f} | {k['category']} | `{k['name'][:100]}` |" for k in top
+    ]
     parts.append("\n".join(lines))
   return "\n".join(parts) + "\n"
 

@@ -39,15 +39,23 @@ def stored_bytes(qt: jaxquant.QuantizedTensor) -> int:
 def main():
   x = jnp.asarray(bigram_log_counts(), jnp.bfloat16)
   ref = x.astype(jnp.float32)
-  print(f"tensor: stdlib byte-bigram log counts, shape {x.shape}, bf16 bytes (2 usages) "
-        f"{2 * x.size * 2}")
-  print(f"{'preset':<12} {'rowwise rel.err':>16} {'columnwise rel.err':>19} {'bytes':>8} {'vs bf16':>8}")
+  print(
+    f"tensor: stdlib byte-bigram log counts, shape {x.shape}, bf16 bytes (2 usages) "
+    f"{2 * x.size * 2}"
+  )
+  print(
+    f"{'preset':<12} {'rowwise rel.err':>16} {'columnwise rel.err':>19} {'bytes':>8} {'vs bf16':>8}"
+  )
   for name, recipe in jaxquant.recipes.PRESETS.items():
     q = recipe.quantizer(QuantizerRole("linear", "input", "report"))
     if q is None:
       print(f"{name:<12} {0.0:>16.2e} {0.0:>19.2e} {2 * x.size * 2:>8} {1.0:>8.2f}")
       continue
-    state = jaxquant.scaling.init_state(for_usage(q, "rowwise")) if jaxquant.quantizers.needs_state(q) else None
+    state = (
+      jaxquant.scaling.init_state(for_usage(q, "rowwise"))
+      if jaxquant.quantizers.needs_state(q)
+      else None
+    )
     out = jaxquant.reference.quantize(x, q, key=jax.random.key(0), state=state)
     qt = out[0] if state is not None else out
     errs = []

@@ -23,8 +23,12 @@ SENSITIVITY_FILES = ("sensitivity.md", "sensitivity.png")
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("runs", nargs="+", type=pathlib.Path,
-                      help="output folders of train_lm.py (each with its curves.json)")
+  parser.add_argument(
+    "runs",
+    nargs="+",
+    type=pathlib.Path,
+    help="output folders of train_lm.py (each with its curves.json)",
+  )
   parser.add_argument("--out", type=pathlib.Path, required=True, help="the merged output folder")
   args = parser.parse_args(argv)
   runs = []

@@ -34,12 +34,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jaxquant import analysis
 from lm import data, layout, presets, recipes, report, sharding, suggested, training
 from lm.model import ModelConfig, TransformerLM, fused_attention_compiles
 from lm.moe import moe_mlp_factory
 from lm.progress import ProgressBar
+
+from jaxquant import analysis
 
 # The host waits for the device once every SYNC_EVERY steps (and at each eval), not every
 # step: in between it queues the next steps while the device computes.
@@ -50,11 +50,13 @@ NOISE_FLOOR_SCALE = 1e-3
 # suggested_nvfp4's sensitivity report, next to the other outputs.
 SENSITIVITY_TABLE = "sensitivity.md"
 SENSITIVITY_PNG = "sensitivity.png"
-RECIPE_HELP = ("'all' (" + ", ".join(recipes.RECIPE_NAMES) + ") or a comma-separated list of "
-               f"those and {recipes.SUGGESTED_RECIPE}. '{recipes.CUSTOM_RECIPE}' is a per-role "
-               "policy: NVFP4 with the last layers and the head in bf16 (NVIDIA's NVFP4 recipe); "
-               f"'{recipes.SUGGESTED_RECIPE}' keeps as many GEMM modules in bf16, chosen by "
-               "jaxquant.analysis after a short bf16 training (see --sensitivity-rank)")
+RECIPE_HELP = (
+  "'all' (" + ", ".join(recipes.RECIPE_NAMES) + ") or a comma-separated list of "
+  f"those and {recipes.SUGGESTED_RECIPE}. '{recipes.CUSTOM_RECIPE}' is a per-role "
+  "policy: NVFP4 with the last layers and the head in bf16 (NVIDIA's NVFP4 recipe); "
+  f"'{recipes.SUGGESTED_RECIPE}' keeps as many GEMM modules in bf16, chosen by "
+  "jaxquant.analysis after a short bf16 training (see --sensitivity-rank)"
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,48 +64,84 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--recipes", default="all", help=RECIPE_HELP)
   parser.add_argument("--preset", default="cpu", choices=sorted(presets.PRESETS))
   parser.add_argument("--steps", type=int, help="training steps per recipe (default: the preset's)")
-  parser.add_argument("--moe", action="store_true", help="replace each MLP with jaxquant's MoE block")
+  parser.add_argument(
+    "--moe", action="store_true", help="replace each MLP with jaxquant's MoE block"
+  )
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output folder")
-  parser.add_argument("--seed", type=int, default=0,
-                      help="seeds the parameters and the data order (the first seed with --seeds)")
-  parser.add_argument("--validation-seed", type=int,
-                      help="with sampled validation batches (eval_batches=N): the seed that "
-                      "draws them (default: --seed), so that runs of other seeds can share them "
-                      "(train_seeds.py)")
-  parser.add_argument("--seeds", type=int, default=1,
-                      help="train each recipe from this many seeds (--seed, --seed + 1, ...); the "
-                      "results give each recipe's mean and spread over seeds and each gap to "
-                      "bf16 with its 95%% paired t-interval")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="override a training field of the preset, e.g. --set "
-                      "final_learning_rate_fraction=0 --set eval_batches=all (the whole "
-                      "validation split) --set corpus_packages=jax,flax (comma-separated); "
-                      "fields: " + ", ".join(
-                          f.name for f in dataclasses.fields(presets.TrainConfig)))
-  parser.add_argument("--sensitivity-model-runs", choices=("none", "module", "role"),
-                      default="none",
-                      help=f"{recipes.SUGGESTED_RECIPE}: also measure each module's (or role's) "
-                      "effect on the loss and gradient (one compilation each) besides its "
-                      "GEMM SQNRs, which rank it")
-  parser.add_argument("--sensitivity-rank", choices=analysis.RANK_BY, default="gemm_sqnr",
-                      help=f"{recipes.SUGGESTED_RECIPE}: keep in bf16 the modules of the worst "
-                      "GEMM SQNR, or of the largest loss change (needs --sensitivity-model-runs "
-                      "module)")
-  parser.add_argument("--noise-floor", action="store_true",
-                      help=f"after the recipes, train bf16 once more ('{report.NOISE_FLOOR}') from "
-                      f"the initial parameters times 1 + {NOISE_FLOOR_SCALE:g} N(0, 1): its gap to "
-                      "bf16 is how far one run moves with no quantization at all")
-  parser.add_argument("--mesh", metavar="data=D,fsdp=F,tensor=T",
-                      help="train sharded over a mesh of all devices (D x F x T of them; an axis "
-                      "left out is 1): the batch split over data and fsdp, every weight split "
-                      "over fsdp (FSDP) and its MLP, head and vocabulary dims over tensor")
-  parser.add_argument("--quantized-gather", action="store_true",
-                      help="with --mesh: quantize each FSDP-sharded weight shard by shard and "
-                      "all-gather its codes and scales over fsdp instead of its fp32 values "
-                      "(quantize_model's weight_gather)")
-  parser.add_argument("--time-budget-s", type=float,
-                      help="stop training once the run has taken this many seconds; the outputs "
-                      "mark the recipe that was cut short and those not run")
+  parser.add_argument(
+    "--seed",
+    type=int,
+    default=0,
+    help="seeds the parameters and the data order (the first seed with --seeds)",
+  )
+  parser.add_argument(
+    "--validation-seed",
+    type=int,
+    help="with sampled validation batches (eval_batches=N): the seed that "
+    "draws them (default: --seed), so that runs of other seeds can share them "
+    "(train_seeds.py)",
+  )
+  parser.add_argument(
+    "--seeds",
+    type=int,
+    default=1,
+    help="train each recipe from this many seeds (--seed, --seed + 1, ...); the "
+    "results give each recipe's mean and spread over seeds and each gap to "
+    "bf16 with its 95%% paired t-interval",
+  )
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="override a training field of the preset, e.g. --set "
+    "final_learning_rate_fraction=0 --set eval_batches=all (the whole "
+    "validation split) --set corpus_packages=jax,flax (comma-separated); "
+    "fields: " + ", ".join(f.name for f in dataclasses.fields(presets.TrainConfig)),
+  )
+  parser.add_argument(
+    "--sensitivity-model-runs",
+    choices=("none", "module", "role"),
+    default="none",
+    help=f"{recipes.SUGGESTED_RECIPE}: also measure each module's (or role's) "
+    "effect on the loss and gradient (one compilation each) besides its "
+    "GEMM SQNRs, which rank it",
+  )
+  parser.add_argument(
+    "--sensitivity-rank",
+    choices=analysis.RANK_BY,
+    default="gemm_sqnr",
+    help=f"{recipes.SUGGESTED_RECIPE}: keep in bf16 the modules of the worst "
+    "GEMM SQNR, or of the largest loss change (needs --sensitivity-model-runs "
+    "module)",
+  )
+  parser.add_argument(
+    "--noise-floor",
+    action="store_true",
+    help=f"after the recipes, train bf16 once more ('{report.NOISE_FLOOR}') from "
+    f"the initial parameters times 1 + {NOISE_FLOOR_SCALE:g} N(0, 1): its gap to "
+    "bf16 is how far one run moves with no quantization at all",
+  )
+  parser.add_argument(
+    "--mesh",
+    metavar="data=D,fsdp=F,tensor=T",
+    help="train sharded over a mesh of all devices (D x F x T of them; an axis "
+    "left out is 1): the batch split over data and fsdp, every weight split "
+    "over fsdp (FSDP) and its MLP, head and vocabulary dims over tensor",
+  )
+  parser.add_argument(
+    "--quantized-gather",
+    action="store_true",
+    help="with --mesh: quantize each FSDP-sharded weight shard by shard and "
+    "all-gather its codes and scales over fsdp instead of its fp32 values "
+    "(quantize_model's weight_gather)",
+  )
+  parser.add_argument(
+    "--time-budget-s",
+    type=float,
+    help="stop training once the run has taken this many seconds; the outputs "
+    "mark the recipe that was cut short and those not run",
+  )
   return parser.parse_args(argv)
 
 
@@ -112,7 +150,9 @@ def with_steps(train: presets.TrainConfig, steps: int | None) -> presets.TrainCo
     return train
   if steps < 1:
     raise ValueError(f"--steps must be >= 1, got {steps}")
-  return dataclasses.replace(train, steps=steps, warmup_steps=min(train.warmup_steps, max(1, steps // 10)))
+  return dataclasses.replace(
+    train, steps=steps, warmup_steps=min(train.warmup_steps, max(1, steps // 10))
+  )
 
 
 def with_overrides(train: presets.TrainConfig, assignments: list[str]) -> presets.TrainConfig:
@@ -122,8 +162,9 @@ def with_overrides(train: presets.TrainConfig, assignments: list[str]) -> preset
   for assignment in assignments:
     name, _, text = assignment.partition("=")
     if name not in fields or not text:
-      raise ValueError(f"--set {assignment!r}: expected FIELD=VALUE with FIELD one of "
-                       f"{', '.join(fields)}")
+      raise ValueError(
+        f"--set {assignment!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}"
+      )
     current = getattr(train, name)
     if text.lower() in ("all", "none"):
       if name != "eval_batches":
@@ -166,9 +207,15 @@ def mesh_of(args) -> jax.sharding.Mesh | None:
 class RecipeTrainer:
   """One recipe's optimizer and jitted steps, compiled once and reused for every seed."""
 
-  def __init__(self, name: str, model: recipes.RecipeModel, train_config: presets.TrainConfig,
-               validation_batches: jax.Array, mesh: jax.sharding.Mesh | None = None,
-               quantized_gather: bool = False):
+  def __init__(
+    self,
+    name: str,
+    model: recipes.RecipeModel,
+    train_config: presets.TrainConfig,
+    validation_batches: jax.Array,
+    mesh: jax.sharding.Mesh | None = None,
+    quantized_gather: bool = False,
+  ):
     self.name, self.train_config = name, train_config
     self.validation_batches = validation_batches
     self.optimizer = training.make_optimizer(train_config)
@@ -179,8 +226,9 @@ class RecipeTrainer:
       if quantized_gather:
         model = recipes.with_quantized_gather(model, mesh, placement.params, sharding.FSDP)
     self.model = model
-    self.train_step = training.make_train_step(model, self.optimizer, self.shardings,
-                                               train_config.deterministic)
+    self.train_step = training.make_train_step(
+      model, self.optimizer, self.shardings, train_config.deterministic
+    )
     self.eval_step = training.make_eval_step(model, self.shardings, train_config.deterministic)
     self.compile_seconds: float | None = None  # the first seed's first step
 
@@ -188,23 +236,37 @@ class RecipeTrainer:
     seq_len = self.validation_batches.shape[-1] - 1
     return jnp.zeros((self.train_config.batch_size, seq_len), jnp.int32)
 
-  def train(self, initial_params, corpus: data.ByteCorpus, seed: int,
-            deadline: float) -> report.RecipeResult:
+  def train(
+    self, initial_params, corpus: data.ByteCorpus, seed: int, deadline: float
+  ) -> report.RecipeResult:
     """Trains from one seed; stops early (and says so in the result) once
     perf_counter() > deadline."""
     recipe_start = time.perf_counter()
     train_config = self.train_config
     seq_len = self.validation_batches.shape[-1] - 1
     tokens_per_step = train_config.batch_size * seq_len
-    state = training.init_train_state(self.model, initial_params, jax.random.key(seed),
-                                      self.sample_tokens(), self.optimizer, self.shardings)
+    state = training.init_train_state(
+      self.model,
+      initial_params,
+      jax.random.key(seed),
+      self.sample_tokens(),
+      self.optimizer,
+      self.shardings,
+    )
 
     def validation_loss() -> float:
       return float(np.mean([self.eval_step(state, windows) for windows in self.validation_batches]))
 
-    result = report.RecipeResult(self.name, planned_steps=train_config.steps, eval_steps=[0],
-                                 val_losses=[validation_loss()], train_losses=[],
-                                 window_step_seconds=[], compile_seconds=0.0, seed=seed)
+    result = report.RecipeResult(
+      self.name,
+      planned_steps=train_config.steps,
+      eval_steps=[0],
+      val_losses=[validation_loss()],
+      train_losses=[],
+      window_step_seconds=[],
+      compile_seconds=0.0,
+      seed=seed,
+    )
     batches = data.train_batches(corpus.train, seed, train_config.batch_size, seq_len)
     progress = ProgressBar(f"{self.name} (seed {seed})", train_config.steps)
     window_losses, window_start = [], time.perf_counter()
@@ -236,24 +298,42 @@ class RecipeTrainer:
     return result
 
 
-def run_info(args, model: ModelConfig, train_config, n_params: int, corpus, entropy,
-             mesh: jax.sharding.Mesh | None) -> dict:
+def run_info(
+  args,
+  model: ModelConfig,
+  train_config,
+  n_params: int,
+  corpus,
+  entropy,
+  mesh: jax.sharding.Mesh | None,
+) -> dict:
   model_config = {k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(model).items()}
-  return {"preset": args.preset, "seed": args.seed, "seeds": seeds_of(args),
-          "validation_seed": validation_seed_of(args), "moe": args.moe,
-          "model": model_config,
-          "train": dataclasses.asdict(train_config), "parameters": n_params,
-          "noise_floor_scale": NOISE_FLOOR_SCALE if args.noise_floor else None,
-          "corpus": {"root": str(corpus.root), "packages": list(corpus.packages),
-                     "train_bytes": int(corpus.train.size),
-                     "validation_bytes": int(corpus.validation.size),
-                     "train_files": corpus.n_train_files,
-                     "validation_files": corpus.n_validation_files},
-          "unigram_entropy_nats": entropy, "unigram_entropy_bits": data.nats_to_bits(entropy),
-          "device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind,
-          "jax": jax.__version__,
-          "mesh": None if mesh is None else dict(mesh.shape),
-          "quantized_gather": args.quantized_gather}
+  return {
+    "preset": args.preset,
+    "seed": args.seed,
+    "seeds": seeds_of(args),
+    "validation_seed": validation_seed_of(args),
+    "moe": args.moe,
+    "model": model_config,
+    "train": dataclasses.asdict(train_config),
+    "parameters": n_params,
+    "noise_floor_scale": NOISE_FLOOR_SCALE if args.noise_floor else None,
+    "corpus": {
+      "root": str(corpus.root),
+      "packages": list(corpus.packages),
+      "train_bytes": int(corpus.train.size),
+      "validation_bytes": int(corpus.validation.size),
+      "train_files": corpus.n_train_files,
+      "validation_files": corpus.n_validation_files,
+    },
+    "unigram_entropy_nats": entropy,
+    "unigram_entropy_bits": data.nats_to_bits(entropy),
+    "device": str(jax.devices()[0]),
+    "device_kind": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "mesh": None if mesh is None else dict(mesh.shape),
+    "quantized_gather": args.quantized_gather,
+  }
 
 
 def where(mesh: jax.sharding.Mesh | None) -> str:
@@ -272,13 +352,15 @@ def validation_seed_of(args) -> int:
   return args.seed if args.validation_seed is None else args.validation_seed
 
 
-def validation_set(corpus: data.ByteCorpus, train_config: presets.TrainConfig, seq_len: int,
-                   seed: int) -> np.ndarray:
+def validation_set(
+  corpus: data.ByteCorpus, train_config: presets.TrainConfig, seq_len: int, seed: int
+) -> np.ndarray:
   """The one validation set of the run, the same for every recipe and seed."""
   if train_config.eval_batches is None:
     return data.whole_split_batches(corpus.validation, train_config.batch_size, seq_len)
-  return data.fixed_validation_batches(corpus.validation, seed, train_config.eval_batches,
-                                       train_config.batch_size, seq_len)
+  return data.fixed_validation_batches(
+    corpus.validation, seed, train_config.eval_batches, train_config.batch_size, seq_len
+  )
 
 
 def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out) -> tuple:
@@ -287,23 +369,34 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
   first_seed = min(shared_params)
   model_runs = None if args.sensitivity_model_runs == "none" else args.sensitivity_model_runs
   start = time.perf_counter()
-  suggestion = suggested.suggest(model_config, shared_params[first_seed], train_config,
-                                 corpus.train, first_seed, model_runs, args.sensitivity_rank)
+  suggestion = suggested.suggest(
+    model_config,
+    shared_params[first_seed],
+    train_config,
+    corpus.train,
+    first_seed,
+    model_runs,
+    args.sensitivity_rank,
+  )
   out.mkdir(parents=True, exist_ok=True)
   table = suggestion.report.table(args.sensitivity_rank)  # in the order that chose
   (out / SENSITIVITY_TABLE).write_text(table)
   analysis.plot_sensitivity(suggestion.report, out / SENSITIVITY_PNG, rank_by=args.sensitivity_rank)
-  text = (f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
-          f"modules in bf16, ranked most sensitive to NVFP4 ({args.sensitivity_rank}) by "
-          f"jaxquant.analysis after "
-          f"{train_config.sensitivity_steps} bf16 steps of seed {first_seed} "
-          f"({time.perf_counter() - start:.0f} s; {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}): "
-          f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
-          "scanned layers.\n")
+  text = (
+    f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
+    f"modules in bf16, ranked most sensitive to NVFP4 ({args.sensitivity_rank}) by "
+    f"jaxquant.analysis after "
+    f"{train_config.sensitivity_steps} bf16 steps of seed {first_seed} "
+    f"({time.perf_counter() - start:.0f} s; {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}): "
+    f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
+    "scanned layers.\n"
+  )
   print(text + table)
   model = recipes.model_for_recipe(TransformerLM(suggestion.config), suggestion.recipe)
-  relaid = {seed: layout.relayout(p, model_config, suggestion.config.scanned_layers)
-            for seed, p in shared_params.items()}
+  relaid = {
+    seed: layout.relayout(p, model_config, suggestion.config.scanned_layers)
+    for seed, p in shared_params.items()
+  }
   return model, relaid, text, list(suggestion.kept)
 
 
@@ -315,82 +408,115 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   train_config = with_overrides(with_steps(preset.train, args.steps), args.set)
   # Deterministic steps keep XLA's attention: cuDNN's deterministic backward fails at run
   # time at the gpu preset's shapes (JAX 0.11.2, H100).
-  if (jax.default_backend() == "gpu" and not train_config.deterministic
-      and fused_attention_compiles(model_config)):
+  if (
+    jax.default_backend() == "gpu"
+    and not train_config.deterministic
+    and fused_attention_compiles(model_config)
+  ):
     model_config = dataclasses.replace(model_config, attention_implementation="cudnn")
   recipe_names = recipes.parse_recipe_names(args.recipes)
   if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
     raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")
   if args.sensitivity_rank == "loss_change" and args.sensitivity_model_runs != "module":
-    raise ValueError("--sensitivity-rank loss_change ranks by each module's model-level effect: "
-                     "it needs --sensitivity-model-runs module")
+    raise ValueError(
+      "--sensitivity-rank loss_change ranks by each module's model-level effect: "
+      "it needs --sensitivity-model-runs module"
+    )
   mesh = mesh_of(args)
   if args.quantized_gather and (mesh is None or mesh.shape[sharding.FSDP] == 1):
-    raise ValueError("--quantized-gather gathers FSDP-sharded weights: it needs --mesh with "
-                     "fsdp > 1")
+    raise ValueError(
+      "--quantized-gather gathers FSDP-sharded weights: it needs --mesh with fsdp > 1"
+    )
   if mesh is not None:
     sharding.check_batch(train_config.batch_size, mesh)
-  models = build_models([n for n in recipe_names if n != recipes.SUGGESTED_RECIPE], model_config,
-                        args.moe)
+  models = build_models(
+    [n for n in recipe_names if n != recipes.SUGGESTED_RECIPE], model_config, args.moe
+  )
   # Every recipe starts from these: the bf16 (plain) model's parameters.
   plain_model = build_models([recipes.PLAIN_RECIPE], model_config, args.moe)[recipes.PLAIN_RECIPE]
 
   corpus = data.load_corpus(train_config.corpus_packages)
   entropy = data.unigram_entropy_nats(corpus.validation)
   packages = f" and {', '.join(corpus.packages)}" if corpus.packages else ""
-  print(f"corpus: {corpus.root}{packages}: {corpus.train.size:,} train bytes "
-        f"({corpus.n_train_files} files), {corpus.validation.size:,} validation bytes "
-        f"({corpus.n_validation_files} files)")
-  print(f"unigram byte entropy of the validation split: {entropy:.4f} nats "
-        f"({data.nats_to_bits(entropy):.4f} bits) per byte")
+  print(
+    f"corpus: {corpus.root}{packages}: {corpus.train.size:,} train bytes "
+    f"({corpus.n_train_files} files), {corpus.validation.size:,} validation bytes "
+    f"({corpus.n_validation_files} files)"
+  )
+  print(
+    f"unigram byte entropy of the validation split: {entropy:.4f} nats "
+    f"({data.nats_to_bits(entropy):.4f} bits) per byte"
+  )
 
   seq_len = model_config.seq_len
   seeds = seeds_of(args)
   sample_tokens = jnp.zeros((train_config.batch_size, seq_len), jnp.int32)
   # Every recipe starts from these: the bf16 (plain) model's parameters, one set a seed.
-  shared_params = {seed: training.init_variables(plain_model.module, jax.random.key(seed),
-                                                 sample_tokens)[training.PARAMS] for seed in seeds}
+  shared_params = {
+    seed: training.init_variables(plain_model.module, jax.random.key(seed), sample_tokens)[
+      training.PARAMS
+    ]
+    for seed in seeds
+  }
   n_params = sum(p.size for p in jax.tree.leaves(shared_params[seeds[0]]))
-  print(f"model: {n_params:,} parameters, preset {args.preset!r}, {train_config.steps} steps of "
-        f"{train_config.batch_size}x{seq_len} tokens, seeds {seeds}, on {where(mesh)}, "
-        f"attention: {model_config.attention_implementation or 'xla'}")
+  print(
+    f"model: {n_params:,} parameters, preset {args.preset!r}, {train_config.steps} steps of "
+    f"{train_config.batch_size}x{seq_len} tokens, seeds {seeds}, on {where(mesh)}, "
+    f"attention: {model_config.attention_implementation or 'xla'}"
+  )
   if args.moe and "fp8_delayed" in recipe_names:
-    print("--moe: under fp8_delayed the experts' grouped GEMMs use current scaling "
-          "(jaxquant's GroupedDense keeps no delayed-scaling state yet)")
-  validation_batches = jnp.asarray(validation_set(corpus, train_config, seq_len,
-                                                      validation_seed_of(args)))
-  print(f"validation: {validation_batches.shape[0]} batches of {train_config.batch_size} windows "
-        f"({validation_batches.shape[0] * train_config.batch_size * seq_len:,} predicted bytes), "
-        "the same for every recipe and seed")
+    print(
+      "--moe: under fp8_delayed the experts' grouped GEMMs use current scaling "
+      "(jaxquant's GroupedDense keeps no delayed-scaling state yet)"
+    )
+  validation_batches = jnp.asarray(
+    validation_set(corpus, train_config, seq_len, validation_seed_of(args))
+  )
+  print(
+    f"validation: {validation_batches.shape[0]} batches of {train_config.batch_size} windows "
+    f"({validation_batches.shape[0] * train_config.batch_size * seq_len:,} predicted bytes), "
+    "the same for every recipe and seed"
+  )
 
-  info = {**run_info(args, model_config, train_config, n_params, corpus, entropy, mesh),
-          "notes": ""}
+  info = {
+    **run_info(args, model_config, train_config, n_params, corpus, entropy, mesh),
+    "notes": "",
+  }
   deadline = start + (args.time_budget_s or math.inf)
   # (name, model or None: built when its turn comes, starting parameters of each seed)
   runs = [(name, models.get(name), shared_params) for name in recipe_names]
   if args.noise_floor:
-    runs.append((report.NOISE_FLOOR, plain_model,
-                 {seed: training.perturbed(p, jax.random.key(seed + 1), NOISE_FLOOR_SCALE)
-                  for seed, p in shared_params.items()}))
+    runs.append(
+      (
+        report.NOISE_FLOOR,
+        plain_model,
+        {
+          seed: training.perturbed(p, jax.random.key(seed + 1), NOISE_FLOOR_SCALE)
+          for seed, p in shared_params.items()
+        },
+      )
+    )
   run_names = [name for name, _, _ in runs]
   results: list[report.RecipeResult] = []
   for index, (name, model, params) in enumerate(runs):
     if results and time.perf_counter() > deadline:
       break
     if name == recipes.SUGGESTED_RECIPE:
-      model, params, notes, kept = suggested_run(args, model_config, train_config,
-                                                 shared_params, corpus, args.out)
+      model, params, notes, kept = suggested_run(
+        args, model_config, train_config, shared_params, corpus, args.out
+      )
       # Recorded, so that runs merged later (lm/merge.py) are checked to share the policy.
       info = {**info, "notes": notes, "suggested_policy": kept}
-    trainer = RecipeTrainer(name, model, train_config, validation_batches, mesh,
-                            args.quantized_gather)
+    trainer = RecipeTrainer(
+      name, model, train_config, validation_batches, mesh, args.quantized_gather
+    )
     for seed in seeds:
       if seed != seeds[0] and time.perf_counter() > deadline:
         break
       results.append(trainer.train(params[seed], corpus, seed, deadline))
       # After every run, so a run cut short (--time-budget-s, or killed) still leaves what it
       # finished, and names the rest as not run.
-      report.write_outputs(args.out, results, {**info, "not_run": run_names[index + 1:]})
+      report.write_outputs(args.out, results, {**info, "not_run": run_names[index + 1 :]})
   ran = {r.recipe for r in results}
   not_run = [name for name in run_names if name not in ran]
   report.write_outputs(args.out, results, {**info, "not_run": not_run})
@@ -399,10 +525,14 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   for summary in report.summarize(results):
     if summary.loss is not None:
       spread = "" if summary.loss.std is None else f" ± {summary.loss.std:.4f} (sd over seeds)"
-      print(f"{summary.recipe}: final validation loss {summary.loss.mean:.4f}{spread} nats per "
-            f"byte; unigram byte entropy {entropy:.4f}")
-  print(f"outputs in {args.out}: {report.CURVES_PNG}, {report.RESULTS_TABLE}, {report.CURVES_JSON}"
-        + (f", {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}" if info["notes"] else ""))
+      print(
+        f"{summary.recipe}: final validation loss {summary.loss.mean:.4f}{spread} nats per "
+        f"byte; unigram byte entropy {entropy:.4f}"
+      )
+  print(
+    f"outputs in {args.out}: {report.CURVES_PNG}, {report.RESULTS_TABLE}, {report.CURVES_JSON}"
+    + (f", {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}" if info["notes"] else "")
+  )
   print(f"total time {time.perf_counter() - start:.0f} s")
   return results
 

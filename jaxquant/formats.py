@@ -23,9 +23,9 @@ class Family(str, enum.Enum):
 
 # Element types by short name. E2M1 is stored packed, two codes per uint8.
 ELEMENT_DTYPES = {
-    "e4m3": jnp.float8_e4m3fn,
-    "e5m2": jnp.float8_e5m2,
-    "e2m1": jnp.float4_e2m1fn,
+  "e4m3": jnp.float8_e4m3fn,
+  "e5m2": jnp.float8_e5m2,
+  "e2m1": jnp.float4_e2m1fn,
 }
 ELEMENT_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
 
@@ -71,10 +71,10 @@ class Format:
   @property
   def scale_dtype(self) -> np.dtype:
     return {
-        Family.FP8_TENSOR: np.dtype(np.float32),
-        Family.FP8_BLOCK: np.dtype(np.float32),
-        Family.MXFP8: np.dtype(jnp.float8_e8m0fnu),
-        Family.NVFP4: np.dtype(jnp.float8_e4m3fn),
+      Family.FP8_TENSOR: np.dtype(np.float32),
+      Family.FP8_BLOCK: np.dtype(np.float32),
+      Family.MXFP8: np.dtype(jnp.float8_e8m0fnu),
+      Family.NVFP4: np.dtype(jnp.float8_e4m3fn),
     }[self.family]
 
   def scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
@@ -94,5 +94,5 @@ class Format:
     for dim_name, size, block in (("rows", rows, self.block[0]), ("cols", cols, self.block[1])):
       if block > 1 and size % block:
         raise ValueError(
-            f"{what}: {self.family.value} needs {dim_name} divisible by its block {block}, "
-            f"got {size}")
+          f"{what}: {self.family.value} needs {dim_name} divisible by its block {block}, got {size}"
+        )

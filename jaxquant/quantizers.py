@@ -53,11 +53,13 @@ class DelayedFloat8Quantizer:
       raise ValueError(f"DelayedFloat8Quantizer: history_len must be >= 1, got {self.history_len}")
     if self.amax_algo not in ("max", "most_recent"):
       raise ValueError(
-          f"DelayedFloat8Quantizer: amax_algo must be 'max' or 'most_recent', got {self.amax_algo!r}")
+        f"DelayedFloat8Quantizer: amax_algo must be 'max' or 'most_recent', got {self.amax_algo!r}"
+      )
     # The scale is divided by 2^margin, which fp32 holds exactly only for these.
     if not isinstance(self.margin, int) or not -149 <= self.margin <= 127:
       raise ValueError(
-          f"DelayedFloat8Quantizer: margin must be an int in [-149, 127], got {self.margin!r}")
+        f"DelayedFloat8Quantizer: margin must be an int in [-149, 127], got {self.margin!r}"
+      )
 
   def format(self, usage: Usage) -> Format:
     return Format(Family.FP8_TENSOR, self.element)
@@ -79,12 +81,15 @@ class BlockFloat8Quantizer:
   def __post_init__(self):
     _check_fp8_element(self.element, type(self).__name__)
     if self.block not in ("1x128", "128x128"):
-      raise ValueError(f"BlockFloat8Quantizer: block must be '1x128' or '128x128', got {self.block!r}")
+      raise ValueError(
+        f"BlockFloat8Quantizer: block must be '1x128' or '128x128', got {self.block!r}"
+      )
 
   def format(self, usage: Usage) -> Format:
     shape = (1, 128) if self.block == "1x128" else (128, 128)
-    return Format(Family.FP8_BLOCK, self.element, shape, partial_blocks=True,
-                  pow2_scales=self.pow2_scales)
+    return Format(
+      Family.FP8_BLOCK, self.element, shape, partial_blocks=True, pow2_scales=self.pow2_scales
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,19 +126,26 @@ class NVFP4Quantizer:
     if self.tile_2d and self.per_token:
       raise ValueError("NVFP4Quantizer: per_token row scales need 1-D blocks, not tile_2d")
     if self.tile_2d and self.rht:
-      raise ValueError("NVFP4Quantizer: tile_2d usages are exact transposes sharing tile "
-                       "scales, which the RHT of the columnwise usage would break")
+      raise ValueError(
+        "NVFP4Quantizer: tile_2d usages are exact transposes sharing tile "
+        "scales, which the RHT of the columnwise usage would break"
+      )
 
   def format(self, usage: Usage) -> Format:
     block = (16, 16) if self.tile_2d else (1, 16)
-    return Format(Family.NVFP4, "e2m1", block,
-                  row_scaled=self.per_token and usage == "rowwise")
+    return Format(Family.NVFP4, "e2m1", block, row_scaled=self.per_token and usage == "rowwise")
 
 
-BaseQuantizer = Union[Float8Quantizer, DelayedFloat8Quantizer, BlockFloat8Quantizer,
-                      MXFP8Quantizer, NVFP4Quantizer]
-BASE_QUANTIZER_TYPES = (Float8Quantizer, DelayedFloat8Quantizer, BlockFloat8Quantizer,
-                        MXFP8Quantizer, NVFP4Quantizer)
+BaseQuantizer = Union[
+  Float8Quantizer, DelayedFloat8Quantizer, BlockFloat8Quantizer, MXFP8Quantizer, NVFP4Quantizer
+]
+BASE_QUANTIZER_TYPES = (
+  Float8Quantizer,
+  DelayedFloat8Quantizer,
+  BlockFloat8Quantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +165,9 @@ class HybridQuantizer:
         raise TypeError(f"HybridQuantizer.{side} must be a base quantizer or None, got {q!r}")
     if isinstance(self.columnwise, NVFP4Quantizer) and self.columnwise.per_token:
       raise ValueError(
-          "HybridQuantizer: per_token (row-scaled) NVFP4 is only allowed for the rowwise "
-          "usage; its rows are the columnwise usage's contraction dim")
+        "HybridQuantizer: per_token (row-scaled) NVFP4 is only allowed for the rowwise "
+        "usage; its rows are the columnwise usage's contraction dim"
+      )
 
   def for_usage(self, usage: Usage) -> Optional[BaseQuantizer]:
     return self.rowwise if usage == "rowwise" else self.columnwise
@@ -173,13 +186,14 @@ def for_usage(quantizer: Optional[Quantizer], usage: Usage) -> Optional[BaseQuan
 
 def needs_state(quantizer: Optional[Quantizer]) -> bool:
   """Whether quantizing with this quantizer needs delayed-scaling state."""
-  return any(isinstance(for_usage(quantizer, u), DelayedFloat8Quantizer)
-             for u in ("rowwise", "columnwise"))
+  return any(
+    isinstance(for_usage(quantizer, u), DelayedFloat8Quantizer) for u in ("rowwise", "columnwise")
+  )
 
 
 def needs_key(quantizer: Optional[Quantizer]) -> bool:
   """Whether quantizing with this quantizer needs a PRNG key (stochastic rounding)."""
-  return any(isinstance(q := for_usage(quantizer, u), NVFP4Quantizer) and q.stochastic_rounding
-             for u in ("rowwise", "columnwise"))
-
-
+  return any(
+    isinstance(q := for_usage(quantizer, u), NVFP4Quantizer) and q.stochastic_rounding
+    for u in ("rowwise", "columnwise")
+  )

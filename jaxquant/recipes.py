@@ -12,9 +12,16 @@ import contextvars
 import dataclasses
 from typing import Callable, Literal, Optional
 
-from jaxquant.quantizers import (QUANTIZER_TYPES, BlockFloat8Quantizer, DelayedFloat8Quantizer,
-                                 Float8Quantizer, HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer,
-                                 Quantizer)
+from jaxquant.quantizers import (
+  QUANTIZER_TYPES,
+  BlockFloat8Quantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  HybridQuantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+  Quantizer,
+)
 from jaxquant.roles import TENSOR_TYPES, QuantizerRole
 
 QFactory = Callable[[QuantizerRole], Optional[Quantizer]]
@@ -32,13 +39,16 @@ def check_fast_accumulation(gemms, what: str) -> frozenset:
   """The GEMM names of a `fast_accumulation` argument as a frozenset, or a ValueError
   naming the unknown ones."""
   if isinstance(gemms, str):
-    raise TypeError(f"{what}: fast_accumulation takes a collection of GEMM names among "
-                    f"{GEMMS}, got the string {gemms!r}; write ({gemms!r},)")
+    raise TypeError(
+      f"{what}: fast_accumulation takes a collection of GEMM names among "
+      f"{GEMMS}, got the string {gemms!r}; write ({gemms!r},)"
+    )
   gemms = frozenset(gemms)
   unknown = sorted(gemms - set(GEMMS))
   if unknown:
-    raise ValueError(f"{what}: fast_accumulation names unknown GEMMs {unknown}; the GEMMs are "
-                     f"{GEMMS}")
+    raise ValueError(
+      f"{what}: fast_accumulation names unknown GEMMs {unknown}; the GEMMs are {GEMMS}"
+    )
   return gemms
 
 
@@ -61,15 +71,20 @@ class CustomRecipe:
     if not callable(self.qfactory):
       raise TypeError(f"CustomRecipe needs a callable qfactory, got {self.qfactory!r}")
     if self.backward not in BACKWARD_MODES:
-      raise ValueError(f"CustomRecipe.backward must be one of {BACKWARD_MODES}, got {self.backward!r}")
-    object.__setattr__(self, "fast_accumulation",
-                       check_fast_accumulation(self.fast_accumulation, "CustomRecipe"))
+      raise ValueError(
+        f"CustomRecipe.backward must be one of {BACKWARD_MODES}, got {self.backward!r}"
+      )
+    object.__setattr__(
+      self, "fast_accumulation", check_fast_accumulation(self.fast_accumulation, "CustomRecipe")
+    )
 
   def quantizer(self, role: QuantizerRole) -> Optional[Quantizer]:
     q = self.qfactory(role)
     if q is not None and not isinstance(q, QUANTIZER_TYPES):
-      raise TypeError(f"recipe {self.name!r} returned {q!r} for role {role}: a qfactory must "
-                      "return a jaxquant quantizer or None")
+      raise TypeError(
+        f"recipe {self.name!r} returned {q!r} for role {role}: a qfactory must "
+        "return a jaxquant quantizer or None"
+      )
     return q
 
   def quantizers(self, module_type: str, name: str) -> dict[str, Optional[Quantizer]]:
@@ -78,6 +93,7 @@ class CustomRecipe:
 
 
 # ---- Presets, each a plain factory. ----
+
 
 def bf16_factory(role: QuantizerRole):
   return None
@@ -126,10 +142,12 @@ def hybrid_factory(role: QuantizerRole):
 FP8_FAST_ACCUMULATION = frozenset({"fprop"})
 
 bf16 = CustomRecipe(bf16_factory, name="bf16")
-fp8_current = CustomRecipe(fp8_current_factory, name="fp8_current",
-                           fast_accumulation=FP8_FAST_ACCUMULATION)
-fp8_delayed = CustomRecipe(fp8_delayed_factory, name="fp8_delayed",
-                           fast_accumulation=FP8_FAST_ACCUMULATION)
+fp8_current = CustomRecipe(
+  fp8_current_factory, name="fp8_current", fast_accumulation=FP8_FAST_ACCUMULATION
+)
+fp8_delayed = CustomRecipe(
+  fp8_delayed_factory, name="fp8_delayed", fast_accumulation=FP8_FAST_ACCUMULATION
+)
 fp8_block = CustomRecipe(fp8_block_factory, name="fp8_block")
 mxfp8 = CustomRecipe(mxfp8_factory, name="mxfp8")
 nvfp4 = CustomRecipe(nvfp4_factory, name="nvfp4")
@@ -149,7 +167,8 @@ def get(name: str) -> CustomRecipe:
 # ---- autocast: the one piece of context, a contextvar (no global mutable state). ----
 
 _AUTOCAST: contextvars.ContextVar[Optional[CustomRecipe]] = contextvars.ContextVar(
-    "jaxquant_autocast", default=None)
+  "jaxquant_autocast", default=None
+)
 
 
 @contextlib.contextmanager

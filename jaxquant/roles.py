@@ -25,8 +25,9 @@ class QuantizerRole:
 
   def __post_init__(self):
     if self.tensor_type not in TENSOR_TYPES:
-      raise ValueError(f"QuantizerRole.tensor_type must be one of {TENSOR_TYPES}, "
-                       f"got {self.tensor_type!r}")
+      raise ValueError(
+        f"QuantizerRole.tensor_type must be one of {TENSOR_TYPES}, got {self.tensor_type!r}"
+      )
 
 
 def gemm_roles(module_type: str, name: str) -> dict[TensorType, QuantizerRole]:

@@ -26,8 +26,9 @@ class DelayedScalingState:
 
 
 def init_state(quantizer: DelayedFloat8Quantizer) -> DelayedScalingState:
-  return DelayedScalingState(jnp.zeros((quantizer.history_len,), jnp.float32),
-                             jnp.ones((), jnp.float32))
+  return DelayedScalingState(
+    jnp.zeros((quantizer.history_len,), jnp.float32), jnp.ones((), jnp.float32)
+  )
 
 
 def max_amax(a, b) -> jax.Array:
@@ -88,16 +89,21 @@ def history_amax(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) 
   return hist[..., 0]
 
 
-def update(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer,
-           next_scale_of=next_scale) -> DelayedScalingState:
+def update(
+  state: DelayedScalingState, quantizer: DelayedFloat8Quantizer, next_scale_of=next_scale
+) -> DelayedScalingState:
   """The once-per-step update: new scale from the history, then roll and clear slot 0;
   with leading axes ([..., history_len], one history per group), per group.
 
   `next_scale_of` computes the new scales (`next_scale`'s signature and bits):
   `kernels.delayed_scale` runs its exact divisions as CUDA instructions instead of XLA's
   integer emulation (`ops.delayed_state.update` chooses)."""
-  scale = next_scale_of(history_amax(state, quantizer), state.scale,
-                        float(quantizer.format("rowwise").fmax), scale_divisor(quantizer))
+  scale = next_scale_of(
+    history_amax(state, quantizer),
+    state.scale,
+    float(quantizer.format("rowwise").fmax),
+    scale_divisor(quantizer),
+  )
   hist = with_current_slot(jnp.roll(state.amax_history, -1, axis=-1), 0.0)
   return DelayedScalingState(hist, scale)
 
@@ -119,8 +125,9 @@ def fold_grad_amax(cotangent: DelayedScalingState, amax: jax.Array) -> DelayedSc
   return DelayedScalingState(with_current_slot(hist, max_amax(hist[0], amax)), cotangent.scale)
 
 
-def record_grad_amax(state: DelayedScalingState,
-                     state_grad: DelayedScalingState) -> DelayedScalingState:
+def record_grad_amax(
+  state: DelayedScalingState, state_grad: DelayedScalingState
+) -> DelayedScalingState:
   """Records the grad_output amax carried by `state_grad` (the gradient of the loss
   with respect to `state`) into `state`, by max. Call before `update`."""
   return record_amax(state, state_grad.amax_history[0])

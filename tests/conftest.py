@@ -24,6 +24,7 @@ def eight_devices():
   """The first eight devices, or a skip: the sharding tests' meshes need eight (the fake
   CPU devices above give them; a machine with one GPU has one)."""
   import jax  # here, not at the top: XLA_FLAGS must be set before JAX starts
+
   devices = jax.devices()
   if len(devices) < 8:
     pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(devices)}")

@@ -5,12 +5,22 @@ from __future__ import annotations
 import pytest
 
 from jaxquant.formats import Family
-from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
-                                 HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer, for_usage,
-                                 needs_key, needs_state)
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  HybridQuantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+  for_usage,
+  needs_key,
+  needs_state,
+)
 
 
-@pytest.mark.parametrize("make,match", [
+@pytest.mark.parametrize(
+  "make,match",
+  [
     (lambda: Float8Quantizer("e3m4"), "'e3m4'"),
     (lambda: Float8Quantizer(eps=-1.0), "-1.0"),
     (lambda: DelayedFloat8Quantizer(history_len=0), "history_len.*0"),
@@ -22,7 +32,8 @@ from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, F
     (lambda: NVFP4Quantizer(tile_2d=True, per_token=True), "per_token"),
     (lambda: NVFP4Quantizer(tile_2d=True, rht=True), "RHT"),
     (lambda: HybridQuantizer(NVFP4Quantizer(), NVFP4Quantizer(per_token=True)), "per_token"),
-])
+  ],
+)
 def test_invalid_options_raise_value_error(make, match):
   with pytest.raises(ValueError, match=match):
     make()
@@ -53,5 +64,6 @@ def test_helpers():
   assert for_usage(MXFP8Quantizer(), "columnwise") == MXFP8Quantizer()
   assert needs_state(h) and needs_key(h)
   assert not needs_state(HybridQuantizer(None, MXFP8Quantizer())) and not needs_key(None)
-  assert hash(h) == hash(HybridQuantizer(DelayedFloat8Quantizer(),
-                                         NVFP4Quantizer(stochastic_rounding=True)))
+  assert hash(h) == hash(
+    HybridQuantizer(DelayedFloat8Quantizer(), NVFP4Quantizer(stochastic_rounding=True))
+  )

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from jaxquant import recipes
-from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
-                                 HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  HybridQuantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+)
 from jaxquant.roles import QuantizerRole, gemm_roles
 
 
@@ -24,29 +30,63 @@ def test_custom_recipe_validation():
 
 def test_quantizers_per_module():
   seen = []
-  rec = recipes.CustomRecipe(lambda r: seen.append(r) or (None if r.tensor_type == "weight"
-                                                          else MXFP8Quantizer()))
+  rec = recipes.CustomRecipe(
+    lambda r: seen.append(r) or (None if r.tensor_type == "weight" else MXFP8Quantizer())
+  )
   qs = rec.quantizers("linear", "mlp/wo")
   assert qs == {"input": MXFP8Quantizer(), "weight": None, "grad_output": MXFP8Quantizer()}
   assert seen == list(gemm_roles("linear", "mlp/wo").values())
 
 
-@pytest.mark.parametrize("name,want", [
+@pytest.mark.parametrize(
+  "name,want",
+  [
     ("bf16", {"input": None, "weight": None, "grad_output": None}),
-    ("fp8_current", {"input": Float8Quantizer("e4m3"), "weight": Float8Quantizer("e4m3"),
-                     "grad_output": Float8Quantizer("e5m2")}),
-    ("fp8_delayed", {"input": DelayedFloat8Quantizer("e4m3"), "weight": DelayedFloat8Quantizer("e4m3"),
-                     "grad_output": DelayedFloat8Quantizer("e5m2")}),
-    ("fp8_block", {"input": BlockFloat8Quantizer(), "weight": BlockFloat8Quantizer(block="128x128"),
-                   "grad_output": BlockFloat8Quantizer()}),
+    (
+      "fp8_current",
+      {
+        "input": Float8Quantizer("e4m3"),
+        "weight": Float8Quantizer("e4m3"),
+        "grad_output": Float8Quantizer("e5m2"),
+      },
+    ),
+    (
+      "fp8_delayed",
+      {
+        "input": DelayedFloat8Quantizer("e4m3"),
+        "weight": DelayedFloat8Quantizer("e4m3"),
+        "grad_output": DelayedFloat8Quantizer("e5m2"),
+      },
+    ),
+    (
+      "fp8_block",
+      {
+        "input": BlockFloat8Quantizer(),
+        "weight": BlockFloat8Quantizer(block="128x128"),
+        "grad_output": BlockFloat8Quantizer(),
+      },
+    ),
     ("mxfp8", {t: MXFP8Quantizer() for t in ("input", "weight", "grad_output")}),
-    ("nvfp4", {"input": NVFP4Quantizer(rht=True), "weight": NVFP4Quantizer(tile_2d=True),
-               "grad_output": NVFP4Quantizer(rht=True, stochastic_rounding=True)}),
-    ("hybrid", {"input": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True)),
-                "weight": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()),
-                "grad_output": HybridQuantizer(MXFP8Quantizer(),
-                                               NVFP4Quantizer(rht=True, stochastic_rounding=True))}),
-])
+    (
+      "nvfp4",
+      {
+        "input": NVFP4Quantizer(rht=True),
+        "weight": NVFP4Quantizer(tile_2d=True),
+        "grad_output": NVFP4Quantizer(rht=True, stochastic_rounding=True),
+      },
+    ),
+    (
+      "hybrid",
+      {
+        "input": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True)),
+        "weight": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()),
+        "grad_output": HybridQuantizer(
+          MXFP8Quantizer(), NVFP4Quantizer(rht=True, stochastic_rounding=True)
+        ),
+      },
+    ),
+  ],
+)
 def test_presets(name, want):
   assert recipes.get(name).quantizers("linear", "x") == want
 

@@ -22,7 +22,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 VOCAB_SIZE = 256  # byte tokens
-SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+SKIPPED_DIRS = frozenset(
+  {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
 # Train windows and validation windows come from independent streams of one seed.
 _TRAIN_STREAM, _VALIDATION_STREAM = 0, 1
 
@@ -39,8 +41,11 @@ class ByteCorpus:
 
 def stdlib_source_files(root: pathlib.Path) -> list[pathlib.Path]:
   """The standard library's .py files under root, sorted, without tests and site-packages."""
-  return sorted(path for path in root.rglob("*.py")
-                if not SKIPPED_DIRS.intersection(path.relative_to(root).parts[:-1]))
+  return sorted(
+    path
+    for path in root.rglob("*.py")
+    if not SKIPPED_DIRS.intersection(path.relative_to(root).parts[:-1])
+  )
 
 
 def is_validation_file(relative_path: str, validation_percent: int) -> bool:
@@ -55,8 +60,9 @@ def package_source_files(package: str) -> list[tuple[str, pathlib.Path]]:
   try:
     module = importlib.import_module(package)
   except ImportError as error:
-    raise RuntimeError(f"the corpus takes the sources of package {package!r}, which is not "
-                       f"installed ({error})") from None
+    raise RuntimeError(
+      f"the corpus takes the sources of package {package!r}, which is not installed ({error})"
+    ) from None
   files = []
   for folder in getattr(module, "__path__", []):
     folder = pathlib.Path(folder)
@@ -90,9 +96,14 @@ def load_corpus(packages: Sequence[str] = (), validation_percent: int = 10) -> B
   if not splits[False] or not splits[True]:
     raise RuntimeError(f"found no usable sources for both splits under {root} and {packages}")
   as_tokens = lambda chunks: np.frombuffer(b"".join(chunks), dtype=np.uint8)
-  return ByteCorpus(train=as_tokens(splits[False]), validation=as_tokens(splits[True]), root=root,
-                    n_train_files=len(splits[False]), n_validation_files=len(splits[True]),
-                    packages=tuple(_version(package) for package in packages))
+  return ByteCorpus(
+    train=as_tokens(splits[False]),
+    validation=as_tokens(splits[True]),
+    root=root,
+    n_train_files=len(splits[False]),
+    n_validation_files=len(splits[True]),
+    packages=tuple(_version(package) for package in packages),
+  )
 
 
 def unigram_entropy_nats(tokens: np.ndarray) -> float:
@@ -106,23 +117,26 @@ def nats_to_bits(nats: float) -> float:
   return nats / math.log(2)
 
 
-def random_windows(tokens: np.ndarray, rng: np.random.Generator, batch_size: int,
-                   seq_len: int) -> np.ndarray:
+def random_windows(
+  tokens: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int
+) -> np.ndarray:
   """batch_size windows of seq_len + 1 tokens (inputs and shifted targets) at random offsets."""
   starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
   return tokens[starts[:, None] + np.arange(seq_len + 1)]
 
 
-def train_batches(tokens: np.ndarray, seed: int, batch_size: int,
-                  seq_len: int) -> Iterator[np.ndarray]:
+def train_batches(
+  tokens: np.ndarray, seed: int, batch_size: int, seq_len: int
+) -> Iterator[np.ndarray]:
   """Endless random training windows; the same seed gives every recipe the same data order."""
   rng = np.random.default_rng((seed, _TRAIN_STREAM))
   while True:
     yield random_windows(tokens, rng, batch_size, seq_len)
 
 
-def fixed_validation_batches(tokens: np.ndarray, seed: int, n_batches: int, batch_size: int,
-                             seq_len: int) -> np.ndarray:
+def fixed_validation_batches(
+  tokens: np.ndarray, seed: int, n_batches: int, batch_size: int, seq_len: int
+) -> np.ndarray:
   """[n_batches, batch_size, seq_len + 1]: the one validation set every eval uses."""
   rng = np.random.default_rng((seed, _VALIDATION_STREAM))
   return np.stack([random_windows(tokens, rng, batch_size, seq_len) for _ in range(n_batches)])
@@ -135,8 +149,10 @@ def whole_split_batches(tokens: np.ndarray, batch_size: int, seq_len: int) -> np
   n_windows = (len(tokens) - 1) // seq_len
   n_batches = n_windows // batch_size
   if n_batches == 0:
-    raise ValueError(f"the validation split ({len(tokens)} tokens) holds no batch of "
-                     f"{batch_size} windows of {seq_len + 1} tokens")
+    raise ValueError(
+      f"the validation split ({len(tokens)} tokens) holds no batch of "
+      f"{batch_size} windows of {seq_len + 1} tokens"
+    )
   starts = np.arange(n_batches * batch_size) * seq_len
   windows = tokens[starts[:, None] + np.arange(seq_len + 1)]
   return windows.reshape(n_batches, batch_size, seq_len + 1)

@@ -35,10 +35,12 @@ def relayout(params: Any, config: ModelConfig, scanned_layers: int) -> Any:
   if not 0 <= scanned_layers <= config.n_layers:
     raise ValueError(f"scanned_layers={scanned_layers} must be in [0, {config.n_layers}]")
   layers = per_layer(params, config)
-  decoder = {k: v for k, v in params[DECODER].items()
-             if k != SCANNED_LAYERS and not k.startswith("layer_")}
+  decoder = {
+    k: v for k, v in params[DECODER].items() if k != SCANNED_LAYERS and not k.startswith("layer_")
+  }
   if scanned_layers:
-    decoder[SCANNED_LAYERS] = {SCAN_BODY: jax.tree.map(lambda *a: jnp.stack(a),
-                                                       *layers[:scanned_layers])}
+    decoder[SCANNED_LAYERS] = {
+      SCAN_BODY: jax.tree.map(lambda *a: jnp.stack(a), *layers[:scanned_layers])
+    }
   decoder.update({f"layer_{i}": layers[i] for i in range(scanned_layers, config.n_layers)})
   return {**params, DECODER: decoder}

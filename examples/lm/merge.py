@@ -25,8 +25,17 @@ from lm.recipes import PLAIN_RECIPE, SUGGESTED_RECIPE
 # index (the same kind of device is checked by "device_kind"). "suggested_policy" must
 # agree among the runs that trained suggested_nvfp4 (each chooses it from its own first
 # seed).
-PER_RUN = ("seed", "seeds", "validation_seed", "not_run", "notes", "noise_floor_scale",
-           "device", "suggested_policy", "merged_runs")
+PER_RUN = (
+  "seed",
+  "seeds",
+  "validation_seed",
+  "not_run",
+  "notes",
+  "noise_floor_scale",
+  "device",
+  "suggested_policy",
+  "merged_runs",
+)
 
 
 def _validation_seed(info: dict) -> int:
@@ -44,27 +53,33 @@ def _check_same_configuration(first: Run, other: Run) -> None:
   for field in sorted((first.info.keys() | other.info.keys()) - set(PER_RUN)):
     if first.info.get(field) != other.info.get(field):
       raise ValueError(
-          f"{other.name}: run info {field!r} is {other.info.get(field)!r}, but "
-          f"{first.info.get(field)!r} in {first.name}: only runs of one configuration merge")
+        f"{other.name}: run info {field!r} is {other.info.get(field)!r}, but "
+        f"{first.info.get(field)!r} in {first.name}: only runs of one configuration merge"
+      )
   ours, theirs = _validation_seed(first.info), _validation_seed(other.info)
   if first.info["train"]["eval_batches"] is not None and ours != theirs:
     raise ValueError(
-        f"{other.name}: validation seed {theirs}, but {ours} in {first.name}: with sampled "
-        f"validation batches (eval_batches={first.info['train']['eval_batches']}) that seed "
-        "draws them, so runs merge only with the same one (train_lm.py --validation-seed)")
+      f"{other.name}: validation seed {theirs}, but {ours} in {first.name}: with sampled "
+      f"validation batches (eval_batches={first.info['train']['eval_batches']}) that seed "
+      "draws them, so runs merge only with the same one (train_lm.py --validation-seed)"
+    )
 
 
 def _suggested_policy(runs: list[Run]) -> list[str] | None:
   trained = [r for r in runs if any(x.recipe == SUGGESTED_RECIPE for x in r.results)]
   unrecorded = [r.name for r in trained if "suggested_policy" not in r.info]
   if len(trained) > 1 and unrecorded:
-    raise ValueError(f"{', '.join(unrecorded)}: trained {SUGGESTED_RECIPE} without recording "
-                     "which modules it kept in bf16, so it cannot be checked to be the policy of "
-                     "the other runs that trained it")
+    raise ValueError(
+      f"{', '.join(unrecorded)}: trained {SUGGESTED_RECIPE} without recording "
+      "which modules it kept in bf16, so it cannot be checked to be the policy of "
+      "the other runs that trained it"
+    )
   policies = {r.name: r.info["suggested_policy"] for r in trained if "suggested_policy" in r.info}
   if len({tuple(p) for p in policies.values()}) > 1:
-    raise ValueError(f"{SUGGESTED_RECIPE} kept different modules in bf16 in different runs "
-                     f"({policies}): they trained different policies under one name")
+    raise ValueError(
+      f"{SUGGESTED_RECIPE} kept different modules in bf16 in different runs "
+      f"({policies}): they trained different policies under one name"
+    )
   return next(iter(policies.values()), None)
 
 
@@ -81,22 +96,37 @@ def merge(runs: list[Run]) -> tuple[dict, list[report.RecipeResult]]:
     for result in run.results:
       key = (result.recipe, result.seed)
       if key in trained_in:
-        raise ValueError(f"{result.recipe} seed {result.seed} trained in both {trained_in[key]} "
-                         f"and {run.name}: merge keeps one run of each recipe and seed")
+        raise ValueError(
+          f"{result.recipe} seed {result.seed} trained in both {trained_in[key]} "
+          f"and {run.name}: merge keeps one run of each recipe and seed"
+        )
       trained_in[key] = run.name
   order = list(dict.fromkeys(r.recipe for run in runs for r in run.results))
   order.sort(key=lambda recipe: recipe != PLAIN_RECIPE)  # bf16 first, the rest as they came
-  results = sorted((r for run in runs for r in run.results),
-                   key=lambda r: (order.index(r.recipe), r.seed))
-  not_run = list(dict.fromkeys(name for run in runs for name in run.info["not_run"]
-                               if name not in order))
+  results = sorted(
+    (r for run in runs for r in run.results), key=lambda r: (order.index(r.recipe), r.seed)
+  )
+  not_run = list(
+    dict.fromkeys(name for run in runs for name in run.info["not_run"] if name not in order)
+  )
   seeds = sorted({seed for run in runs for seed in run.info["seeds"]})
-  info = {**first.info, "seed": min(run.info["seed"] for run in runs), "seeds": seeds,
-          "validation_seed": _validation_seed(first.info),
-          "not_run": not_run, "merged_runs": len(runs),
-          "notes": "".join(dict.fromkeys(run.info.get("notes", "") for run in runs)),
-          "noise_floor_scale": next((run.info["noise_floor_scale"] for run in runs
-                                     if run.info.get("noise_floor_scale") is not None), None)}
+  info = {
+    **first.info,
+    "seed": min(run.info["seed"] for run in runs),
+    "seeds": seeds,
+    "validation_seed": _validation_seed(first.info),
+    "not_run": not_run,
+    "merged_runs": len(runs),
+    "notes": "".join(dict.fromkeys(run.info.get("notes", "") for run in runs)),
+    "noise_floor_scale": next(
+      (
+        run.info["noise_floor_scale"]
+        for run in runs
+        if run.info.get("noise_floor_scale") is not None
+      ),
+      None,
+    ),
+  }
   policy = _suggested_policy(runs)
   info.pop("suggested_policy", None)
   if policy is not None:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
+
 from jaxquant.flax.linen import QUANT_RNG
 from jaxquant.flax.state import QUANT_STATE
 
@@ -47,11 +48,15 @@ class ModelConfig:
 
   def __post_init__(self):
     if not 0 <= self.scanned_layers <= self.n_layers:
-      raise ValueError(f"scanned_layers={self.scanned_layers} must be in [0, n_layers={self.n_layers}]")
+      raise ValueError(
+        f"scanned_layers={self.scanned_layers} must be in [0, n_layers={self.n_layers}]"
+      )
     if self.d_model % self.n_heads:
       raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
     if (self.d_model // self.n_heads) % 2:
-      raise ValueError(f"head dim {self.d_model // self.n_heads} must be even for rotary embeddings")
+      raise ValueError(
+        f"head dim {self.d_model // self.n_heads} must be even for rotary embeddings"
+      )
 
 
 # The MoE hook. A factory `moe_mlp_factory(config, name=...)` returns a module mapping
@@ -80,13 +85,18 @@ def fused_attention_compiles(config: ModelConfig) -> bool:
   """Whether cuDNN's fused attention, forward and backward, compiles for config's shapes here."""
   head_dim = config.d_model // config.n_heads
   qkv = jnp.zeros((1, config.seq_len, config.n_heads, head_dim), config.dtype)
-  attention_sum = lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+  attention_sum = lambda q, k, v: (
+    jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    .astype(jnp.float32)
+    .sum()
+  )
   try:
     jax.jit(jax.grad(attention_sum, argnums=(0, 1, 2))).lower(qkv, qkv, qkv).compile()
   except Exception as error:  # any failure (no GPU, old cuDNN, shapes) means: use XLA's
-    print(f"cuDNN fused attention unavailable ({type(error).__name__}: {str(error)[:200]}); "
-          "using XLA's attention")
+    print(
+      f"cuDNN fused attention unavailable ({type(error).__name__}: {str(error)[:200]}); "
+      "using XLA's attention"
+    )
     return False
   return True
 
@@ -102,17 +112,26 @@ NORM = "norm"  # a norm's scale
 LAYERS = "layers"  # the stacked axis of the scanned layers' params
 
 
-def _dense(features: int, name: str, config: ModelConfig, std: float,
-           axes: tuple[str, str]) -> nn.Dense:
+def _dense(
+  features: int, name: str, config: ModelConfig, std: float, axes: tuple[str, str]
+) -> nn.Dense:
   """axes: the logical names of the kernel's (input, output) dims; the bias takes the output's."""
-  return nn.Dense(features, name=name, dtype=config.dtype, param_dtype=jnp.float32,
-                  kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=std), axes),
-                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
+  return nn.Dense(
+    features,
+    name=name,
+    dtype=config.dtype,
+    param_dtype=jnp.float32,
+    kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=std), axes),
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
+  )
 
 
 def _rms_norm(name: str, config: ModelConfig) -> nn.RMSNorm:
-  return nn.RMSNorm(dtype=config.dtype, name=name,
-                    scale_init=nn.with_logical_partitioning(nn.initializers.ones, (NORM,)))
+  return nn.RMSNorm(
+    dtype=config.dtype,
+    name=name,
+    scale_init=nn.with_logical_partitioning(nn.initializers.ones, (NORM,)),
+  )
 
 
 class CausalSelfAttention(nn.Module):
@@ -131,8 +150,9 @@ class CausalSelfAttention(nn.Module):
     qkv = _dense(3 * cfg.d_model, "qkv", cfg, cfg.init_std, (EMBED, QKV))(x)
     query, key, value = jnp.split(qkv.reshape(batch, seq_len, 3 * cfg.n_heads, head_dim), 3, axis=2)
     query, key = rotary_embedding(query), rotary_embedding(key)
-    attended = jax.nn.dot_product_attention(query, key, value, is_causal=True,
-                                            implementation=cfg.attention_implementation)
+    attended = jax.nn.dot_product_attention(
+      query, key, value, is_causal=True, implementation=cfg.attention_implementation
+    )
     attended = attended.reshape(batch, seq_len, cfg.d_model)
     return _dense(cfg.d_model, "out", cfg, out_std, (HEADS, EMBED))(attended)
 
@@ -144,8 +164,9 @@ class Mlp(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     hidden = nn.gelu(_dense(cfg.d_ff, "wi", cfg, cfg.init_std, (EMBED, MLP))(x))
-    return _dense(cfg.d_model, "wo", cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5,
-                  (MLP, EMBED))(hidden)
+    return _dense(cfg.d_model, "wo", cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5, (MLP, EMBED))(
+      hidden
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -155,8 +176,7 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    x = x + CausalSelfAttention(cfg, name="attention")(
-        _rms_norm("attention_norm", cfg)(x))
+    x = x + CausalSelfAttention(cfg, name="attention")(_rms_norm("attention_norm", cfg)(x))
     normed = _rms_norm("mlp_norm", cfg)(x)
     if self.moe_mlp_factory is None:
       mlp = Mlp(cfg, name="mlp")
@@ -192,9 +212,13 @@ class Decoder(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     if cfg.scanned_layers:
-      scan = nn.scan(_ScanStep, variable_axes={c: 0 for c in _PER_LAYER_COLLECTIONS},
-                     split_rngs={r: True for r in _PER_LAYER_RNGS}, length=cfg.scanned_layers,
-                     metadata_params={nn.PARTITION_NAME: LAYERS})
+      scan = nn.scan(
+        _ScanStep,
+        variable_axes={c: 0 for c in _PER_LAYER_COLLECTIONS},
+        split_rngs={r: True for r in _PER_LAYER_RNGS},
+        length=cfg.scanned_layers,
+        metadata_params={nn.PARTITION_NAME: LAYERS},
+      )
       x, _ = scan(cfg, self.moe_mlp_factory, name=SCANNED_LAYERS)(x, None)
     for index in range(cfg.scanned_layers, cfg.n_layers):
       x = DecoderLayer(cfg, self.moe_mlp_factory, name=f"layer_{index}")(x)
@@ -213,10 +237,16 @@ class TransformerLM(nn.Module):
     # The lookup runs in fp32 and only its result is cast: with dtype=bf16, nn.Embed casts
     # the table first, so the backward scatter-adds every token's gradient into a bf16
     # table (about 14% error on the embedding gradient at batch 8x256, measured against fp32).
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.float32, param_dtype=jnp.float32,
-                 embedding_init=nn.with_logical_partitioning(
-                     nn.initializers.normal(stddev=cfg.init_std), (TABLE, None)),
-                 name="embed")(tokens).astype(cfg.dtype)
+    x = nn.Embed(
+      cfg.vocab_size,
+      cfg.d_model,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+      embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=cfg.init_std), (TABLE, None)
+      ),
+      name="embed",
+    )(tokens).astype(cfg.dtype)
     x = Decoder(cfg, self.moe_mlp_factory, name="decoder")(x)
     logits = _dense(cfg.vocab_size, "head", cfg, cfg.init_std, (EMBED, VOCAB))(x)
     return logits.astype(jnp.float32)

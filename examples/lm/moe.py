@@ -14,9 +14,9 @@ from typing import Optional
 
 import flax.linen as nn
 import jax
+
 from jaxquant import recipes
 from jaxquant.flax.moe import MoE
-
 from lm.model import AUX_LOSSES, ModelConfig, MoeMlpFactory
 
 NUM_EXPERTS = 4
@@ -37,8 +37,9 @@ class MoeMlp(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    y, load_balancing_loss = MoE(NUM_EXPERTS, self.config.d_ff // TOP_K, top_k=TOP_K,
-                                 recipe=self.recipe, name="moe")(x)
+    y, load_balancing_loss = MoE(
+      NUM_EXPERTS, self.config.d_ff // TOP_K, top_k=TOP_K, recipe=self.recipe, name="moe"
+    )(x)
     self.sow(AUX_LOSSES, "load_balancing", AUX_LOSS_WEIGHT * load_balancing_loss)
     return y
 

@@ -56,26 +56,42 @@ class Preset:
 
 
 PRESETS = {
-    "tiny": Preset(
-        ModelConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2, d_ff=256),
-        TrainConfig(batch_size=8, steps=30, warmup_steps=5, peak_learning_rate=3e-3,
-                    eval_every=15, eval_batches=2)),
-    # Two layers: the custom recipe's bf16 tail is the last one.
-    "cpu": Preset(
-        ModelConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=512),
-        TrainConfig(batch_size=8, steps=150, warmup_steps=15, peak_learning_rate=3e-3,
-                    eval_every=25, eval_batches=8)),
-    # Six layers: the custom recipe's bf16 tail (the last layer) is NVIDIA's ~15%; the
-    # five before it run under nn.scan, so each recipe compiles one layer's body, not five.
-    # 16k tokens a step. 1000 steps, not fewer: at 400, two bf16 runs that differ only by
-    # GPU non-determinism or a 1e-3 perturbation of the initial parameters ended 1.5-2% apart
-    # (the loss still fell fast), at 1000 0.6-0.7% (H100, docs/example.md), so only then
-    # can a gap of 1% be told from chance. Eight recipes' compilations and steps (23-55 ms a
-    # step on an H100) fit in ten minutes.
-    "gpu": Preset(
-        ModelConfig(seq_len=512, d_model=896, n_layers=6, n_heads=14, d_ff=3584, scanned_layers=5),
-        TrainConfig(batch_size=32, steps=1000, warmup_steps=100, peak_learning_rate=5e-4,
-                    eval_every=100, eval_batches=16)),
+  "tiny": Preset(
+    ModelConfig(seq_len=64, d_model=64, n_layers=2, n_heads=2, d_ff=256),
+    TrainConfig(
+      batch_size=8, steps=30, warmup_steps=5, peak_learning_rate=3e-3, eval_every=15, eval_batches=2
+    ),
+  ),
+  # Two layers: the custom recipe's bf16 tail is the last one.
+  "cpu": Preset(
+    ModelConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=512),
+    TrainConfig(
+      batch_size=8,
+      steps=150,
+      warmup_steps=15,
+      peak_learning_rate=3e-3,
+      eval_every=25,
+      eval_batches=8,
+    ),
+  ),
+  # Six layers: the custom recipe's bf16 tail (the last layer) is NVIDIA's ~15%; the
+  # five before it run under nn.scan, so each recipe compiles one layer's body, not five.
+  # 16k tokens a step. 1000 steps, not fewer: at 400, two bf16 runs that differ only by
+  # GPU non-determinism or a 1e-3 perturbation of the initial parameters ended 1.5-2% apart
+  # (the loss still fell fast), at 1000 0.6-0.7% (H100, docs/example.md), so only then
+  # can a gap of 1% be told from chance. Eight recipes' compilations and steps (23-55 ms a
+  # step on an H100) fit in ten minutes.
+  "gpu": Preset(
+    ModelConfig(seq_len=512, d_model=896, n_layers=6, n_heads=14, d_ff=3584, scanned_layers=5),
+    TrainConfig(
+      batch_size=32,
+      steps=1000,
+      warmup_steps=100,
+      peak_learning_rate=5e-4,
+      eval_every=100,
+      eval_batches=16,
+    ),
+  ),
 }
 # For several seeds a recipe (train_lm.py --seeds), where what matters is how far apart
 # seeds end: a smaller model than `gpu` (10.8M parameters, the same six layers, five of
@@ -99,10 +115,17 @@ PRESETS = {
 # - evaluations every 500 steps.
 # A bf16 step takes 9 ms on an H100, a seed with its evaluations ~30 s.
 PRESETS["gpu_seeds"] = Preset(
-    ModelConfig(seq_len=512, d_model=384, n_layers=6, n_heads=6, d_ff=1536, scanned_layers=5),
-    dataclasses.replace(PRESETS["gpu"].train, steps=3000, peak_learning_rate=1e-3,
-                        final_learning_rate_fraction=0.0, eval_every=500, eval_batches=None,
-                        sensitivity_steps=100))
+  ModelConfig(seq_len=512, d_model=384, n_layers=6, n_heads=6, d_ff=1536, scanned_layers=5),
+  dataclasses.replace(
+    PRESETS["gpu"].train,
+    steps=3000,
+    peak_learning_rate=1e-3,
+    final_learning_rate_fraction=0.0,
+    eval_every=500,
+    eval_batches=None,
+    sensitivity_steps=100,
+  ),
+)
 # gpu_seeds' model trained twice as long on a corpus four times larger: the standard library
 # and the sources of the installed packages the example depends on (on the H100 machine 35 MB
 # of train sources, 2.8 passes in 6000 steps, and 3.3 MB of validation). On that corpus bf16
@@ -114,6 +137,10 @@ PRESETS["gpu_seeds"] = Preset(
 # minute and of NVFP4 about a minute and a half: bf16 and one recipe from three seeds fit a
 # ten-minute device call (two FP8 recipes barely, by these estimates).
 PRESETS["gpu_seeds_long"] = Preset(
-    PRESETS["gpu_seeds"].model,
-    dataclasses.replace(PRESETS["gpu_seeds"].train, steps=6000, corpus_packages=(
-        "jax", "jaxlib", "flax", "numpy", "optax", "orbax", "ml_dtypes")))
+  PRESETS["gpu_seeds"].model,
+  dataclasses.replace(
+    PRESETS["gpu_seeds"].train,
+    steps=6000,
+    corpus_packages=("jax", "jaxlib", "flax", "numpy", "optax", "orbax", "ml_dtypes"),
+  ),
+)

@@ -16,7 +16,6 @@ BAR_WIDTH = 24
 
 
 class ProgressBar:
-
   def __init__(self, label: str, total_steps: int, stream: TextIO = sys.stdout):
     self._label = label
     self._total = total_steps
@@ -28,8 +27,10 @@ class ProgressBar:
   def update(self, step: int, loss: float, tokens_per_second: float) -> None:
     """step counts completed steps, 1..total_steps."""
     bar = "#" * (BAR_WIDTH * step // self._total)
-    line = (f"{self._label:>12} [{bar:<{BAR_WIDTH}}] {step:>5}/{self._total} "
-            f"loss {loss:6.3f}  {tokens_per_second:9,.0f} tok/s")
+    line = (
+      f"{self._label:>12} [{bar:<{BAR_WIDTH}}] {step:>5}/{self._total} "
+      f"loss {loss:6.3f}  {tokens_per_second:9,.0f} tok/s"
+    )
     if self._interactive:
       now = time.monotonic()
       if now - self._last_draw >= REDRAW_SECONDS or step == self._total:

@@ -16,13 +16,13 @@ import re
 from typing import Callable, Optional
 
 import flax.linen as nn
+
 from jaxquant import recipes as jq_recipes
 from jaxquant.flax import ModelWeightGather, QuantizedModel, quantize_model, update_quant_state
 from jaxquant.flax.linen import QUANT_RNG
 from jaxquant.ops.grouped_dense import MODULE_TYPE as GROUPED_LINEAR
 from jaxquant.quantizers import Quantizer, needs_state
 from jaxquant.roles import QuantizerRole
-
 from lm.model import SCANNED_LAYERS, ModelConfig
 
 PLAIN_RECIPE = "bf16"
@@ -64,7 +64,9 @@ def parse_recipe_names(text: str) -> list[str]:
   known = RECIPE_NAMES + (SUGGESTED_RECIPE,)
   unknown = [n for n in names if n not in known]
   if unknown or not names:
-    raise ValueError(f"unknown recipe(s) {unknown or text!r}; choose from {', '.join(known)} or 'all'")
+    raise ValueError(
+      f"unknown recipe(s) {unknown or text!r}; choose from {', '.join(known)} or 'all'"
+    )
   return names
 
 
@@ -94,8 +96,10 @@ def nvidia_nvfp4_policy(config: ModelConfig) -> jq_recipes.CustomRecipe:
   """
   first_bf16_layer = bf16_tail_start(config.n_layers)
   if config.scanned_layers > first_bf16_layer:
-    raise ValueError(f"the custom recipe keeps layers {first_bf16_layer}.. in bf16, but "
-                     f"scanned_layers={config.scanned_layers} puts some of them in the scan")
+    raise ValueError(
+      f"the custom recipe keeps layers {first_bf16_layer}.. in bf16, but "
+      f"scanned_layers={config.scanned_layers} puts some of them in the scan"
+    )
 
   def qfactory(role: QuantizerRole) -> Optional[Quantizer]:
     layer = layer_index(role.name)
@@ -163,5 +167,6 @@ def model_for_recipe(plain_model: nn.Module, recipe: jq_recipes.CustomRecipe) ->
   """What trains under the recipe: bf16 the plain model, the rest its quantized swap-in."""
   if recipe.name == PLAIN_RECIPE:
     return RecipeModel(plain_model, keep_forward_state, rng_streams=())
-  return RecipeModel(quantize_model(plain_model, recipe), update_quant_state,
-                     rng_streams=(QUANT_RNG,))
+  return RecipeModel(
+    quantize_model(plain_model, recipe), update_quant_state, rng_streams=(QUANT_RNG,)
+  )

@@ -19,7 +19,8 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lm.model import EMBED, HEADS, LAYERS, MLP, NORM, QKV, TABLE, VOCAB
 
@@ -37,15 +38,15 @@ BATCH = "batch"  # the logical name of the batch dimension of the training windo
 # scales are tiny: replicated. The scanned layers' stacked axis stays whole, as nn.scan
 # slices one layer off it per step.
 LOGICAL_AXIS_RULES = (
-    (BATCH, (DATA, FSDP)),
-    (EMBED, FSDP),
-    (MLP, TENSOR),
-    (QKV, TENSOR),
-    (HEADS, TENSOR),
-    (VOCAB, TENSOR),
-    (TABLE, (FSDP, TENSOR)),
-    (NORM, None),
-    (LAYERS, None),
+  (BATCH, (DATA, FSDP)),
+  (EMBED, FSDP),
+  (MLP, TENSOR),
+  (QKV, TENSOR),
+  (HEADS, TENSOR),
+  (VOCAB, TENSOR),
+  (TABLE, (FSDP, TENSOR)),
+  (NORM, None),
+  (LAYERS, None),
 )
 
 
@@ -55,15 +56,17 @@ def parse_mesh(text: str) -> dict[str, int]:
   for item in (part.strip() for part in text.split(",")):
     name, _, value = item.partition("=")
     if name not in MESH_AXES or not value:
-      raise ValueError(f"--mesh {text!r}: {item!r} is not AXIS=SIZE with AXIS one of "
-                       f"{', '.join(MESH_AXES)}")
+      raise ValueError(
+        f"--mesh {text!r}: {item!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}"
+      )
     if name in sizes:
       raise ValueError(f"--mesh {text!r}: axis {name!r} is given twice")
     try:
       sizes[name] = int(value)
     except ValueError:
-      raise ValueError(f"--mesh {text!r}: the size of {name!r} must be an integer, got "
-                       f"{value!r}") from None
+      raise ValueError(
+        f"--mesh {text!r}: the size of {name!r} must be an integer, got {value!r}"
+      ) from None
     if sizes[name] < 1:
       raise ValueError(f"--mesh {text!r}: the size of {name!r} must be >= 1, got {sizes[name]}")
   return {name: sizes.get(name, 1) for name in MESH_AXES}
@@ -75,12 +78,15 @@ def make_mesh(axis_sizes: dict[str, int], devices: Optional[list] = None) -> Mes
   devices = jax.devices() if devices is None else list(devices)
   shape = tuple(axis_sizes[name] for name in MESH_AXES)
   if math.prod(shape) != len(devices):
-    given = " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, shape))
-    raise ValueError(f"--mesh {given} holds {math.prod(shape)} devices, but there are "
-                     f"{len(devices)} ({jax.default_backend()}): the sizes' product must be "
-                     "the device count")
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
-                       devices=devices)
+    given = " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, shape, strict=False))
+    raise ValueError(
+      f"--mesh {given} holds {math.prod(shape)} devices, but there are "
+      f"{len(devices)} ({jax.default_backend()}): the sizes' product must be "
+      "the device count"
+    )
+  return jax.make_mesh(
+    shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape), devices=devices
+  )
 
 
 def describe(mesh: Mesh) -> str:
@@ -108,8 +114,9 @@ class Placement:
     specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_params), LOGICAL_AXIS_RULES)
     shapes = nn.unbox(boxed_params)
     _check_divisible(specs, shapes, mesh)
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                             is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )
     return cls(mesh, shardings, shapes)
 
   @property
@@ -126,20 +133,24 @@ class Placement:
 def check_batch(batch_size: int, mesh: Mesh) -> None:
   batch_shards = mesh.shape[DATA] * mesh.shape[FSDP]
   if batch_size % batch_shards:
-    raise ValueError(f"--mesh {describe(mesh)}: the batch of {batch_size} windows does not "
-                     f"split over data x fsdp = {batch_shards} devices; choose a batch size "
-                     "(--set batch_size=...) that is a multiple")
+    raise ValueError(
+      f"--mesh {describe(mesh)}: the batch of {batch_size} windows does not "
+      f"split over data x fsdp = {batch_shards} devices; choose a batch size "
+      "(--set batch_size=...) that is a multiple"
+    )
 
 
 def _check_divisible(specs: Any, shapes: Any, mesh: Mesh) -> None:
   """Every sharded parameter dimension splits evenly over its mesh axes."""
   flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
   flat_shapes = jax.tree_util.tree_leaves_with_path(shapes)
-  for spec, (path, shape) in zip(flat_specs, flat_shapes):
-    for dim, (size, entry) in enumerate(zip(shape.shape, tuple(spec))):
+  for spec, (path, shape) in zip(flat_specs, flat_shapes, strict=False):
+    for dim, (size, entry) in enumerate(zip(shape.shape, tuple(spec), strict=False)):
       axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
       shards = int(np.prod([mesh.shape[a] for a in axes]))
       if size % shards:
-        raise ValueError(f"--mesh {describe(mesh)}: parameter {jax.tree_util.keystr(path)} "
-                         f"{shape.shape} has dim {dim} of {size}, which does not split over "
-                         f"{' x '.join(axes)} = {shards} devices")
+        raise ValueError(
+          f"--mesh {describe(mesh)}: parameter {jax.tree_util.keystr(path)} "
+          f"{shape.shape} has dim {dim} of {size}, which does not split over "
+          f"{' x '.join(axes)} = {shards} devices"
+        )

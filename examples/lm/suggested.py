@@ -47,11 +47,11 @@ def next_token_loss(call, windows: jax.Array) -> jax.Array:
   return training.next_token_loss(call(windows[:, :-1]), windows[:, 1:])
 
 
-def briefly_trained(config: ModelConfig, params: Any, train_config: TrainConfig,
-                    batches) -> Any:
+def briefly_trained(config: ModelConfig, params: Any, train_config: TrainConfig, batches) -> Any:
   """params after train_config.sensitivity_steps bf16 steps (the full run's schedule)."""
-  model = recipes.model_for_recipe(TransformerLM(config), recipes.recipe_for(recipes.PLAIN_RECIPE,
-                                                                             config))
+  model = recipes.model_for_recipe(
+    TransformerLM(config), recipes.recipe_for(recipes.PLAIN_RECIPE, config)
+  )
   optimizer = training.make_optimizer(train_config)
   sample = jnp.zeros((train_config.batch_size, config.seq_len), jnp.int32)
   state = training.init_train_state(model, params, jax.random.key(0), sample, optimizer)
@@ -64,28 +64,44 @@ def briefly_trained(config: ModelConfig, params: Any, train_config: TrainConfig,
 def kept_by_custom(report: analysis.SensitivityReport, config: ModelConfig) -> int:
   """How many of the report's modules the custom preset runs wholly in bf16."""
   custom = recipes.nvidia_nvfp4_policy(config)
-  return sum(all(custom.quantizer(r.role) is None for r in module.roles)
-             for module in report.modules)
+  return sum(
+    all(custom.quantizer(r.role) is None for r in module.roles) for module in report.modules
+  )
 
 
-def suggest(config: ModelConfig, params: Any, train_config: TrainConfig, train_tokens,
-            seed: int, model_runs: Optional[str] = None,
-            rank_by: analysis.RankBy = "gemm_sqnr") -> Suggestion:
+def suggest(
+  config: ModelConfig,
+  params: Any,
+  train_config: TrainConfig,
+  train_tokens,
+  seed: int,
+  model_runs: Optional[str] = None,
+  rank_by: analysis.RankBy = "gemm_sqnr",
+) -> Suggestion:
   batches = data.train_batches(train_tokens, seed, train_config.batch_size, config.seq_len)
   trained = briefly_trained(config, params, train_config, batches)
   unrolled = dataclasses.replace(config, scanned_layers=0)
   base = recipes.recipe_for(BASE_RECIPE, unrolled)
-  report = analysis.sensitivity(TransformerLM(unrolled),
-                                {"params": layout.relayout(trained, config, 0)},
-                                jnp.asarray(next(batches)), base, next_token_loss,
-                                key=jax.random.key(seed), model_runs=model_runs)
+  report = analysis.sensitivity(
+    TransformerLM(unrolled),
+    {"params": layout.relayout(trained, config, 0)},
+    jnp.asarray(next(batches)),
+    base,
+    next_token_loss,
+    key=jax.random.key(seed),
+    model_runs=model_runs,
+  )
   k = kept_by_custom(report, unrolled)
   suggested = analysis.suggest_recipe(report, base, keep_high_precision=k, rank_by=rank_by)
   kept = tuple(m.name for m in analysis.ranked_modules(report, rank_by)[:k])
-  first_kept_layer = min((recipes.layer_index(name) for name in kept
-                          if recipes.layer_index(name) is not None), default=config.n_layers)
-  train_layout = dataclasses.replace(config, scanned_layers=min(config.scanned_layers,
-                                                                first_kept_layer))
-  recipe = jq_recipes.CustomRecipe(suggested.qfactory, backward=suggested.backward,
-                                   name=SUGGESTED_RECIPE)
+  first_kept_layer = min(
+    (recipes.layer_index(name) for name in kept if recipes.layer_index(name) is not None),
+    default=config.n_layers,
+  )
+  train_layout = dataclasses.replace(
+    config, scanned_layers=min(config.scanned_layers, first_kept_layer)
+  )
+  recipe = jq_recipes.CustomRecipe(
+    suggested.qfactory, backward=suggested.backward, name=SUGGESTED_RECIPE
+  )
   return Suggestion(recipe, report, train_layout, kept)

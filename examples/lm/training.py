@@ -51,31 +51,37 @@ class TrainState:
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=config.peak_learning_rate, warmup_steps=config.warmup_steps,
-      decay_steps=config.steps,
-      end_value=config.peak_learning_rate * config.final_learning_rate_fraction)
+    init_value=0.0,
+    peak_value=config.peak_learning_rate,
+    warmup_steps=config.warmup_steps,
+    decay_steps=config.steps,
+    end_value=config.peak_learning_rate * config.final_learning_rate_fraction,
+  )
   # No weight decay on vectors (norm scales, biases): decaying them only hurts.
   decay_matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   return optax.chain(
-      optax.clip_by_global_norm(config.grad_clip_norm),
-      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_matrices))
+    optax.clip_by_global_norm(config.grad_clip_norm),
+    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_matrices),
+  )
 
 
 def _init_rngs(key: jax.Array, rng_streams: tuple[str, ...]) -> dict:
   keys = jax.random.split(key, 1 + len(rng_streams))
-  return {PARAMS: keys[0], **dict(zip(rng_streams, keys[1:]))}
+  return {PARAMS: keys[0], **dict(zip(rng_streams, keys[1:], strict=False))}
 
 
-def _init_fn(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
-             rng_streams: tuple[str, ...]) -> Callable[[], dict]:
+def _init_fn(
+  model: nn.Module, key: jax.Array, sample_tokens: jax.Array, rng_streams: tuple[str, ...]
+) -> Callable[[], dict]:
   rngs = _init_rngs(key, rng_streams)
   # Unboxed: jaxquant's own layers (the MoE block's) box their weights with role metadata,
   # which differs between recipes and would make the param trees differ.
   return lambda: nn.unbox(model.init(rngs, sample_tokens))
 
 
-def init_variables(model: nn.Module, key: jax.Array, sample_tokens: jax.Array,
-                   rng_streams: tuple[str, ...] = ()) -> dict:
+def init_variables(
+  model: nn.Module, key: jax.Array, sample_tokens: jax.Array, rng_streams: tuple[str, ...] = ()
+) -> dict:
   return jax.jit(_init_fn(model, key, sample_tokens, rng_streams))()
 
 
@@ -96,22 +102,33 @@ class StepShardings:
   replicated: NamedSharding  # the loss
 
 
-def step_shardings(optimizer: optax.GradientTransformation, placement: Placement
-                   ) -> StepShardings:
+def step_shardings(optimizer: optax.GradientTransformation, placement: Placement) -> StepShardings:
   """The params as placement shards them, the optimizer's per-parameter state (Adam's
   moments) like its parameter, everything else replicated."""
   opt_state = optax.tree_map_params(
-      optimizer, lambda _, sharding: sharding,
-      jax.eval_shape(optimizer.init, placement.param_shapes), placement.params,
-      transform_non_params=lambda _: placement.replicated)
-  state = TrainState(params=placement.params, opt_state=opt_state,
-                     collections=placement.replicated, rng=placement.replicated)
+    optimizer,
+    lambda _, sharding: sharding,
+    jax.eval_shape(optimizer.init, placement.param_shapes),
+    placement.params,
+    transform_non_params=lambda _: placement.replicated,
+  )
+  state = TrainState(
+    params=placement.params,
+    opt_state=opt_state,
+    collections=placement.replicated,
+    rng=placement.replicated,
+  )
   return StepShardings(state, placement.batch, placement.replicated)
 
 
-def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
-                     sample_tokens: jax.Array, optimizer: optax.GradientTransformation,
-                     shardings: Optional[StepShardings] = None) -> TrainState:
+def init_train_state(
+  model: RecipeModel,
+  shared_params: Any,
+  key: jax.Array,
+  sample_tokens: jax.Array,
+  optimizer: optax.GradientTransformation,
+  shardings: Optional[StepShardings] = None,
+) -> TrainState:
   """A train state for model that starts from shared_params (the same for every recipe),
   placed as `shardings.state` says if given.
 
@@ -126,8 +143,10 @@ def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
   expected = jax.tree.map(jnp.shape, shared_params)
   got = jax.tree.map(jnp.shape, abstract[PARAMS])
   if expected != got:
-    raise ValueError("the recipe's model has other parameters than the plain model "
-                     f"(paths or shapes differ):\n plain: {expected}\n recipe: {got}")
+    raise ValueError(
+      "the recipe's model has other parameters than the plain model "
+      f"(paths or shapes differ):\n plain: {expected}\n recipe: {got}"
+    )
   names = [name for name in abstract if name not in (PARAMS, AUX_LOSSES)]
   variables = jax.jit(init)() if names else {}
   collections = {name: variables[name] for name in names}
@@ -135,21 +154,27 @@ def init_train_state(model: RecipeModel, shared_params: Any, key: jax.Array,
     return _placed_state(shared_params, collections, rng, optimizer, shardings.state)
   # A copy: the train step donates its state, and the next recipe needs the originals.
   params = jax.tree.map(jnp.copy, shared_params)
-  return TrainState(params=params, opt_state=optimizer.init(params), collections=collections,
-                    rng=rng)
+  return TrainState(
+    params=params, opt_state=optimizer.init(params), collections=collections, rng=rng
+  )
 
 
-def _placed_state(shared_params: Any, collections: dict, rng: jax.Array,
-                  optimizer: optax.GradientTransformation, state_shardings: TrainState
-                  ) -> TrainState:
+def _placed_state(
+  shared_params: Any,
+  collections: dict,
+  rng: jax.Array,
+  optimizer: optax.GradientTransformation,
+  state_shardings: TrainState,
+) -> TrainState:
   """The train state created on the mesh, from a copy of shared_params: the train step
   donates its state, the next recipe needs the originals, and jit may hand back an input
   it returns unchanged as the same buffer."""
 
   def start(params, collections, rng):
     params = jax.tree.map(jnp.copy, params)
-    return TrainState(params=params, opt_state=optimizer.init(params), collections=collections,
-                      rng=rng)
+    return TrainState(
+      params=params, opt_state=optimizer.init(params), collections=collections, rng=rng
+    )
 
   return jax.jit(start, out_shardings=state_shardings)(shared_params, collections, rng)
 
@@ -158,8 +183,13 @@ def perturbed(params: Any, key: jax.Array, relative_scale: float) -> Any:
   """Each parameter times 1 + relative_scale * N(0, 1), independently per element."""
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(tree, [
-      p * (1 + relative_scale * jax.random.normal(k, p.shape, p.dtype)) for p, k in zip(leaves, keys)])
+  return jax.tree.unflatten(
+    tree,
+    [
+      p * (1 + relative_scale * jax.random.normal(k, p.shape, p.dtype))
+      for p, k in zip(leaves, keys, strict=False)
+    ],
+  )
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -167,15 +197,15 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Array,
-           rng: jax.Array):
+def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Array, rng: jax.Array):
   """(objective, (next-token loss, collections as the model left them)) of windows
   [batch, seq + 1]; the objective adds the auxiliary losses the model sowed."""
   windows = windows.astype(jnp.int32)
   inputs, targets = windows[:, :-1], windows[:, 1:]
   rngs = {stream: jax.random.fold_in(rng, i) for i, stream in enumerate(model.rng_streams)}
-  logits, updated = model.module.apply({PARAMS: params, **collections}, inputs, rngs=rngs,
-                                       mutable=[*collections, AUX_LOSSES])
+  logits, updated = model.module.apply(
+    {PARAMS: params, **collections}, inputs, rngs=rngs, mutable=[*collections, AUX_LOSSES]
+  )
   updated = dict(updated)
   # Summed over layers too: under nn.scan a sown loss has a leading layer axis.
   aux_loss = sum((jnp.sum(l) for l in jax.tree.leaves(updated.pop(AUX_LOSSES, {}))), jnp.float32(0))
@@ -183,19 +213,23 @@ def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Arra
   return loss + aux_loss, (loss, updated)
 
 
-def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation,
-                    shardings: Optional[StepShardings] = None, deterministic: bool = False
-                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]]:
+def make_train_step(
+  model: RecipeModel,
+  optimizer: optax.GradientTransformation,
+  shardings: Optional[StepShardings] = None,
+  deterministic: bool = False,
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]]:
 
   def train_step(state: TrainState, windows: jax.Array):
     rng, step_rng = jax.random.split(state.rng)
-    loss_and_collections = lambda params, collections: _apply(model, params, collections, windows,
-                                                              step_rng)
+    loss_and_collections = lambda params, collections: _apply(
+      model, params, collections, windows, step_rng
+    )
     # Gradients w.r.t. the collections carry what only the backward pass sees (delayed
     # scaling's grad_output amax); allow_int lets integer state (counters) pass through.
     (_, (loss, forward_collections)), (grads, collection_grads) = jax.value_and_grad(
-        loss_and_collections, argnums=(0, 1), has_aux=True, allow_int=True)(
-            state.params, state.collections)
+      loss_and_collections, argnums=(0, 1), has_aux=True, allow_int=True
+    )(state.params, state.collections)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     collections = model.advance_state(forward_collections, collection_grads)
@@ -204,12 +238,18 @@ def make_train_step(model: RecipeModel, optimizer: optax.GradientTransformation,
   options = compiler_options(deterministic)
   if shardings is None:
     return jax.jit(train_step, donate_argnums=0, compiler_options=options)
-  return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings.state, shardings.batch),
-                 out_shardings=(shardings.state, shardings.replicated), compiler_options=options)
+  return jax.jit(
+    train_step,
+    donate_argnums=0,
+    in_shardings=(shardings.state, shardings.batch),
+    out_shardings=(shardings.state, shardings.replicated),
+    compiler_options=options,
+  )
 
 
-def make_eval_step(model: RecipeModel, shardings: Optional[StepShardings] = None,
-                   deterministic: bool = False) -> Callable[[TrainState, jax.Array], jax.Array]:
+def make_eval_step(
+  model: RecipeModel, shardings: Optional[StepShardings] = None, deterministic: bool = False
+) -> Callable[[TrainState, jax.Array], jax.Array]:
 
   def eval_step(state: TrainState, windows: jax.Array) -> jax.Array:
     # Collections are mutable here too (a layer may write its state on every call), but
@@ -220,5 +260,9 @@ def make_eval_step(model: RecipeModel, shardings: Optional[StepShardings] = None
   options = compiler_options(deterministic)
   if shardings is None:
     return jax.jit(eval_step, compiler_options=options)
-  return jax.jit(eval_step, in_shardings=(shardings.state, shardings.batch),
-                 out_shardings=shardings.replicated, compiler_options=options)
+  return jax.jit(
+    eval_step,
+    in_shardings=(shardings.state, shardings.batch),
+    out_shardings=shardings.replicated,
+    compiler_options=options,
+  )

@@ -26,8 +26,8 @@ __global__ void delayed_scale_kernel(const float* __restrict__ amax,
 }
 
 ffi::Error delayed_scale(cudaStream_t stream, ffi::Buffer<ffi::F32> amax,
-                         ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out,
-                         float fmax, float divisor) {
+                         ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out, float fmax,
+                         float divisor) {
   const int64_t n = static_cast<int64_t>(amax.element_count());
   if (n == 0) return ffi::Error::Success();
   const int64_t blocks = (n + kDelayedScaleThreads - 1) / kDelayedScaleThreads;

@@ -15,8 +15,8 @@ namespace {
 
 struct DequantArgs {
   const uint8_t* data;
-  const void* scale;     // fp32 (FP8 families), E8M0 or E4M3 bytes
-  const float* amax;     // NVFP4 global amax: [] or [rows]
+  const void* scale;  // fp32 (FP8 families), E8M0 or E4M3 bytes
+  const float* amax;  // NVFP4 global amax: [] or [rows]
   int64_t rows, cols;
   int32_t row_shift, col_shift, row_scaled;  // block = 2^shift
   int32_t block_scales_only;

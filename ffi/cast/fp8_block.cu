@@ -40,9 +40,9 @@ __device__ __forceinline__ void store_row_codes(const Vec16<T>& w, float scale, 
   uint32_t codes[V / 4];
 #pragma unroll
   for (int i = 0; i < V; i += 4) {
-    codes[i / 4] = fp8x2_code(to_float(w.v[i]) * scale, to_float(w.v[i + 1]) * scale, element) |
-                   (fp8x2_code(to_float(w.v[i + 2]) * scale, to_float(w.v[i + 3]) * scale,
-                               element) << 16);
+    codes[i / 4] =
+        fp8x2_code(to_float(w.v[i]) * scale, to_float(w.v[i + 1]) * scale, element) |
+        (fp8x2_code(to_float(w.v[i + 2]) * scale, to_float(w.v[i + 3]) * scale, element) << 16);
   }
   if constexpr (V == 8) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
@@ -130,12 +130,15 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
       __syncthreads();
       if (threadIdx.x < kTilesAcross) {
         float t = 0.0f;
-        for (int w = 0; w < kBlock / 32; ++w) t = amax_combine(t, warp_amax[threadIdx.x * (kBlock / 32) + w]);
+        for (int w = 0; w < kBlock / 32; ++w)
+          t = amax_combine(t, warp_amax[threadIdx.x * (kBlock / 32) + w]);
         tile_scale[threadIdx.x] = block_scale<T>(t, cfg);
         const int64_t kb = (k0 / kBlock) + threadIdx.x, mb = m0 / kBlock;
         if (kb * kBlock < K) {
-          if (out.row_scale) out.row_scale[mb * row_blocks + kb] = tile_scale[threadIdx.x].scale_inv;
-          if (out.col_scale) out.col_scale[kb * col_blocks + mb] = tile_scale[threadIdx.x].scale_inv;
+          if (out.row_scale)
+            out.row_scale[mb * row_blocks + kb] = tile_scale[threadIdx.x].scale_inv;
+          if (out.col_scale)
+            out.col_scale[kb * col_blocks + mb] = tile_scale[threadIdx.x].scale_inv;
         }
       }
       __syncthreads();
@@ -150,11 +153,11 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
         uint32_t codes[4];
 #pragma unroll
         for (int i = 0; i < 16; i += 4) {
-          codes[i / 4] =
-              fp8x2_code(to_float(column[(r0 + i) * TC]) * s.scale,
-                         to_float(column[(r0 + i + 1) * TC]) * s.scale, cfg.element) |
-              (fp8x2_code(to_float(column[(r0 + i + 2) * TC]) * s.scale,
-                          to_float(column[(r0 + i + 3) * TC]) * s.scale, cfg.element) << 16);
+          codes[i / 4] = fp8x2_code(to_float(column[(r0 + i) * TC]) * s.scale,
+                                    to_float(column[(r0 + i + 1) * TC]) * s.scale, cfg.element) |
+                         (fp8x2_code(to_float(column[(r0 + i + 2) * TC]) * s.scale,
+                                     to_float(column[(r0 + i + 3) * TC]) * s.scale, cfg.element)
+                          << 16);
         }
         *reinterpret_cast<uint4*>(out.col_data + k * M + m0 + r0) =
             make_uint4(codes[0], codes[1], codes[2], codes[3]);
@@ -171,7 +174,8 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
     float part[kRowPasses];
 #pragma unroll
     for (int p = 0; p < kRowPasses; ++p) part[p] = chunk_amax(tile[warp + p * kWarps][lane], 1);
-    const BlockScale mine = block_scale<T>(block_amaxes_across_lanes<kRowPasses, kLanesPerBlock>(part), cfg);
+    const BlockScale mine =
+        block_scale<T>(block_amaxes_across_lanes<kRowPasses, kLanesPerBlock>(part), cfg);
     row_scale = mine.scale;
     const int64_t row = m0 + warp + (lane % kRowPasses) * kWarps;
     const int64_t kb = k0 / kBlock + lane / kLanesPerBlock;
@@ -195,8 +199,8 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
 }
 
 ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*row_amax*/,
-                          ffi::AnyBuffer /*col_amax*/, ffi::AnyBuffer /*seed*/, ffi::RemainingRets rets,
-                          KernelConfig cfg) {
+                          ffi::AnyBuffer /*col_amax*/, ffi::AnyBuffer /*seed*/,
+                          ffi::RemainingRets rets, KernelConfig cfg) {
   int64_t M, K;
   if (!matrix_dims(x, M, K)) return invalid("fp8_block_cast: x must be rank 2");
   // Partial 128-blocks are fine; 16-byte vectors and stores need multiples of 16.
@@ -215,8 +219,8 @@ ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
           cudaSuccess) {
         return cuda_status("fp8_block_cast: shared memory opt-in");
       }
-      kernel<<<grid, kThreads, kSmem, stream>>>(reinterpret_cast<const T*>(x.untyped_data()),
-                                                 M, K, cfg, out);
+      kernel<<<grid, kThreads, kSmem, stream>>>(reinterpret_cast<const T*>(x.untyped_data()), M, K,
+                                                cfg, out);
       return cuda_status("fp8_block_cast");
     };
     return tile_2d ? launch(fp8_block_cast_kernel<T, true>)

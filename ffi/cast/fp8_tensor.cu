@@ -45,10 +45,10 @@ template <typename T, int32_t kElement>
 __device__ __forceinline__ TensorScale tensor_scale(const float* amax_or_scale,
                                                     const KernelConfig& cfg,
                                                     const Fp8TensorOut& out) {
-  const float scale = cfg.given_scale ? *amax_or_scale
-                                      : fp8_scale_from_amax<T>(*amax_or_scale,
-                                                               element_max(kElement),
-                                                               cfg.eps, cfg.pow2_scales);
+  const float scale =
+      cfg.given_scale
+          ? *amax_or_scale
+          : fp8_scale_from_amax<T>(*amax_or_scale, element_max(kElement), cfg.eps, cfg.pow2_scales);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     const float scale_inv = 1.0f / scale;
     if (out.row_scale) *out.row_scale = scale_inv;
@@ -67,9 +67,9 @@ __device__ __forceinline__ float store_row_vector(const Vec16<T>& v, const Tenso
   uint32_t codes[V / 4];
 #pragma unroll
   for (int j = 0; j < V; j += 4) {
-    codes[j / 4] = fp8x4_scaled<kElement>(element_float(v, j), element_float(v, j + 1),
-                                          element_float(v, j + 2), element_float(v, j + 3),
-                                          s.scale, nan);
+    codes[j / 4] =
+        fp8x4_scaled<kElement>(element_float(v, j), element_float(v, j + 1),
+                               element_float(v, j + 2), element_float(v, j + 3), s.scale, nan);
   }
   if constexpr (V == 8) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
@@ -98,8 +98,8 @@ __global__ __launch_bounds__(kThreads) void fp8_tensor_rows_kernel(
     for (int j = 0; j < 4; ++j) v[j] = xv[i + j * stride];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      seen = amax_combine(seen, store_row_vector<T, kElement>(v[j], s,
-                                                              out.row_data + (i + j * stride) * V));
+      seen = amax_combine(
+          seen, store_row_vector<T, kElement>(v[j], s, out.row_data + (i + j * stride) * V));
     }
   }
   for (; i < vectors; i += stride) {
@@ -127,8 +127,8 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
         const int r = row_pass_row(i);
         const int64_t m = o.m0 + r, k = o.k0 + q * V;
         if (m >= M || k >= K) continue;
-        seen = amax_combine(seen, store_row_vector<T, kElement>(tile.at(r, q), s,
-                                                                out.row_data + m * K + k));
+        seen = amax_combine(
+            seen, store_row_vector<T, kElement>(tile.at(r, q), s, out.row_data + m * K + k));
       }
     }
     // Columnwise: lane l writes 4 codes (rows 4l .. 4l+3) of each transposed row k.
@@ -171,8 +171,7 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   if (cfg.element != kE4M3 && cfg.element != kE5M2) {
     return invalid("fp8_tensor_cast: element must be E4M3 or E5M2");
   }
-  if (amax_or_scale.element_type() != ffi::DataType::F32 ||
-      amax_or_scale.element_count() != 1) {
+  if (amax_or_scale.element_type() != ffi::DataType::F32 || amax_or_scale.element_count() != 1) {
     return invalid("fp8_tensor_cast: amax / scale must be one float32");
   }
   Fp8TensorOut out{};
@@ -204,9 +203,9 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
       CastPlan plan{};
       const cudaError_t err = plan_cast<T>(kernel, M, K, smem, /*max_strip_shift=*/0, plan);
       if (err != cudaSuccess) return cuda_error("fp8_tensor_cast: launch plan", err);
-      kernel<<<plan.grid > 0 ? plan.grid : 1, kCastThreads, smem, stream>>>(
-          reinterpret_cast<const T*>(x.untyped_data()),
-          reinterpret_cast<const float*>(amax_or_scale.untyped_data()), M, K, cfg, out);
+      kernel < < < plan.grid > 0 ? plan.grid : 1, kCastThreads, smem,
+          stream >>> (reinterpret_cast<const T*>(x.untyped_data()),
+                      reinterpret_cast<const float*>(amax_or_scale.untyped_data()), M, K, cfg, out);
       return cuda_status("fp8_tensor_cast");
     };
     return cfg.element == kE4M3 ? launch(fp8_tensor_cast_kernel<T, kE4M3>)

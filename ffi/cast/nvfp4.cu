@@ -42,10 +42,10 @@ struct Nvfp4Args {
 };
 
 struct Nvfp4Out {
-  uint8_t* row_data;   // [M, K/2]
-  uint8_t* row_scale;  // [M, K/16] or [M/16, K/16]
-  uint8_t* col_data;   // [K, M/2]
-  uint8_t* col_scale;  // [K, M/16] or [K/16, M/16]
+  uint8_t* row_data;          // [M, K/2]
+  uint8_t* row_scale;         // [M, K/16] or [M/16, K/16]
+  uint8_t* col_data;          // [K, M/2]
+  uint8_t* col_scale;         // [K, M/16] or [K/16, M/16]
   __nv_bfloat16* row_values;  // [M, K], the values kernel's instead of the four above
   __nv_bfloat16* col_values;  // [K, M]
 };
@@ -119,8 +119,7 @@ __device__ __forceinline__ uint32_t nibble_signs(const float (&f)[N]) {
 // carries only its own registers and branches.
 template <typename T, bool kTile2d, bool kRht, bool kSr, bool kRowScaled, bool kValues>
 __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kernel(
-    const T* __restrict__ x, int64_t M, int64_t K, int strip_shift, Nvfp4Args args,
-    Nvfp4Out out) {
+    const T* __restrict__ x, int64_t M, int64_t K, int strip_shift, Nvfp4Args args, Nvfp4Out out) {
   constexpr int V = kVec<T>, kColBlocks = kCastCols<T> / kBlock;
   constexpr bool kWords = sizeof(T) == 2;  // signs by nibble_signs on whole words
   static_assert(!(kTile2d && (kRht || kRowScaled)), "16x16 tiles take no RHT or row scales");
@@ -158,204 +157,213 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void nvfp4_cast_kerne
     }
   };
 
-  for_each_cast_tile<kStages>(x, M, K, strip_shift, [&](CastTile<T>& tile, TileOrigin o) {
-    // Rows of this tile inside the tensor; a chunk is inside K whole (K % 16 == 0).
-    const int rows = static_cast<int>(min(M - o.m0, static_cast<int64_t>(kCastRows)));
-    if (kRowScaled) {
-      if (threadIdx.x < kCastRows) {
-        const int r = static_cast<int>(threadIdx.x);
-        row_globals[r] = nvfp4_global(r < rows ? args.row_amax[o.m0 + r] : 0.0f);
-      }
-      __syncthreads();
-    }
-    if constexpr (kTile2d) {
-      // Tile amax: lane (warp w, l) covers rows 4l .. 4l+3 of chunk column w; 4 lanes make
-      // the 16 rows, 16 / kVec warps the 16 columns.
-      float a = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) a = amax_combine(a, chunk_amax(tile.at(4 * lane + j, warp), 1));
-      a = group_amax(a, 4);
-      if (lane % 4 == 0) tile_amax[warp][lane / 4] = a;
-      __syncthreads();
-      constexpr int kWarpsPerBlock = kBlock / V;
-      if (threadIdx.x < (kCastRows / kBlock) * kColBlocks) {
-        const int rb = threadIdx.x / kColBlocks, cb = threadIdx.x % kColBlocks;
-        float t = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarpsPerBlock; ++w) {
-          t = amax_combine(t, tile_amax[cb * kWarpsPerBlock + w][rb]);
+  for_each_cast_tile<kStages>(
+      x, M, K, strip_shift,
+      [&](CastTile<T>& tile, TileOrigin o) {
+        // Rows of this tile inside the tensor; a chunk is inside K whole (K % 16 == 0).
+        const int rows = static_cast<int>(min(M - o.m0, static_cast<int64_t>(kCastRows)));
+        if (kRowScaled) {
+          if (threadIdx.x < kCastRows) {
+            const int r = static_cast<int>(threadIdx.x);
+            row_globals[r] = nvfp4_global(r < rows ? args.row_amax[o.m0 + r] : 0.0f);
+          }
+          __syncthreads();
         }
-        const uint32_t s = nvfp4_scale_byte(t, row_global);
-        tile_scale[rb][cb] = static_cast<uint8_t>(s);
-        const int64_t mb = o.m0 / kBlock + rb, kb = o.k0 / kBlock + cb;
-        if (!kValues && mb * kBlock < M && kb * kBlock < K) {
-          if (out.row_scale) out.row_scale[mb * row_scale_bytes + kb] = s;
-          if (out.col_scale) out.col_scale[kb * col_scale_bytes + mb] = s;
-        }
-      }
-      __syncthreads();
-    }
-
-    if (rowwise) {
-      constexpr int kLanesPerBlock = kBlock / V;
-      const int q = row_pass_chunk(), r_first = row_pass_row(0);
-      const int64_t k = o.k0 + q * V;
-      const bool k_in = k < K;
-      // The pass rows are kCastPassRows apart, so they share one swizzle slot (tile.cuh).
-      const Vec16<T>* src = &tile.at(r_first, q);
-      // Codes count half bytes, values whole elements: each advances by its own row length.
-      uint8_t* data = kValues ? nullptr : out.row_data + (o.m0 + r_first) * row_bytes + (k >> 1);
-      __nv_bfloat16* values = kValues ? out.row_values + (o.m0 + r_first) * K + k : nullptr;
-      const int in_strip = static_cast<int>(o.k0 / kCastCols<T>) & ((1 << strip_shift) - 1);
-      const int scale_byte = in_strip * kColBlocks + q / kLanesPerBlock;
-      uint4 bits{};
-#pragma unroll
-      for (int i = 0; i < kCastRowPasses; ++i) {
-        const int r = r_first + i * kCastPassRows;
-        const Vec16<T> v = src[i * kCastPassRows * kChunks];
-        float f[V];
-#pragma unroll
-        for (int j = 0; j < V; ++j) f[j] = element_float(v, j);
-        Nvfp4Global g = row_global;
-        uint32_t s;
-        float enc;
         if constexpr (kTile2d) {
-          s = tile_scale[r / kBlock][q * V / kBlock];
-          enc = row_enc[s];
-        } else {
-          const float a = chunk_amax(v, kLanesPerBlock);  // every lane takes part
-          if constexpr (kRowScaled) {
-            g = row_globals[r];
-            s = nvfp4_scale_byte(a, g);
-            enc = nvfp4_block_enc(s, g);
-          } else {
-            s = nvfp4_scale_byte(a, g);
-            enc = row_enc[s];
-          }
-          if (!kValues && q % kLanesPerBlock == 0) strip_scales[r][scale_byte] = s;
-        }
-        if (k_in && r < rows) {
-          // SR: one Philox call per two passes (pass i+1's row is in range only if pass i's is).
-          if (kSr && i % 2 == 0) {
-            bits = philox(static_cast<uint32_t>(o.m0 + r), static_cast<uint32_t>(k), 0u, 0u);
-          }
-          const uint4 mine = i % 2 == 0 ? bits
-                             : V == 8 ? make_uint4(bits.z, bits.w, 0u, 0u)
-                                      : make_uint4(bits.y, 0u, 0u, 0u);
-          uint32_t biased = 0;
+          // Tile amax: lane (warp w, l) covers rows 4l .. 4l+3 of chunk column w; 4 lanes make
+          // the 16 rows, 16 / kVec warps the 16 columns.
+          float a = 0.0f;
 #pragma unroll
-          for (int j = 0; j < V; ++j) {
-            biased += e2m1_biased<kSr>(f[j] * enc, random_byte(mine, j)) << (4 * j);
+          for (int j = 0; j < 4; ++j)
+            a = amax_combine(a, chunk_amax(tile.at(4 * lane + j, warp), 1));
+          a = group_amax(a, 4);
+          if (lane % 4 == 0) tile_amax[warp][lane / 4] = a;
+          __syncthreads();
+          constexpr int kWarpsPerBlock = kBlock / V;
+          if (threadIdx.x < (kCastRows / kBlock) * kColBlocks) {
+            const int rb = threadIdx.x / kColBlocks, cb = threadIdx.x % kColBlocks;
+            float t = 0.0f;
+#pragma unroll
+            for (int w = 0; w < kWarpsPerBlock; ++w) {
+              t = amax_combine(t, tile_amax[cb * kWarpsPerBlock + w][rb]);
+            }
+            const uint32_t s = nvfp4_scale_byte(t, row_global);
+            tile_scale[rb][cb] = static_cast<uint8_t>(s);
+            const int64_t mb = o.m0 / kBlock + rb, kb = o.k0 / kBlock + cb;
+            if (!kValues && mb * kBlock < M && kb * kBlock < K) {
+              if (out.row_scale) out.row_scale[mb * row_scale_bytes + kb] = s;
+              if (out.col_scale) out.col_scale[kb * col_scale_bytes + mb] = s;
+            }
+          }
+          __syncthreads();
+        }
+
+        if (rowwise) {
+          constexpr int kLanesPerBlock = kBlock / V;
+          const int q = row_pass_chunk(), r_first = row_pass_row(0);
+          const int64_t k = o.k0 + q * V;
+          const bool k_in = k < K;
+          // The pass rows are kCastPassRows apart, so they share one swizzle slot (tile.cuh).
+          const Vec16<T>* src = &tile.at(r_first, q);
+          // Codes count half bytes, values whole elements: each advances by its own row length.
+          uint8_t* data =
+              kValues ? nullptr : out.row_data + (o.m0 + r_first) * row_bytes + (k >> 1);
+          __nv_bfloat16* values = kValues ? out.row_values + (o.m0 + r_first) * K + k : nullptr;
+          const int in_strip = static_cast<int>(o.k0 / kCastCols<T>) & ((1 << strip_shift) - 1);
+          const int scale_byte = in_strip * kColBlocks + q / kLanesPerBlock;
+          uint4 bits{};
+#pragma unroll
+          for (int i = 0; i < kCastRowPasses; ++i) {
+            const int r = r_first + i * kCastPassRows;
+            const Vec16<T> v = src[i * kCastPassRows * kChunks];
+            float f[V];
+#pragma unroll
+            for (int j = 0; j < V; ++j) f[j] = element_float(v, j);
+            Nvfp4Global g = row_global;
+            uint32_t s;
+            float enc;
+            if constexpr (kTile2d) {
+              s = tile_scale[r / kBlock][q * V / kBlock];
+              enc = row_enc[s];
+            } else {
+              const float a = chunk_amax(v, kLanesPerBlock);  // every lane takes part
+              if constexpr (kRowScaled) {
+                g = row_globals[r];
+                s = nvfp4_scale_byte(a, g);
+                enc = nvfp4_block_enc(s, g);
+              } else {
+                s = nvfp4_scale_byte(a, g);
+                enc = row_enc[s];
+              }
+              if (!kValues && q % kLanesPerBlock == 0) strip_scales[r][scale_byte] = s;
+            }
+            if (k_in && r < rows) {
+              // SR: one Philox call per two passes (pass i+1's row is in range only if pass i's
+              // is).
+              if (kSr && i % 2 == 0) {
+                bits = philox(static_cast<uint32_t>(o.m0 + r), static_cast<uint32_t>(k), 0u, 0u);
+              }
+              const uint4 mine = i % 2 == 0 ? bits
+                                 : V == 8   ? make_uint4(bits.z, bits.w, 0u, 0u)
+                                            : make_uint4(bits.y, 0u, 0u, 0u);
+              uint32_t biased = 0;
+#pragma unroll
+              for (int j = 0; j < V; ++j) {
+                biased += e2m1_biased<kSr>(f[j] * enc, random_byte(mine, j)) << (4 * j);
+              }
+              uint32_t signs;
+              if constexpr (kWords) {
+                signs = nibble_signs<kRowEven, kRowOdd>(vec_word(v, 0), vec_word(v, 1),
+                                                        vec_word(v, 2), vec_word(v, 3));
+              } else {
+                signs = nibble_signs(f);
+              }
+              const uint32_t packed =
+                  g.nan ? 0u : (biased - packed_bias(kE2m1Bias<kSr>, V)) | signs;
+              if constexpr (kValues) {
+                e2m1_values<V>(packed, s, values);
+              } else if constexpr (V == 8) {
+                *reinterpret_cast<uint32_t*>(data) = packed;
+              } else {
+                *reinterpret_cast<uint16_t*>(data) = static_cast<uint16_t>(packed);
+              }
+            }
+            if constexpr (kValues) {
+              values += kCastPassRows * K;
+            } else {
+              data += kCastPassRows * row_bytes;
+            }
+          }
+        }
+        if (!columnwise) return;
+
+        if constexpr (kRht) {
+          // In place, once the rowwise usage has read the tile: thread c transforms 16-row
+          // blocks of tile column c, rounding to the input dtype as NUMERICS.md says.
+          __syncthreads();
+          constexpr int TC = kCastCols<T>;
+          const int c = threadIdx.x % TC;
+          for (int b = threadIdx.x / TC; b < kCastRows / kBlock; b += kCastThreads / TC) {
+            float f[kBlock];
+            T y[kBlock];
+#pragma unroll
+            for (int i = 0; i < kBlock; ++i) f[i] = to_float(tile.element(kBlock * b + i, c));
+            rht16_rounded<T>(f, y);
+#pragma unroll
+            for (int i = 0; i < kBlock; ++i) tile.element(kBlock * b + i, c) = y[i];
+          }
+          __syncthreads();
+        }
+
+        // Columnwise: lane l holds rows 4l .. 4l+3 and writes their 4 codes (2 bytes) of each
+        // transposed row; the 16-row block is lanes 4b .. 4b+3. Two columns at a time share
+        // one packed word (low half column e, high half e + 1).
+        const int64_t k_first = o.k0 + warp * V;
+        Vec16<T> c[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) c[j] = tile.at(4 * lane + j, warp);
+        float a[V];
+        if constexpr (!kTile2d) column_amaxes(c, 4, a);  // every lane takes part
+        if (k_first >= K || 4 * lane >= rows) return;
+        const int64_t m = o.m0 + 4 * lane;
+        uint8_t* data = kValues ? nullptr : out.col_data + k_first * col_bytes + (m >> 1);
+        uint8_t* scale = kValues ? nullptr : out.col_scale + k_first * col_scale_bytes + (m >> 4);
+        __nv_bfloat16* values = kValues ? out.col_values + k_first * M + m : nullptr;
+        uint4 bits{};
+#pragma unroll
+        for (int e = 0; e < V; e += 2) {
+          uint32_t s[2], biased = 0;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            s[h] = kTile2d ? tile_scale[lane / 4][(warp * V + e + h) / kBlock]
+                           : nvfp4_scale_byte(a[e + h], col_global);
+            // SR: one Philox call gives the random words of 4 columns, one per column.
+            if (kSr && (e + h) % 4 == 0) {
+              bits =
+                  philox(static_cast<uint32_t>(m), static_cast<uint32_t>(k_first + e + h), 1u, 0u);
+            }
+            const uint32_t word = (e + h) % 4 == 0   ? bits.x
+                                  : (e + h) % 4 == 1 ? bits.y
+                                  : (e + h) % 4 == 2 ? bits.z
+                                                     : bits.w;
+            const float enc = col_enc[s[h]];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float v = element_float(c[j], e + h) * enc;
+              biased += e2m1_biased<kSr>(v, (word >> (8 * j)) & 0xFF) << (16 * h + 4 * j);
+            }
           }
           uint32_t signs;
           if constexpr (kWords) {
-            signs = nibble_signs<kRowEven, kRowOdd>(vec_word(v, 0), vec_word(v, 1),
-                                                    vec_word(v, 2), vec_word(v, 3));
+            signs = nibble_signs<kPairEven, kPairOdd>(vec_word(c[0], e / 2), vec_word(c[1], e / 2),
+                                                      vec_word(c[2], e / 2), vec_word(c[3], e / 2));
           } else {
+            const float f[8] = {element_float(c[0], e),     element_float(c[1], e),
+                                element_float(c[2], e),     element_float(c[3], e),
+                                element_float(c[0], e + 1), element_float(c[1], e + 1),
+                                element_float(c[2], e + 1), element_float(c[3], e + 1)};
             signs = nibble_signs(f);
           }
-          const uint32_t packed = g.nan ? 0u : (biased - packed_bias(kE2m1Bias<kSr>, V)) | signs;
+          const uint32_t packed =
+              col_global.nan ? 0u : (biased - packed_bias(kE2m1Bias<kSr>, 8)) | signs;
           if constexpr (kValues) {
-            e2m1_values<V>(packed, s, values);
-          } else if constexpr (V == 8) {
-            *reinterpret_cast<uint32_t*>(data) = packed;
+            // Column e's 4 rows, then column e + 1's, each one 8-byte store.
+            e2m1_values<4>(packed, s[0], values);
+            e2m1_values<4>(packed >> 16, s[1], values + M);
+            values += 2 * M;
           } else {
-            *reinterpret_cast<uint16_t*>(data) = static_cast<uint16_t>(packed);
+            reinterpret_cast<uint16_t*>(data)[0] = static_cast<uint16_t>(packed);
+            reinterpret_cast<uint16_t*>(data + col_bytes)[0] = static_cast<uint16_t>(packed >> 16);
+            if (!kTile2d && lane % 4 == 0) {
+              scale[0] = s[0];
+              scale[col_scale_bytes] = s[1];
+            }
+            data += 2 * col_bytes;
+            scale += 2 * col_scale_bytes;
           }
         }
-        if constexpr (kValues) {
-          values += kCastPassRows * K;
-        } else {
-          data += kCastPassRows * row_bytes;
-        }
-      }
-    }
-    if (!columnwise) return;
-
-    if constexpr (kRht) {
-      // In place, once the rowwise usage has read the tile: thread c transforms 16-row
-      // blocks of tile column c, rounding to the input dtype as NUMERICS.md says.
-      __syncthreads();
-      constexpr int TC = kCastCols<T>;
-      const int c = threadIdx.x % TC;
-      for (int b = threadIdx.x / TC; b < kCastRows / kBlock; b += kCastThreads / TC) {
-        float f[kBlock];
-        T y[kBlock];
-#pragma unroll
-        for (int i = 0; i < kBlock; ++i) f[i] = to_float(tile.element(kBlock * b + i, c));
-        rht16_rounded<T>(f, y);
-#pragma unroll
-        for (int i = 0; i < kBlock; ++i) tile.element(kBlock * b + i, c) = y[i];
-      }
-      __syncthreads();
-    }
-
-    // Columnwise: lane l holds rows 4l .. 4l+3 and writes their 4 codes (2 bytes) of each
-    // transposed row; the 16-row block is lanes 4b .. 4b+3. Two columns at a time share
-    // one packed word (low half column e, high half e + 1).
-    const int64_t k_first = o.k0 + warp * V;
-    Vec16<T> c[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) c[j] = tile.at(4 * lane + j, warp);
-    float a[V];
-    if constexpr (!kTile2d) column_amaxes(c, 4, a);  // every lane takes part
-    if (k_first >= K || 4 * lane >= rows) return;
-    const int64_t m = o.m0 + 4 * lane;
-    uint8_t* data = kValues ? nullptr : out.col_data + k_first * col_bytes + (m >> 1);
-    uint8_t* scale = kValues ? nullptr : out.col_scale + k_first * col_scale_bytes + (m >> 4);
-    __nv_bfloat16* values = kValues ? out.col_values + k_first * M + m : nullptr;
-    uint4 bits{};
-#pragma unroll
-    for (int e = 0; e < V; e += 2) {
-      uint32_t s[2], biased = 0;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        s[h] = kTile2d ? tile_scale[lane / 4][(warp * V + e + h) / kBlock]
-                       : nvfp4_scale_byte(a[e + h], col_global);
-        // SR: one Philox call gives the random words of 4 columns, one per column.
-        if (kSr && (e + h) % 4 == 0) {
-          bits = philox(static_cast<uint32_t>(m), static_cast<uint32_t>(k_first + e + h), 1u, 0u);
-        }
-        const uint32_t word = (e + h) % 4 == 0 ? bits.x
-                              : (e + h) % 4 == 1 ? bits.y
-                              : (e + h) % 4 == 2 ? bits.z : bits.w;
-        const float enc = col_enc[s[h]];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float v = element_float(c[j], e + h) * enc;
-          biased += e2m1_biased<kSr>(v, (word >> (8 * j)) & 0xFF) << (16 * h + 4 * j);
-        }
-      }
-      uint32_t signs;
-      if constexpr (kWords) {
-        signs = nibble_signs<kPairEven, kPairOdd>(vec_word(c[0], e / 2), vec_word(c[1], e / 2),
-                                                  vec_word(c[2], e / 2), vec_word(c[3], e / 2));
-      } else {
-        const float f[8] = {element_float(c[0], e), element_float(c[1], e),
-                            element_float(c[2], e), element_float(c[3], e),
-                            element_float(c[0], e + 1), element_float(c[1], e + 1),
-                            element_float(c[2], e + 1), element_float(c[3], e + 1)};
-        signs = nibble_signs(f);
-      }
-      const uint32_t packed =
-          col_global.nan ? 0u : (biased - packed_bias(kE2m1Bias<kSr>, 8)) | signs;
-      if constexpr (kValues) {
-        // Column e's 4 rows, then column e + 1's, each one 8-byte store.
-        e2m1_values<4>(packed, s[0], values);
-        e2m1_values<4>(packed >> 16, s[1], values + M);
-        values += 2 * M;
-      } else {
-        reinterpret_cast<uint16_t*>(data)[0] = static_cast<uint16_t>(packed);
-        reinterpret_cast<uint16_t*>(data + col_bytes)[0] = static_cast<uint16_t>(packed >> 16);
-        if (!kTile2d && lane % 4 == 0) {
-          scale[0] = s[0];
-          scale[col_scale_bytes] = s[1];
-        }
-        data += 2 * col_bytes;
-        scale += 2 * col_scale_bytes;
-      }
-    }
-  }, store_row_scales);
+      },
+      store_row_scales);
 }
 
 }  // namespace
@@ -364,18 +372,20 @@ namespace {
 
 // Checks the operands both handlers share; M and K come back.
 ffi::Error check_nvfp4_operands(ffi::AnyBuffer x, ffi::AnyBuffer row_amax, ffi::AnyBuffer col_amax,
-                                ffi::AnyBuffer seed, const KernelConfig& cfg, const std::string& what,
-                                int64_t& M, int64_t& K) {
+                                ffi::AnyBuffer seed, const KernelConfig& cfg,
+                                const std::string& what, int64_t& M, int64_t& K) {
   if (!matrix_dims(x, M, K)) return invalid(what + ": x must be rank 2");
   if (M % kBlock || K % kBlock) return invalid(what + ": dims must be multiples of 16");
   const bool tile_2d = cfg.block_rows == kBlock;
-  if (tile_2d && (cfg.rht || cfg.row_scaled)) return invalid(what + ": 16x16 tiles take no RHT or row scales");
+  if (tile_2d && (cfg.rht || cfg.row_scaled))
+    return invalid(what + ": 16x16 tiles take no RHT or row scales");
   const size_t want_row_amax = cfg.row_scaled ? static_cast<size_t>(M) : 1;
   if (row_amax.element_type() != ffi::DataType::F32 || row_amax.element_count() != want_row_amax ||
       col_amax.element_type() != ffi::DataType::F32 || col_amax.element_count() != 1) {
     return invalid(what + ": global amaxes must be float32 of the expected size");
   }
-  if (cfg.stochastic_rounding && (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 2)) {
+  if (cfg.stochastic_rounding &&
+      (seed.element_type() != ffi::DataType::U32 || seed.element_count() != 2)) {
     return invalid(what + ": the stochastic-rounding seed must be uint32[2]");
   }
   return ffi::Error::Success();
@@ -409,11 +419,13 @@ ffi::Error launch_nvfp4(cudaStream_t stream, ffi::AnyBuffer x, int64_t M, int64_
                    ? launch(nvfp4_cast_kernel<T, true, false, true, false, kValues>, 0)
                    : launch(nvfp4_cast_kernel<T, true, false, false, false, kValues>, 0);
       } else if (cfg.row_scaled) {
-        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, false, kRht, true, true, kValues>)
-                                       : launch(nvfp4_cast_kernel<T, false, kRht, false, true, kValues>);
+        return cfg.stochastic_rounding
+                   ? launch(nvfp4_cast_kernel<T, false, kRht, true, true, kValues>)
+                   : launch(nvfp4_cast_kernel<T, false, kRht, false, true, kValues>);
       } else {
-        return cfg.stochastic_rounding ? launch(nvfp4_cast_kernel<T, false, kRht, true, false, kValues>)
-                                       : launch(nvfp4_cast_kernel<T, false, kRht, false, false, kValues>);
+        return cfg.stochastic_rounding
+                   ? launch(nvfp4_cast_kernel<T, false, kRht, true, false, kValues>)
+                   : launch(nvfp4_cast_kernel<T, false, kRht, false, false, kValues>);
       }
     };
     if (cfg.block_rows == kBlock) return variant(std::true_type{}, std::false_type{});
@@ -448,8 +460,8 @@ ffi::Error nvfp4_values(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   }
   Nvfp4Out out{};
   size_t next = 0;
-  for (auto [wanted, values] : {std::pair{cfg.rowwise, &out.row_values},
-                                std::pair{cfg.columnwise, &out.col_values}}) {
+  for (auto [wanted, values] :
+       {std::pair{cfg.rowwise, &out.row_values}, std::pair{cfg.columnwise, &out.col_values}}) {
     if (!wanted) continue;
     auto result = result_ptr<__nv_bfloat16>(rets, next++);
     if (!result.has_value()) return invalid("nvfp4_values: missing results");
@@ -462,7 +474,7 @@ ffi::Error nvfp4_values(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Cast, jaxquant::nvfp4_cast,
-                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Values, jaxquant::nvfp4_values,
-                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Cast, jaxquant::nvfp4_cast, jaxquant::cast_binding(),
+                              JAXQUANT_CMD_BUFFER_SAFE);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Values, jaxquant::nvfp4_values, jaxquant::cast_binding(),
+                              JAXQUANT_CMD_BUFFER_SAFE);

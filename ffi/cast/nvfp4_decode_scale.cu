@@ -27,7 +27,7 @@ ffi::Error nvfp4_decode_scale(cudaStream_t stream, ffi::Buffer<ffi::F32> amax,
   if (n == 0) return ffi::Error::Success();
   const int64_t blocks = (n + kDecodeScaleThreads - 1) / kDecodeScaleThreads;
   decode_scale_kernel<<<blocks, kDecodeScaleThreads, 0, stream>>>(amax.typed_data(), n,
-                                                                   out->typed_data());
+                                                                  out->typed_data());
   return cuda_status("nvfp4 decode scale");
 }
 

@@ -33,14 +33,14 @@ __global__ void tile_scales_for_lt(const float* __restrict__ mn_major, int64_t k
 // own workspace (cuBLASLt's or, where cuBLASLt declines, CUTLASS's), each from an aligned
 // start.
 struct WorkspaceLayout {
-  int64_t kb_padded;    // k-blocks of a tile-scale row, padded to 4
-  size_t tiles_bytes;   // 0 for 1x128 blocks
+  int64_t kb_padded;   // k-blocks of a tile-scale row, padded to 4
+  size_t tiles_bytes;  // 0 for 1x128 blocks
   size_t gemm_bytes;
   size_t total() const { return kWorkspaceAlignment + tiles_bytes + gemm_bytes; }
 };
 
-WorkspaceLayout workspace_layout(int64_t m, int64_t n, int64_t k, int32_t b_block_rows, bool f32_out,
-                                 int device) {
+WorkspaceLayout workspace_layout(int64_t m, int64_t n, int64_t k, int32_t b_block_rows,
+                                 bool f32_out, int device) {
   const int64_t kb = (k + kBlock - 1) / kBlock, nb = (n + kBlock - 1) / kBlock;
   const int64_t kb_padded = (kb + 3) / 4 * 4;
   const size_t tiles = b_block_rows == kBlock ? align_up(sizeof(float) * nb * kb_padded) : 0;
@@ -59,9 +59,9 @@ WorkspaceLayout workspace_layout(int64_t m, int64_t n, int64_t k, int32_t b_bloc
 // so do B's 1x128 ones, [kb, n]; B's tile scales are reordered for BLK128x128 into `tiles`.
 ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, float* tiles,
                               const Workspace& gemm_workspace, const WorkspaceLayout& layout,
-                              ffi::AnyBuffer a, ffi::AnyBuffer b, const float* sfa, const float* sfb,
-                              ffi::Result<ffi::AnyBuffer>& d, int64_t m, int64_t n, int64_t k,
-                              int32_t b_block_rows) {
+                              ffi::AnyBuffer a, ffi::AnyBuffer b, const float* sfa,
+                              const float* sfb, ffi::Result<ffi::AnyBuffer>& d, int64_t m,
+                              int64_t n, int64_t k, int32_t b_block_rows) {
   if (m % 4 != 0 || n % 4 != 0) return false;
   LtScales b_scales{CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfb};
   if (b_block_rows == kBlock) {
@@ -77,7 +77,8 @@ ffi::ErrorOr<bool> through_lt(cudaStream_t stream, int32_t device, float* tiles,
     b_scales = {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, tiles};
   }
   const cudaDataType_t td = d->element_type() == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
-  const LtOperand lt_a{a.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfa}};
+  const LtOperand lt_a{
+      a.untyped_data(), CUDA_R_8F_E4M3, {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, sfa}};
   const LtOperand lt_b{b.untyped_data(), CUDA_R_8F_E4M3, b_scales};
   // Block scales are applied to each 128-deep block's sums, so cuBLASLt promotes them
   // there: no fast-accumulation mode to ask for.
@@ -113,7 +114,8 @@ ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
   }
   const auto layout = workspace_layout(m, n, k, b_block_rows, f32_out, device);
   const Workspace given{workspace->untyped_data(), workspace->size_bytes()};
-  if (auto err = check_workspace("block_fp8_gemm", given, layout.total()); err.failure()) return err;
+  if (auto err = check_workspace("block_fp8_gemm", given, layout.total()); err.failure())
+    return err;
   auto* tiles = static_cast<float*>(given.after(0).data);
   const Workspace gemm_workspace = given.after(layout.tiles_bytes);
   auto ran = through_lt(stream, device, tiles, gemm_workspace, layout, a, b, sfa.typed_data(),
@@ -122,10 +124,10 @@ ffi::Error block_fp8_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
   if (*ran) return ffi::Error::Success();
   auto launch = [&](auto out) -> ffi::Error {
     using TD = decltype(out);
-    const auto args = std::make_tuple(stream, std::cref(gemm_workspace), a.untyped_data(),
-                                      b.untyped_data(),
-                                      sfa.typed_data(), sfb.typed_data(), d->untyped_data(),
-                                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k));
+    const auto args =
+        std::make_tuple(stream, std::cref(gemm_workspace), a.untyped_data(), b.untyped_data(),
+                        sfa.typed_data(), sfb.typed_data(), d->untyped_data(), static_cast<int>(m),
+                        static_cast<int>(n), static_cast<int>(k));
     return b_block_rows == 1 ? std::apply(run_block_fp8<1, TD>, args)
                              : std::apply(run_block_fp8<kBlock, TD>, args);
   };
@@ -144,7 +146,8 @@ int64_t JaxquantBlockFp8GemmWorkspaceBytes(int64_t m, int64_t n, int64_t k, int3
   if ((b_block_rows != 1 && b_block_rows != kBlock) || cudaGetDevice(&device) != cudaSuccess) {
     return -1;
   }
-  return static_cast<int64_t>(workspace_layout(m, n, k, b_block_rows, f32_out != 0, device).total());
+  return static_cast<int64_t>(
+      workspace_layout(m, n, k, b_block_rows, f32_out != 0, device).total());
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantBlockFp8Gemm, jaxquant::block_fp8_gemm_detail::block_fp8_gemm,

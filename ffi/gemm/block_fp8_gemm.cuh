@@ -47,28 +47,30 @@ struct BlockFp8Gemm {
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor, kAlignD,  // no C operand
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      cutlass::layout::RowMajor, kAlignD,  // no C operand
       TD, cutlass::layout::RowMajor, kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<TD, float, void, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      E4M3, cute::tuple<cutlass::layout::RowMajor, LayoutSFA>, 16,     // A [M, K]
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E4M3,
+      cute::tuple<cutlass::layout::RowMajor, LayoutSFA>, 16,           // A [M, K]
       E4M3, cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>, 16,  // B [N, K]
       float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
 template <int BlockRowsB, typename TD>
-typename BlockFp8Gemm<BlockRowsB, TD>::Gemm::Arguments arguments(
-    const void* a, const void* b, const float* sfa, const float* sfb, void* d, int m, int n, int k,
-    int device) {
+typename BlockFp8Gemm<BlockRowsB, TD>::Gemm::Arguments arguments(const void* a, const void* b,
+                                                                 const float* sfa, const float* sfb,
+                                                                 void* d, int m, int n, int k,
+                                                                 int device) {
   using Config = BlockFp8Gemm<BlockRowsB, TD>;
   using Kernel = typename Config::Kernel;
   const auto problem = make_shape(m, n, k, 1);
@@ -78,11 +80,14 @@ typename BlockFp8Gemm<BlockRowsB, TD>::Gemm::Arguments arguments(
       {static_cast<const typename Config::E4M3*>(a),
        cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, k, 1}),
        static_cast<const typename Config::E4M3*>(b),
-       cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1}),
-       sfa, Config::ScaleConfig::tile_atom_to_shape_SFA(problem),
-       sfb, Config::ScaleConfig::tile_atom_to_shape_SFB(problem)},
-      {{}, nullptr, {},
-       static_cast<TD*>(d), cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1})}};
+       cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1}), sfa,
+       Config::ScaleConfig::tile_atom_to_shape_SFA(problem), sfb,
+       Config::ScaleConfig::tile_atom_to_shape_SFB(problem)},
+      {{},
+       nullptr,
+       {},
+       static_cast<TD*>(d),
+       cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1})}};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   args.hw_info.device_id = device;
@@ -107,10 +112,12 @@ ffi::Error run_block_fp8(cudaStream_t stream, const Workspace& workspace, const 
   const auto args = arguments<BlockRowsB, TD>(a, b, sfa, sfb, d, m, n, k, device);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return invalid("block_fp8_gemm: CUTLASS cannot run this problem (K must be a multiple of "
-                   "16 and N of 16 bytes' worth of output elements)");
+    return invalid(
+        "block_fp8_gemm: CUTLASS cannot run this problem (K must be a multiple of "
+        "16 and N of 16 bytes' worth of output elements)");
   }
-  const auto err = check_workspace("block_fp8_gemm (CUTLASS)", workspace, Gemm::get_workspace_size(args));
+  const auto err =
+      check_workspace("block_fp8_gemm (CUTLASS)", workspace, Gemm::get_workspace_size(args));
   if (err.failure()) return err;
   if (gemm.initialize(args, workspace.data, stream) != cutlass::Status::kSuccess) {
     return ffi::Error::Internal("block_fp8_gemm: CUTLASS initialization failed");
@@ -126,14 +133,15 @@ ffi::Error run_block_fp8(cudaStream_t stream, const Workspace& workspace, const 
 
 // Declares (PREFIX = extern) or defines (PREFIX empty) run_block_fp8 and
 // cutlass_workspace_bytes for one B block shape and both output types.
-#define JAXQUANT_BLOCK_FP8_GEMM_ARGS                                                          \
-  cudaStream_t, const jaxquant::Workspace&, const void*, const void*, const float*,            \
-      const float*, void*, int, int, int
-#define JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, TD)                                 \
-  PREFIX template xla::ffi::Error                                                             \
-  jaxquant::block_fp8_gemm_detail::run_block_fp8<BLOCK_ROWS_B, TD>(JAXQUANT_BLOCK_FP8_GEMM_ARGS); \
-  PREFIX template size_t                                                                      \
+#define JAXQUANT_BLOCK_FP8_GEMM_ARGS                                                              \
+  cudaStream_t, const jaxquant::Workspace&, const void*, const void*, const float*, const float*, \
+      void*, int, int, int
+#define JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, TD)           \
+  PREFIX template xla::ffi::Error                                       \
+      jaxquant::block_fp8_gemm_detail::run_block_fp8<BLOCK_ROWS_B, TD>( \
+          JAXQUANT_BLOCK_FP8_GEMM_ARGS);                                \
+  PREFIX template size_t                                                \
   jaxquant::block_fp8_gemm_detail::cutlass_workspace_bytes<BLOCK_ROWS_B, TD>(int, int, int, int);
-#define JAXQUANT_BLOCK_FP8_GEMM_INSTANCES(PREFIX, BLOCK_ROWS_B)                               \
-  JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, cutlass::bfloat16_t)                      \
+#define JAXQUANT_BLOCK_FP8_GEMM_INSTANCES(PREFIX, BLOCK_ROWS_B)          \
+  JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, cutlass::bfloat16_t) \
   JAXQUANT_BLOCK_FP8_GEMM_OUT(PREFIX, BLOCK_ROWS_B, float)

@@ -38,8 +38,8 @@ constexpr int kChunk = 4 * kLaneK;              // k per chunk: the four lanes o
 constexpr int kMaxRows = 32;                    // M limit: two m16 tiles
 
 struct Operand {
-  const uint8_t* data;     // K bytes (FP8) or K / 2 (E2M1) per row
-  const uint8_t* scale;    // E8M0 or E4M3 bytes, [rows >> scale_row_shift, K / block]
+  const uint8_t* data;   // K bytes (FP8) or K / 2 (E2M1) per row
+  const uint8_t* scale;  // E8M0 or E4M3 bytes, [rows >> scale_row_shift, K / block]
   int64_t rows;
   int32_t scale_row_shift;  // 4 for NVFP4 16x16 tiles, else 0
 };
@@ -53,7 +53,8 @@ struct Raw {
 __device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
   return r;
 }
 
@@ -139,7 +140,8 @@ struct LaneDecode {
     } else {
       // FP8 -> fp16 -> fp32 is exact (NaN and Inf included); times the scale, exact.
       const float2 f0 = fp8x2_to_float2(v[s], E), f1 = fp8x2_to_float2(v[s] >> 16, E);
-      return make_uint2(bf16x2_bits(f0.x * scale, f0.y * scale), bf16x2_bits(f1.x * scale, f1.y * scale));
+      return make_uint2(bf16x2_bits(f0.x * scale, f0.y * scale),
+                        bf16x2_bits(f1.x * scale, f1.y * scale));
     }
   }
 };
@@ -225,7 +227,8 @@ __device__ __forceinline__ void multiply(float (&acc)[kMTiles][kNTiles][4], cons
     for (int i = 0; i < kMTiles; ++i) {
       const uint4 fa = a_smem[(i * 8 + s) * 32 + lane];
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) mma_bf16(acc[i][j], fa.x, fa.y, fa.z, fa.w, wb[j].x, wb[j].y);
+      for (int j = 0; j < kNTiles; ++j)
+        mma_bf16(acc[i][j], fa.x, fa.y, fa.z, fa.w, wb[j].x, wb[j].y);
     }
   }
 }
@@ -315,17 +318,25 @@ auto with_kernel(int32_t a_element, int32_t b_element, int64_t m, F&& f) {
   auto rows = [&](auto ea, auto eb) { return m <= 16 ? f(ea, eb, Int<1>{}) : f(ea, eb, Int<2>{}); };
   auto b = [&](auto ea) {
     switch (b_element) {
-      case kE4M3: return rows(ea, Int<kE4M3>{});
-      case kE5M2: return rows(ea, Int<kE5M2>{});
-      case kE2M1: return rows(ea, Int<kE2M1>{});
-      default: return f(std::nullopt);
+      case kE4M3:
+        return rows(ea, Int<kE4M3>{});
+      case kE5M2:
+        return rows(ea, Int<kE5M2>{});
+      case kE2M1:
+        return rows(ea, Int<kE2M1>{});
+      default:
+        return f(std::nullopt);
     }
   };
   switch (a_element) {
-    case kE4M3: return b(Int<kE4M3>{});
-    case kE5M2: return b(Int<kE5M2>{});
-    case kE2M1: return b(Int<kE2M1>{});
-    default: return f(std::nullopt);
+    case kE4M3:
+      return b(Int<kE4M3>{});
+    case kE5M2:
+      return b(Int<kE5M2>{});
+    case kE2M1:
+      return b(Int<kE2M1>{});
+    default:
+      return f(std::nullopt);
   }
 }
 
@@ -340,16 +351,26 @@ ffi::ErrorOr<Splits> plan_splits(int64_t n, int64_t k) {
   const int64_t chunks = k / kChunk;
   if (chunks == 0) return Splits{1, 0};  // K = 0: one zeroed partial
   int device = 0, sms = 0, per_sm = 0;
-  if (auto e = cuda_error("dequant_gemm: device", cudaGetDevice(&device)); e.failure()) return ffi::Unexpected(e);
-  if (auto e = cuda_error("dequant_gemm: SM count", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)); e.failure()) return ffi::Unexpected(e);
-  if (auto e = cuda_error("dequant_gemm: occupancy", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dequant_gemm_kernel<EA, EB, kMTiles>, kThreads, 0)); e.failure()) return ffi::Unexpected(e);
+  if (auto e = cuda_error("dequant_gemm: device", cudaGetDevice(&device)); e.failure())
+    return ffi::Unexpected(e);
+  if (auto e = cuda_error("dequant_gemm: SM count",
+                          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      e.failure())
+    return ffi::Unexpected(e);
+  if (auto e = cuda_error("dequant_gemm: occupancy",
+                          cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                              &per_sm, dequant_gemm_kernel<EA, EB, kMTiles>, kThreads, 0));
+      e.failure())
+    return ffi::Unexpected(e);
   const int64_t ctas = (n + kCtaRows - 1) / kCtaRows;
-  const int64_t want = std::min<int64_t>(std::max<int64_t>(int64_t{sms} * std::max(per_sm, 1) / ctas, 1), chunks);
+  const int64_t want =
+      std::min<int64_t>(std::max<int64_t>(int64_t{sms} * std::max(per_sm, 1) / ctas, 1), chunks);
   const int64_t chunks_each = (chunks + want - 1) / want;
   return Splits{(chunks + chunks_each - 1) / chunks_each, chunks_each};
 }
 
-ffi::ErrorOr<Splits> splits_for(int64_t m, int64_t n, int64_t k, int32_t a_element, int32_t b_element) {
+ffi::ErrorOr<Splits> splits_for(int64_t m, int64_t n, int64_t k, int32_t a_element,
+                                int32_t b_element) {
   return with_kernel(a_element, b_element, m, [&](auto... tags) -> ffi::ErrorOr<Splits> {
     if constexpr (sizeof...(tags) == 1) {
       return ffi::Unexpected(invalid("dequant_gemm: elements must be e4m3, e5m2 or e2m1"));
@@ -368,7 +389,8 @@ ffi::Error check_operand(const char* name, const ffi::AnyBuffer& data, const ffi
                          const ffi::AnyBuffer& outer, int32_t element, int32_t scale_row_shift,
                          int64_t& rows, int64_t& k) {
   int64_t cols;
-  if (!matrix_dims(data, rows, cols)) return invalid(std::string("dequant_gemm: ") + name + " must be rank 2");
+  if (!matrix_dims(data, rows, cols))
+    return invalid(std::string("dequant_gemm: ") + name + " must be rank 2");
   const bool fp4 = element == kE2M1;
   k = fp4 ? 2 * cols : cols;
   const int64_t block = fp4 ? 16 : 32;
@@ -377,7 +399,8 @@ ffi::Error check_operand(const char* name, const ffi::AnyBuffer& data, const ffi
       scale.size_bytes() != static_cast<size_t>(scale_rows * (k / block)) ||
       outer.element_type() != ffi::DataType::F32 ||
       (outer.element_count() != 1 && outer.element_count() != static_cast<size_t>(rows))) {
-    return invalid(std::string("dequant_gemm: ") + name + "'s codes, scales or outer scales have the wrong size");
+    return invalid(std::string("dequant_gemm: ") + name +
+                   "'s codes, scales or outer scales have the wrong size");
   }
   return ffi::Error::Success();
 }
@@ -388,14 +411,19 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuff
                         ffi::Result<ffi::AnyBuffer> workspace, int32_t a_element, int32_t b_element,
                         int32_t a_scale_row_shift, int32_t b_scale_row_shift) {
   int64_t m, n, ka, kb;
-  if (auto e = check_operand("A", a_data, a_scale, a_outer, a_element, a_scale_row_shift, m, ka); e.failure()) return e;
-  if (auto e = check_operand("B", b_data, b_scale, b_outer, b_element, b_scale_row_shift, n, kb); e.failure()) return e;
+  if (auto e = check_operand("A", a_data, a_scale, a_outer, a_element, a_scale_row_shift, m, ka);
+      e.failure())
+    return e;
+  if (auto e = check_operand("B", b_data, b_scale, b_outer, b_element, b_scale_row_shift, n, kb);
+      e.failure())
+    return e;
   const auto dd = d->dimensions();
   if (ka != kb || dd.size() != 2 || dd[0] != m || dd[1] != n) {
     return invalid("dequant_gemm: A [M, K], B [N, K] and D [M, N] disagree");
   }
   const int64_t k = ka;
-  if (m > kMaxRows || k % kChunk) return invalid("dequant_gemm: needs M <= 32 and K a multiple of 128");
+  if (m > kMaxRows || k % kChunk)
+    return invalid("dequant_gemm: needs M <= 32 and K a multiple of 128");
   if (m == 0 || n == 0) return ffi::Error::Success();
   const auto splits = splits_for(m, n, k, a_element, b_element);
   if (!splits.has_value()) return splits.error();
@@ -404,16 +432,21 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuff
   if (auto e = check_workspace("dequant_gemm", given, needed); e.failure()) return e;
   auto* partial = static_cast<float*>(workspace->untyped_data());
   if (splits->chunks_each == 0) {
-    if (auto e = cuda_error("dequant_gemm: zero", cudaMemsetAsync(partial, 0, needed, stream)); e.failure()) return e;
+    if (auto e = cuda_error("dequant_gemm: zero", cudaMemsetAsync(partial, 0, needed, stream));
+        e.failure())
+      return e;
   } else {
-    const Problem p{{static_cast<const uint8_t*>(a_data.untyped_data()), static_cast<const uint8_t*>(a_scale.untyped_data()), m, a_scale_row_shift},
-                    {static_cast<const uint8_t*>(b_data.untyped_data()), static_cast<const uint8_t*>(b_scale.untyped_data()), n, b_scale_row_shift},
+    const Problem p{{static_cast<const uint8_t*>(a_data.untyped_data()),
+                     static_cast<const uint8_t*>(a_scale.untyped_data()), m, a_scale_row_shift},
+                    {static_cast<const uint8_t*>(b_data.untyped_data()),
+                     static_cast<const uint8_t*>(b_scale.untyped_data()), n, b_scale_row_shift},
                     k};
-    const dim3 grid(static_cast<unsigned>((n + kCtaRows - 1) / kCtaRows), static_cast<unsigned>(splits->count));
+    const dim3 grid(static_cast<unsigned>((n + kCtaRows - 1) / kCtaRows),
+                    static_cast<unsigned>(splits->count));
     with_kernel(a_element, b_element, m, [&](auto... tags) {
       if constexpr (sizeof...(tags) == 3) {  // (splits_for refused unknown elements)
-        dequant_gemm_kernel<decltype(tags)::value...><<<grid, kThreads, 0, stream>>>(
-            p.a, p.b, p.k, splits->chunks_each, partial);
+        dequant_gemm_kernel<decltype(tags)::value...>
+            <<<grid, kThreads, 0, stream>>>(p.a, p.b, p.k, splits->chunks_each, partial);
       }
       return 0;
     });
@@ -434,7 +467,8 @@ ffi::Error dequant_gemm(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuff
       reduce_kernel<<<grid, 256, 0, stream>>>(partial, count, m, n, ao, bo,
                                               static_cast<float*>(d->untyped_data()));
       break;
-    default: return invalid("dequant_gemm: the output dtype must be bfloat16 or float32");
+    default:
+      return invalid("dequant_gemm: the output dtype must be bfloat16 or float32");
   }
   return cuda_status("dequant_gemm reduce");
 }

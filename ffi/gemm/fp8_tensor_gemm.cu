@@ -16,27 +16,35 @@ namespace {
 
 bool lt_type(ffi::DataType dtype, cudaDataType_t& out) {
   switch (dtype) {
-    case ffi::DataType::F8E4M3FN: out = CUDA_R_8F_E4M3; return true;
-    case ffi::DataType::F8E5M2: out = CUDA_R_8F_E5M2; return true;
-    case ffi::DataType::BF16: out = CUDA_R_16BF; return true;
-    case ffi::DataType::F32: out = CUDA_R_32F; return true;
-    default: return false;
+    case ffi::DataType::F8E4M3FN:
+      out = CUDA_R_8F_E4M3;
+      return true;
+    case ffi::DataType::F8E5M2:
+      out = CUDA_R_8F_E5M2;
+      return true;
+    case ffi::DataType::BF16:
+      out = CUDA_R_16BF;
+      return true;
+    case ffi::DataType::F32:
+      out = CUDA_R_32F;
+      return true;
+    default:
+      return false;
   }
 }
 
-ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
-                           ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> sa,
-                           ffi::Buffer<ffi::F32> sb, ffi::Result<ffi::AnyBuffer> d,
-                           bool fast_accumulation) {
+ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                           ffi::Buffer<ffi::F32> sa, ffi::Buffer<ffi::F32> sb,
+                           ffi::Result<ffi::AnyBuffer> d, bool fast_accumulation) {
   int64_t m, k, n, kb;
   const auto dd = d->dimensions();
-  if (!matrix_dims(a, m, k) || !matrix_dims(b, n, kb) || dd.size() != 2 || kb != k ||
-      dd[0] != m || dd[1] != n || sa.element_count() != 1 || sb.element_count() != 1) {
+  if (!matrix_dims(a, m, k) || !matrix_dims(b, n, kb) || dd.size() != 2 || kb != k || dd[0] != m ||
+      dd[1] != n || sa.element_count() != 1 || sb.element_count() != 1) {
     return invalid("fp8_tensor_gemm: expects A [M, K], B [N, K], two scalar scales and D [M, N]");
   }
   cudaDataType_t ta, tb, td;
-  if (!lt_type(a.element_type(), ta) || !lt_type(b.element_type(), tb) ||
-      ta == CUDA_R_16BF || ta == CUDA_R_32F || tb == CUDA_R_16BF || tb == CUDA_R_32F ||
+  if (!lt_type(a.element_type(), ta) || !lt_type(b.element_type(), tb) || ta == CUDA_R_16BF ||
+      ta == CUDA_R_32F || tb == CUDA_R_16BF || tb == CUDA_R_32F ||
       (ta == CUDA_R_8F_E5M2 && tb == CUDA_R_8F_E5M2)) {
     return invalid("fp8_tensor_gemm: operands must be an FP8 pair other than E5M2 x E5M2");
   }
@@ -44,17 +52,19 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device,
     return invalid("fp8_tensor_gemm: the output dtype must be bfloat16 or float32");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
-  const LtOperand lt_a{a.untyped_data(), ta, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sa.typed_data()}};
-  const LtOperand lt_b{b.untyped_data(), tb, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sb.typed_data()}};
+  const LtOperand lt_a{
+      a.untyped_data(), ta, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sa.typed_data()}};
+  const LtOperand lt_b{
+      b.untyped_data(), tb, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sb.typed_data()}};
   // No workspace: the algorithms that need none are as fast for per-tensor scales
   // (lt_gemm.cu), and the handler stays safe to trace into XLA's command buffers.
   auto ran = lt_gemm(stream, device, Workspace{}, lt_a, lt_b, /*device_alpha_beta=*/nullptr,
                      d->untyped_data(), td, m, n, k, fast_accumulation);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
-    return ffi::Error::Internal("fp8_tensor_gemm: cuBLASLt has no algorithm for M=" +
-                                std::to_string(m) + ", N=" + std::to_string(n) +
-                                ", K=" + std::to_string(k));
+    return ffi::Error::Internal(
+        "fp8_tensor_gemm: cuBLASLt has no algorithm for M=" + std::to_string(m) +
+        ", N=" + std::to_string(n) + ", K=" + std::to_string(k));
   }
   return ffi::Error::Success();
 }

@@ -5,10 +5,14 @@
 
 #include "grouped_gemm.cuh"
 
-JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::bf16, jaxquant::grouped_gemm_detail::bf16)
-JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e4m3, jaxquant::grouped_gemm_detail::e4m3)
-JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e4m3, jaxquant::grouped_gemm_detail::e5m2)
-JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e5m2, jaxquant::grouped_gemm_detail::e4m3)
+JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::bf16,
+                           jaxquant::grouped_gemm_detail::bf16)
+JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e4m3,
+                           jaxquant::grouped_gemm_detail::e4m3)
+JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e4m3,
+                           jaxquant::grouped_gemm_detail::e5m2)
+JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::e5m2,
+                           jaxquant::grouped_gemm_detail::e4m3)
 
 namespace jaxquant {
 namespace grouped_gemm_detail {
@@ -27,8 +31,9 @@ ffi::Error dispatch_grouped(ffi::DataType ta, ffi::DataType tb, ffi::DataType td
   if (ta == DataType::F8E4M3FN && tb == DataType::F8E4M3FN) return with_out(e4m3{}, e4m3{});
   if (ta == DataType::F8E4M3FN && tb == DataType::F8E5M2) return with_out(e4m3{}, e5m2{});
   if (ta == DataType::F8E5M2 && tb == DataType::F8E4M3FN) return with_out(e5m2{}, e4m3{});
-  return invalid("grouped_gemm: operands must be bfloat16 x bfloat16 or an FP8 pair other "
-                 "than E5M2 x E5M2");
+  return invalid(
+      "grouped_gemm: operands must be bfloat16 x bfloat16 or an FP8 pair other "
+      "than E5M2 x E5M2");
 }
 
 ffi::Error grouped_gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
@@ -44,13 +49,14 @@ ffi::Error grouped_gemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     return invalid("grouped_gemm: operand shapes disagree");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
-  return dispatch_grouped(a.element_type(), b.element_type(), d->element_type(),
-                          [&](auto ea, auto eb, auto ed) {
-    return run_grouped<decltype(ea), decltype(eb), decltype(ed)>(
-        stream, Workspace{workspace->untyped_data(), workspace->size_bytes()}, a.untyped_data(),
-        b.untyped_data(), sizes.typed_data(), alpha.typed_data(), d->untyped_data(), static_cast<int32_t>(g), static_cast<int32_t>(m),
-        static_cast<int32_t>(n), static_cast<int32_t>(k));
-  });
+  return dispatch_grouped(
+      a.element_type(), b.element_type(), d->element_type(), [&](auto ea, auto eb, auto ed) {
+        return run_grouped<decltype(ea), decltype(eb), decltype(ed)>(
+            stream, Workspace{workspace->untyped_data(), workspace->size_bytes()}, a.untyped_data(),
+            b.untyped_data(), sizes.typed_data(), alpha.typed_data(), d->untyped_data(),
+            static_cast<int32_t>(g), static_cast<int32_t>(m), static_cast<int32_t>(n),
+            static_cast<int32_t>(k));
+      });
 }
 
 // The largest workspace any instantiation needs for num_groups groups on this device.

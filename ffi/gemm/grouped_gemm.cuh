@@ -64,18 +64,18 @@ struct GroupedGemm {
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor*, kAlignD,  // no C operand: D = alpha * acc
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      cutlass::layout::RowMajor*, kAlignD,  // no C operand: D = alpha * acc
       TD, cutlass::layout::RowMajor*, kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<TD, float, void, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      TA, cutlass::layout::RowMajor*, 16 / sizeof(TA),     // A [M, K], K contiguous
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TA, cutlass::layout::RowMajor*,
+      16 / sizeof(TA),                                     // A [M, K], K contiguous
       TB, cutlass::layout::ColumnMajor*, 16 / sizeof(TB),  // B[g] [N, K], K contiguous
       float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
@@ -98,7 +98,8 @@ struct GroupedGemm {
 
   static size_t groups_bytes(int64_t g) {
     return g * (sizeof(GroupShape) + sizeof(void*) * 3 + sizeof(StrideA) + sizeof(StrideB) +
-                sizeof(StrideD)) + 16 * 8;  // slack for aligning each array
+                sizeof(StrideD)) +
+           16 * 8;  // slack for aligning each array
   }
 
   static Groups carve(void* base, int64_t g) {
@@ -128,9 +129,11 @@ struct GroupedGemm {
 constexpr int kSetupThreads = 256;
 
 template <typename Config, typename TA, typename TB, typename TD>
-__global__ __launch_bounds__(kSetupThreads) void setup_groups(
-    const int32_t* __restrict__ sizes, int32_t num_groups, int32_t m, int32_t n, int32_t k,
-    const TA* a, const TB* b, TD* d, typename Config::Groups groups) {
+__global__ __launch_bounds__(kSetupThreads) void setup_groups(const int32_t* __restrict__ sizes,
+                                                              int32_t num_groups, int32_t m,
+                                                              int32_t n, int32_t k, const TA* a,
+                                                              const TB* b, TD* d,
+                                                              typename Config::Groups groups) {
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int64_t carry;  // sizes of the chunks before this one
@@ -211,9 +214,9 @@ ffi::Error run_grouped(cudaStream_t stream, const Workspace& workspace, const vo
   if (auto err = check_workspace("grouped_gemm", workspace, needed); err.failure()) return err;
   const auto groups = Config::carve(workspace.after(0).data, num_groups);
   void* cutlass_workspace = workspace.after(align_up(Config::groups_bytes(num_groups))).data;
-  setup_groups<Config><<<1, kSetupThreads, 0, stream>>>(sizes, num_groups, m, n, k,
-                                              static_cast<const TA*>(a), static_cast<const TB*>(b),
-                                              static_cast<TD*>(d), groups);
+  setup_groups<Config>
+      <<<1, kSetupThreads, 0, stream>>>(sizes, num_groups, m, n, k, static_cast<const TA*>(a),
+                                        static_cast<const TB*>(b), static_cast<TD*>(d), groups);
   if (auto err = cuda_status("grouped_gemm setup"); err.failure()) return err;
 
   args.problem_shape = {num_groups, groups.shapes, nullptr};
@@ -225,8 +228,9 @@ ffi::Error run_grouped(cudaStream_t stream, const Workspace& workspace, const vo
 
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return invalid("grouped_gemm: CUTLASS cannot run this problem (N and K must be multiples "
-                   "of 16 bytes' worth of elements)");
+    return invalid(
+        "grouped_gemm: CUTLASS cannot run this problem (N and K must be multiples "
+        "of 16 bytes' worth of elements)");
   }
   if (gemm.initialize(args, cutlass_workspace, stream) != cutlass::Status::kSuccess) {
     return ffi::Error::Internal("grouped_gemm: CUTLASS initialization failed");
@@ -247,14 +251,14 @@ using e5m2 = cutlass::float_e5m2_t;
 
 // Declares (PREFIX = extern) or defines (PREFIX empty) run_grouped and workspace_bytes for
 // one (A, B) pair and both output types.
-#define JAXQUANT_GROUPED_GEMM_ARGS                                                            \
-  cudaStream_t, const jaxquant::Workspace&, const void*, const void*, const int32_t*,          \
+#define JAXQUANT_GROUPED_GEMM_ARGS                                                    \
+  cudaStream_t, const jaxquant::Workspace&, const void*, const void*, const int32_t*, \
       const float*, void*, int32_t, int32_t, int32_t, int32_t
-#define JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, TD)                                         \
-  PREFIX template xla::ffi::Error jaxquant::grouped_gemm_detail::run_grouped<TA, TB, TD>(     \
-      JAXQUANT_GROUPED_GEMM_ARGS);                                                            \
-  PREFIX template size_t jaxquant::grouped_gemm_detail::workspace_bytes<TA, TB, TD>(int32_t,  \
+#define JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, TD)                                        \
+  PREFIX template xla::ffi::Error jaxquant::grouped_gemm_detail::run_grouped<TA, TB, TD>(    \
+      JAXQUANT_GROUPED_GEMM_ARGS);                                                           \
+  PREFIX template size_t jaxquant::grouped_gemm_detail::workspace_bytes<TA, TB, TD>(int32_t, \
                                                                                     int32_t);
-#define JAXQUANT_GROUPED_GEMM_PAIR(PREFIX, TA, TB)                                            \
-  JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, cutlass::bfloat16_t)                              \
+#define JAXQUANT_GROUPED_GEMM_PAIR(PREFIX, TA, TB)               \
+  JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, cutlass::bfloat16_t) \
   JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, float)

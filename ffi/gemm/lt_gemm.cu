@@ -71,8 +71,8 @@ class LtCache {
   // device, m, n, k, the types of A, B and D, the scale modes of A and B, the alignments of
   // A, B and D, the most workspace an algorithm may use, fast accumulation, and whether
   // alpha and beta come from the device
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, uint32_t, uint32_t,
-                         uint32_t, uint64_t, bool, bool>;
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, uint32_t,
+                         uint32_t, uint32_t, uint64_t, bool, bool>;
 
   static LtCache& instance() {
     static LtCache* cache = new LtCache();  // never destroyed: see above
@@ -114,7 +114,8 @@ class LtCache {
 };
 
 template <typename T>
-ffi::Error set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value) {
+ffi::Error set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute,
+               const T& value) {
   return lt_error("setting a matmul attribute",
                   cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
 }
@@ -186,9 +187,9 @@ ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, const Workspace& works
   return best;
 }
 
-#define JAXQUANT_LT_UNEXPECTED(expr)                  \
-  do {                                                \
-    ffi::Error error_ = (expr);                       \
+#define JAXQUANT_LT_UNEXPECTED(expr)                      \
+  do {                                                    \
+    ffi::Error error_ = (expr);                           \
     if (error_.failure()) return ffi::Unexpected(error_); \
   } while (0)
 
@@ -203,8 +204,9 @@ ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace&
   auto handle = cache.handle(device);
   if (handle.has_error()) return ffi::Unexpected(handle.error());
   cublasLtMatmulDesc_t raw_desc;
-  JAXQUANT_LT_UNEXPECTED(lt_error("creating the matmul descriptor",
-                                  cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)));
+  JAXQUANT_LT_UNEXPECTED(
+      lt_error("creating the matmul descriptor",
+               cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)));
   Desc desc(raw_desc);
   const cublasOperation_t transposed = CUBLAS_OP_T, plain = CUBLAS_OP_N;
   JAXQUANT_LT_UNEXPECTED(set(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, transposed));
@@ -231,20 +233,23 @@ ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace&
   }
 
   cublasLtMatrixLayout_t raw_lb, raw_la, raw_ld;
-  JAXQUANT_LT_UNEXPECTED(lt_error("creating B's layout", cublasLtMatrixLayoutCreate(&raw_lb, b.type, k, n, k)));
+  JAXQUANT_LT_UNEXPECTED(
+      lt_error("creating B's layout", cublasLtMatrixLayoutCreate(&raw_lb, b.type, k, n, k)));
   Layout lb(raw_lb);
-  JAXQUANT_LT_UNEXPECTED(lt_error("creating A's layout", cublasLtMatrixLayoutCreate(&raw_la, a.type, k, m, k)));
+  JAXQUANT_LT_UNEXPECTED(
+      lt_error("creating A's layout", cublasLtMatrixLayoutCreate(&raw_la, a.type, k, m, k)));
   Layout la(raw_la);
-  JAXQUANT_LT_UNEXPECTED(lt_error("creating D's layout", cublasLtMatrixLayoutCreate(&raw_ld, td, n, m, n)));
+  JAXQUANT_LT_UNEXPECTED(
+      lt_error("creating D's layout", cublasLtMatrixLayoutCreate(&raw_ld, td, n, m, n)));
   Layout ld(raw_ld);
 
   const float host_alpha_beta[2] = {1.0f, 0.0f};
   const float* alpha_beta = device_alpha_beta != nullptr ? device_alpha_beta : host_alpha_beta;
   const float *alpha = alpha_beta, *beta = alpha_beta + 1;
   auto run = [&](cublasLtHandle_t h, const Plan& p, void* workspace) {
-    return lt_error("running the GEMM",
-                    cublasLtMatmul(h, raw_desc, alpha, b.data, raw_lb, a.data, raw_la, beta, d,
-                                   raw_ld, d, raw_ld, &p.algo, workspace, p.workspace_bytes, stream));
+    return lt_error("running the GEMM", cublasLtMatmul(h, raw_desc, alpha, b.data, raw_lb, a.data,
+                                                       raw_la, beta, d, raw_ld, d, raw_ld, &p.algo,
+                                                       workspace, p.workspace_bytes, stream));
   };
   const uint32_t align_a = alignment_of(a.data), align_b = alignment_of(b.data),
                  align_d = alignment_of(d);
@@ -253,18 +258,31 @@ ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace&
   // address modulo 256 (the aligned start moves with it), so a call captured into a CUDA
   // graph finds the timed plan instead of taking the heuristic's first.
   const uint64_t max_workspace = std::min<uint64_t>(workspace.bytes, kLtWorkspaceBytes);
-  const LtCache::Key key{device, m, n, k, a.type, b.type, td, a.scales.mode, b.scales.mode,
-                         align_a, align_b, align_d, max_workspace, fast_accumulation,
+  const LtCache::Key key{device,
+                         m,
+                         n,
+                         k,
+                         a.type,
+                         b.type,
+                         td,
+                         a.scales.mode,
+                         b.scales.mode,
+                         align_a,
+                         align_b,
+                         align_d,
+                         max_workspace,
+                         fast_accumulation,
                          device_alpha_beta != nullptr};
   Plan plan;
   if (!cache.find(key, plan)) {
     cublasLtMatmulPreference_t raw_pref;
-    JAXQUANT_LT_UNEXPECTED(lt_error("creating the preference", cublasLtMatmulPreferenceCreate(&raw_pref)));
+    JAXQUANT_LT_UNEXPECTED(
+        lt_error("creating the preference", cublasLtMatmulPreferenceCreate(&raw_pref)));
     Preference pref(raw_pref);
-    JAXQUANT_LT_UNEXPECTED(lt_error("setting the workspace size",
-                                    cublasLtMatmulPreferenceSetAttribute(
-                                        raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                        &max_workspace, sizeof(max_workspace))));
+    JAXQUANT_LT_UNEXPECTED(lt_error(
+        "setting the workspace size",
+        cublasLtMatmulPreferenceSetAttribute(raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &max_workspace, sizeof(max_workspace))));
     // cuBLAS's A is our B and its B our A; C is D (beta = 0, same buffer).
     const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b},
@@ -272,14 +290,15 @@ ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace&
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d},
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
     for (const auto& [attribute, bytes] : alignments) {
-      JAXQUANT_LT_UNEXPECTED(lt_error("setting an operand alignment",
-                                      cublasLtMatmulPreferenceSetAttribute(raw_pref, attribute, &bytes,
-                                                                           sizeof(bytes))));
+      JAXQUANT_LT_UNEXPECTED(lt_error(
+          "setting an operand alignment",
+          cublasLtMatmulPreferenceSetAttribute(raw_pref, attribute, &bytes, sizeof(bytes))));
     }
     cublasLtMatmulHeuristicResult_t candidates[kCandidates];
     int found = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-        *handle, raw_desc, raw_lb, raw_la, raw_ld, raw_ld, raw_pref, kCandidates, candidates, &found);
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(*handle, raw_desc, raw_lb, raw_la, raw_ld, raw_ld, raw_pref,
+                                       kCandidates, candidates, &found);
     // NOT_SUPPORTED: no algorithm for this problem (shape, alignment or scale modes).
     if (status == CUBLAS_STATUS_NOT_SUPPORTED || (status == CUBLAS_STATUS_SUCCESS && found == 0)) {
       return false;
@@ -295,9 +314,9 @@ ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace&
     if (capture != cudaStreamCaptureStatusNone) {
       plan = Plan{candidates[0].algo, candidates[0].workspaceSize};
     } else {
-      auto fastest = fastest_candidate(stream, workspace, candidates, found, [&](const Plan& p, void* ws) {
-        return run(*handle, p, ws);
-      });
+      auto fastest =
+          fastest_candidate(stream, workspace, candidates, found,
+                            [&](const Plan& p, void* ws) { return run(*handle, p, ws); });
       if (fastest.has_error()) return ffi::Unexpected(fastest.error());
       plan = *fastest;
       cache.insert(key, plan);

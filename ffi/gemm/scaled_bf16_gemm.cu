@@ -14,13 +14,12 @@
 namespace jaxquant {
 namespace {
 
-ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                            ffi::AnyBuffer b, ffi::Buffer<ffi::F32> alpha_beta,
-                            ffi::Result<ffi::AnyBuffer> d) {
+ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                            ffi::Buffer<ffi::F32> alpha_beta, ffi::Result<ffi::AnyBuffer> d) {
   int64_t m, k, n, kb;
   const auto dd = d->dimensions();
-  if (!matrix_dims(a, m, k) || !matrix_dims(b, n, kb) || dd.size() != 2 || kb != k ||
-      dd[0] != m || dd[1] != n || alpha_beta.element_count() != 2) {
+  if (!matrix_dims(a, m, k) || !matrix_dims(b, n, kb) || dd.size() != 2 || kb != k || dd[0] != m ||
+      dd[1] != n || alpha_beta.element_count() != 2) {
     return invalid("scaled_bf16_gemm: expects A [M, K], B [N, K], alpha and beta [2] and D [M, N]");
   }
   if (a.element_type() != ffi::DataType::BF16 || b.element_type() != ffi::DataType::BF16) {
@@ -28,9 +27,14 @@ ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   }
   cudaDataType_t td;
   switch (d->element_type()) {
-    case ffi::DataType::BF16: td = CUDA_R_16BF; break;
-    case ffi::DataType::F32: td = CUDA_R_32F; break;
-    default: return invalid("scaled_bf16_gemm: the output dtype must be bfloat16 or float32");
+    case ffi::DataType::BF16:
+      td = CUDA_R_16BF;
+      break;
+    case ffi::DataType::F32:
+      td = CUDA_R_32F;
+      break;
+    default:
+      return invalid("scaled_bf16_gemm: the output dtype must be bfloat16 or float32");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
   const LtScales none{CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, nullptr};
@@ -41,9 +45,9 @@ ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                      d->untyped_data(), td, m, n, k, /*fast_accumulation=*/false);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
-    return ffi::Error::Internal("scaled_bf16_gemm: cuBLASLt has no algorithm for M=" +
-                                std::to_string(m) + ", N=" + std::to_string(n) +
-                                ", K=" + std::to_string(k));
+    return ffi::Error::Internal(
+        "scaled_bf16_gemm: cuBLASLt has no algorithm for M=" + std::to_string(m) +
+        ", N=" + std::to_string(n) + ", K=" + std::to_string(k));
   }
   return ffi::Error::Success();
 }

@@ -9,8 +9,18 @@
 - `plot_sensitivity(report, path)`: the ranking as a figure (needs matplotlib).
 """
 
+from jaxquant.analysis.measure import (
+  ModelEffect,
+  ModuleSensitivity,
+  RoleSensitivity,
+  SensitivityReport,
+  sensitivity,
+)
 from jaxquant.analysis.plot import plot_sensitivity
-from jaxquant.analysis.measure import (ModelEffect, ModuleSensitivity, RoleSensitivity,
-                                           SensitivityReport, sensitivity)
-from jaxquant.analysis.suggest import (RANK_BY, KeepHighPrecision, RankBy, ranked_modules,
-                                      suggest_recipe)
+from jaxquant.analysis.suggest import (
+  RANK_BY,
+  KeepHighPrecision,
+  RankBy,
+  ranked_modules,
+  suggest_recipe,
+)

@@ -69,8 +69,9 @@ class Taps:
     the output shapes (`probe_shapes`) instead.
   """
 
-  def __init__(self, wants: Callable[[str], bool],
-               probes: Optional[dict[str, list[jax.Array]]] = None):
+  def __init__(
+    self, wants: Callable[[str], bool], probes: Optional[dict[str, list[jax.Array]]] = None
+  ):
     self.wants = wants
     self.probes = probes
     self.probe_shapes: dict[str, list[jax.ShapeDtypeStruct]] = {}
@@ -97,16 +98,24 @@ class Taps:
     return y + self.probes[name][index]
 
 
-def gemm_operands(matrices: dict[str, list[tuple[jax.Array, jax.Array]]],
-                  views: dict[str, list[GemmView]],
-                  probe_grads: dict[str, list[jax.Array]]) -> dict[str, list[GemmOperands]]:
+def gemm_operands(
+  matrices: dict[str, list[tuple[jax.Array, jax.Array]]],
+  views: dict[str, list[GemmView]],
+  probe_grads: dict[str, list[jax.Array]],
+) -> dict[str, list[GemmOperands]]:
   """Every tapped call's operands, dy from the gradient of its probe."""
-  return {name: [GemmOperands(x, kernel, view.output_matrix(dy, x.shape[0]))
-                 for (x, kernel), view, dy in zip(calls, views[name], probe_grads[name])]
-          for name, calls in matrices.items()}
+  return {
+    name: [
+      GemmOperands(x, kernel, view.output_matrix(dy, x.shape[0]))
+      for (x, kernel), view, dy in zip(calls, views[name], probe_grads[name], strict=False)
+    ]
+    for name, calls in matrices.items()
+  }
 
 
-_TAPS: contextvars.ContextVar[Optional[Taps]] = contextvars.ContextVar("jaxquant_taps", default=None)
+_TAPS: contextvars.ContextVar[Optional[Taps]] = contextvars.ContextVar(
+  "jaxquant_taps", default=None
+)
 
 
 @contextlib.contextmanager
@@ -142,6 +151,7 @@ def linen_taps():
 
 
 # ---- NNX: each swapped GEMM layer wrapped in a module that taps it. ----
+
 
 def _nnx_tap_class():
   from flax import nnx

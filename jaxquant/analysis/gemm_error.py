@@ -43,18 +43,20 @@ def _reference(x, kernel, dy):
 @functools.partial(jax.jit, static_argnames=("quantizers", "backward"))
 def _powers(x, kernel, dy, key, *, quantizers: tuple, backward: str):
   """[(signal, noise) power of fprop, dgrad, wgrad] with `quantizers` applied."""
-  gemm = lambda x, kernel: ops.dense(x, kernel, quantizers=dict(quantizers), backward=backward,
-                                     key=key)
+  gemm = lambda x, kernel: ops.dense(
+    x, kernel, quantizers=dict(quantizers), backward=backward, key=key
+  )
   y, vjp = jax.vjp(gemm, x, kernel)
   dx, dw = vjp(dy)
   powers = []
-  for out, ref in zip((y, dx, dw), _reference(x, kernel, dy)):
+  for out, ref in zip((y, dx, dw), _reference(x, kernel, dy), strict=False):
     powers.append((jnp.sum(jnp.square(ref)), jnp.sum(jnp.square(out.astype(jnp.float32) - ref))))
   return powers
 
 
-def gemm_sqnr(calls: Sequence[GemmOperands], quantizers: Mapping[str, Quantizer], backward: str,
-              key: jax.Array) -> dict[str, float]:
+def gemm_sqnr(
+  calls: Sequence[GemmOperands], quantizers: Mapping[str, Quantizer], backward: str, key: jax.Array
+) -> dict[str, float]:
   """{gemm: SQNR in dB} of the layer's GEMMs with `quantizers` ({tensor_type: quantizer};
   the roles not in it in high precision)."""
   stochastic = any(needs_key(q) for q in quantizers.values())
@@ -62,8 +64,11 @@ def gemm_sqnr(calls: Sequence[GemmOperands], quantizers: Mapping[str, Quantizer]
   totals = {g: [0.0, 0.0] for g in GEMMS}
   for index, call in enumerate(calls):
     call_key: Optional[jax.Array] = jax.random.fold_in(key, index) if stochastic else None
-    for gemm, (signal, noise) in zip(GEMMS, _powers(call.x, call.kernel, call.dy, call_key,
-                                                    quantizers=quantizers, backward=backward)):
+    for gemm, (signal, noise) in zip(
+      GEMMS,
+      _powers(call.x, call.kernel, call.dy, call_key, quantizers=quantizers, backward=backward),
+      strict=False,
+    ):
       totals[gemm][0] += float(signal)
       totals[gemm][1] += float(noise)
   return {gemm: sqnr_db(*totals[gemm]) for gemm in GEMMS}

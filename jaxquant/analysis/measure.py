@@ -32,7 +32,6 @@ amax history, and current scaling is what delayed scaling approximates once it h
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal, Mapping, Optional
 
 import jax
@@ -41,8 +40,13 @@ from jaxquant import recipes
 from jaxquant.analysis import capture, gemm_error
 from jaxquant.analysis.runners import LossFn, runner_for
 from jaxquant.analysis.suggest import RankBy
-from jaxquant.quantizers import (DelayedFloat8Quantizer, Float8Quantizer, HybridQuantizer,
-                                 Quantizer, for_usage)
+from jaxquant.quantizers import (
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  HybridQuantizer,
+  Quantizer,
+  for_usage,
+)
 from jaxquant.roles import QuantizerRole, gemm_roles
 
 ModelRuns = Literal["module", "role"]
@@ -124,6 +128,7 @@ class SensitivityReport:
     """Markdown: the modules ranked by `rank_by` ("gemm_sqnr", the order of `modules`, or
     "loss_change", which needs model_runs="module"), then their roles."""
     from jaxquant.analysis.table import format_report
+
     return format_report(self, rank_by)
 
 
@@ -136,8 +141,9 @@ def _stateless(quantizer: Optional[Quantizer]) -> Optional[Quantizer]:
   return quantizer
 
 
-def _partner_for_rht(quantizers: dict[str, Quantizer], tensor_type: str,
-                     backward: str) -> dict[str, Quantizer]:
+def _partner_for_rht(
+  quantizers: dict[str, Quantizer], tensor_type: str, backward: str
+) -> dict[str, Quantizer]:
   """What must be quantized with `tensor_type` for it to be valid alone.
 
   RHT on the columnwise usage of input or grad_output (NVFP4's wgrad operands) rotates
@@ -157,27 +163,40 @@ def _partner_for_rht(quantizers: dict[str, Quantizer], tensor_type: str,
 
 def _recipe_of(assigned: Mapping[QuantizerRole, Quantizer], backward: str) -> recipes.CustomRecipe:
   """Exactly the assigned quantizers; every other role high precision."""
-  return recipes.CustomRecipe(lambda role: assigned.get(role), backward=backward,
-                              name="selected roles")
+  return recipes.CustomRecipe(
+    lambda role: assigned.get(role), backward=backward, name="selected roles"
+  )
 
 
 def _effect(outputs, loss_hp: float, norm_hp: float) -> ModelEffect:
   loss, norm, difference = (float(v) for v in outputs)
-  return ModelEffect(loss=loss, grad_norm=norm, loss_change=(loss - loss_hp) / abs(loss_hp),
-                     grad_norm_change=(norm - norm_hp) / norm_hp, grad_error=difference / norm_hp)
+  return ModelEffect(
+    loss=loss,
+    grad_norm=norm,
+    loss_change=(loss - loss_hp) / abs(loss_hp),
+    grad_norm_change=(norm - norm_hp) / norm_hp,
+    grad_error=difference / norm_hp,
+  )
 
 
 def _rank(modules: list[ModuleSensitivity]) -> tuple[list[ModuleSensitivity], list[str]]:
   """Most sensitive (lowest worst-GEMM SQNR) first; modules with no SQNR apart."""
-  ranked = sorted((m for m in modules if m.worst_sqnr_db is not None),
-                  key=lambda m: m.worst_sqnr_db)
+  ranked = sorted(
+    (m for m in modules if m.worst_sqnr_db is not None), key=lambda m: m.worst_sqnr_db
+  )
   return ranked, [m.name for m in modules if m.worst_sqnr_db is None]
 
 
-def sensitivity(model: Any, variables: Optional[dict], batch: Any,
-                recipe: recipes.CustomRecipe, loss_fn: LossFn, *,
-                key: Optional[jax.Array] = None,
-                model_runs: Optional[ModelRuns] = "module") -> SensitivityReport:
+def sensitivity(
+  model: Any,
+  variables: Optional[dict],
+  batch: Any,
+  recipe: recipes.CustomRecipe,
+  loss_fn: LossFn,
+  *,
+  key: Optional[jax.Array] = None,
+  model_runs: Optional[ModelRuns] = "module",
+) -> SensitivityReport:
   """Each quantized role's and module's error alone; see the module docstring.
 
   Args:
@@ -198,18 +217,22 @@ def sensitivity(model: Any, variables: Optional[dict], batch: Any,
   runner = runner_for(model, variables, batch, loss_fn, key)
   recorder = capture.RoleRecorder()
   taps = runner.record(recorder)
-  quantized = {role: q for role in recorder.roles
-               if (q := _stateless(recipe.quantizer(role))) is not None}
+  quantized = {
+    role: q for role in recorder.roles if (q := _stateless(recipe.quantizer(role))) is not None
+  }
   if not quantized:
-    raise ValueError(f"sensitivity: recipe {recipe.name!r} quantizes none of the model's "
-                     f"{len(recorder.roles)} GEMM roles; nothing to measure")
+    raise ValueError(
+      f"sensitivity: recipe {recipe.name!r} quantizes none of the model's "
+      f"{len(recorder.roles)} GEMM roles; nothing to measure"
+    )
   operands = runner.capture(recorder, taps.probe_shapes) if taps.probe_shapes else {}
   # The reference run is the untapped model: a probe added to a GEMM's output keeps XLA
   # from fusing the output's cast into what follows, which moves the loss a little.
   (loss_hp, norm_hp, _), reference_grads = runner.effect(_recipe_of({}, recipe.backward), None)
   loss_hp, norm_hp = float(loss_hp), float(norm_hp)
-  measure = lambda assigned: _effect(runner.effect(_recipe_of(assigned, recipe.backward),
-                                                   reference_grads)[0], loss_hp, norm_hp)
+  measure = lambda assigned: _effect(
+    runner.effect(_recipe_of(assigned, recipe.backward), reference_grads)[0], loss_hp, norm_hp
+  )
 
   by_module: dict[tuple[str, str], dict[str, Quantizer]] = {}
   for role, quantizer in quantized.items():
@@ -221,19 +244,31 @@ def sensitivity(model: Any, variables: Optional[dict], batch: Any,
     for tensor_type, quantizer in quantizers.items():
       partner = _partner_for_rht(quantizers, tensor_type, recipe.backward)
       alone = {tensor_type: quantizer, **partner}
-      sqnr = (gemm_error.gemm_sqnr(operands[name], alone, recipe.backward, key)
-              if name in operands else None)
-      effect = (measure({roles[t]: q for t, q in alone.items()}) if model_runs == "role"
-                else None)
+      sqnr = (
+        gemm_error.gemm_sqnr(operands[name], alone, recipe.backward, key)
+        if name in operands
+        else None
+      )
+      effect = measure({roles[t]: q for t, q in alone.items()}) if model_runs == "role" else None
       entries.append(RoleSensitivity(roles[tensor_type], quantizer, partner, sqnr, effect))
-    sqnr = (gemm_error.gemm_sqnr(operands[name], quantizers, recipe.backward, key)
-            if name in operands else None)
-    effect = (measure({roles[t]: q for t, q in quantizers.items()}) if model_runs == "module"
-              else None)
+    sqnr = (
+      gemm_error.gemm_sqnr(operands[name], quantizers, recipe.backward, key)
+      if name in operands
+      else None
+    )
+    effect = (
+      measure({roles[t]: q for t, q in quantizers.items()}) if model_runs == "module" else None
+    )
     modules.append(ModuleSensitivity(module_type, name, sqnr, tuple(entries), effect))
   ranked, unranked = _rank(modules)
-  return SensitivityReport(recipe.name, loss_hp, norm_hp, tuple(ranked), tuple(unranked),
-                           _gemm_note(by_module, operands, taps))
+  return SensitivityReport(
+    recipe.name,
+    loss_hp,
+    norm_hp,
+    tuple(ranked),
+    tuple(unranked),
+    _gemm_note(by_module, operands, taps),
+  )
 
 
 def _gemm_note(by_module, operands, taps: capture.Taps) -> str:
@@ -245,6 +280,8 @@ def _gemm_note(by_module, operands, taps: capture.Taps) -> str:
     reasons.append(f"not a single GEMM (batched): {', '.join(sorted(taps.no_view))}")
   other = [n for n in missing if n not in taps.no_view]
   if other:
-    reasons.append(f"not a Flax Dense / DenseGeneral / Einsum (Linen) or Linear / Einsum (NNX) "
-                   f"layer called outside scan or vmap: {', '.join(other)}")
+    reasons.append(
+      f"not a Flax Dense / DenseGeneral / Einsum (Linen) or Linear / Einsum (NNX) "
+      f"layer called outside scan or vmap: {', '.join(other)}"
+    )
   return "no GEMM-level figures for " + "; ".join(reasons)

@@ -24,14 +24,17 @@ def ranked_modules(report, rank_by: RankBy = "gemm_sqnr") -> tuple:
     return report.modules
   missing = [m.name for m in report.modules if m.model is None]
   if missing:
-    raise ValueError(f"rank_by='loss_change' needs each module's model-level effect, which "
-                     f"{', '.join(missing)} lack: measure with sensitivity(..., "
-                     "model_runs='module')")
+    raise ValueError(
+      f"rank_by='loss_change' needs each module's model-level effect, which "
+      f"{', '.join(missing)} lack: measure with sensitivity(..., "
+      "model_runs='module')"
+    )
   return tuple(sorted(report.modules, key=lambda m: m.model.loss_change, reverse=True))
 
 
-def suggest_recipe(report, recipe: recipes.CustomRecipe, *, keep_high_precision: int,
-                   rank_by: RankBy = "gemm_sqnr") -> recipes.CustomRecipe:
+def suggest_recipe(
+  report, recipe: recipes.CustomRecipe, *, keep_high_precision: int, rank_by: RankBy = "gemm_sqnr"
+) -> recipes.CustomRecipe:
   """`recipe`, except that the report's `keep_high_precision` top-ranked modules (by
   `rank_by`) run in high precision (every role of theirs maps to None).
 
@@ -39,15 +42,19 @@ def suggest_recipe(report, recipe: recipes.CustomRecipe, *, keep_high_precision:
   `KeepHighPrecision`, lists the kept modules as (module type, module path) in `.kept`.
   """
   if not isinstance(keep_high_precision, int) or keep_high_precision < 0:
-    raise ValueError(f"suggest_recipe: keep_high_precision must be an int >= 0, got "
-                     f"{keep_high_precision!r}")
+    raise ValueError(
+      f"suggest_recipe: keep_high_precision must be an int >= 0, got {keep_high_precision!r}"
+    )
   if keep_high_precision > len(report.modules):
-    raise ValueError(f"suggest_recipe: keep_high_precision={keep_high_precision} but the report "
-                     f"ranks only {len(report.modules)} modules")
+    raise ValueError(
+      f"suggest_recipe: keep_high_precision={keep_high_precision} but the report "
+      f"ranks only {len(report.modules)} modules"
+    )
   top = ranked_modules(report, rank_by)[:keep_high_precision]
   kept = frozenset((m.module_type, m.name) for m in top)
-  return recipes.CustomRecipe(KeepHighPrecision(recipe, kept), backward=recipe.backward,
-                              name=f"{recipe.name}_suggested")
+  return recipes.CustomRecipe(
+    KeepHighPrecision(recipe, kept), backward=recipe.backward, name=f"{recipe.name}_suggested"
+  )
 
 
 class KeepHighPrecision:

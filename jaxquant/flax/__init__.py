@@ -14,12 +14,10 @@
 """
 
 from jaxquant.flax import linen
-from jaxquant.flax.dot_general import (MaxTextQuantization, dot_general, dot_general_cls,
-                                       einsum_op)
+from jaxquant.flax.dot_general import MaxTextQuantization, dot_general, dot_general_cls, einsum_op
 from jaxquant.flax.metadata import QuantizedWeight, weight_roles
-from jaxquant.flax.state import (QUANT_STATE, RoleState, combine_quant_state,
-                                 update_quant_state)
-from jaxquant.flax.swap import QuantizedModel, intercepting, quantize_model
-from jaxquant.flax.weight_gather import ModelWeightGather
 from jaxquant.flax.nnx import QuantState
 from jaxquant.flax.report import SwapReport, swap_report
+from jaxquant.flax.state import QUANT_STATE, RoleState, combine_quant_state, update_quant_state
+from jaxquant.flax.swap import QuantizedModel, intercepting, quantize_model
+from jaxquant.flax.weight_gather import ModelWeightGather

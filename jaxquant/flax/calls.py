@@ -50,17 +50,21 @@ def _dot_general(call: Call) -> Union[Contraction, str]:
   letters = iter(_LETTERS)
   lhs_l = [None] * np.ndim(lhs)
   rhs_l = [None] * np.ndim(rhs)
-  for a, b in list(zip(lb, rb)) + list(zip(lc, rc)):
+  for a, b in list(zip(lb, rb, strict=False)) + list(zip(lc, rc, strict=False)):
     lhs_l[a] = rhs_l[b] = next(letters)
   batch = [lhs_l[a] for a in lb]
   for axes in (lhs_l, rhs_l):
     for i, c in enumerate(axes):
       if c is None:
         axes[i] = next(letters)
-  out = batch + [c for i, c in enumerate(lhs_l) if i not in lb and i not in lc] + \
-      [c for i, c in enumerate(rhs_l) if i not in rb and i not in rc]
-  return Contraction(lhs, rhs, "".join(lhs_l), "".join(rhs_l), "".join(out),
-                     _arg(call, 4, "preferred_element_type"))
+  out = (
+    batch
+    + [c for i, c in enumerate(lhs_l) if i not in lb and i not in lc]
+    + [c for i, c in enumerate(rhs_l) if i not in rb and i not in rc]
+  )
+  return Contraction(
+    lhs, rhs, "".join(lhs_l), "".join(rhs_l), "".join(out), _arg(call, 4, "preferred_element_type")
+  )
 
 
 def _einsum(call: Call) -> Union[Contraction, str]:
@@ -69,19 +73,19 @@ def _einsum(call: Call) -> Union[Contraction, str]:
     return "einsum in the operand-list form"
   if len(operands) != 2:
     return f"einsum of {len(operands)} operands"
-  inputs, out, _ = opt_einsum.parser.parse_einsum_input((subscripts.replace(" ", ""),
-                                                         *operands))
+  inputs, out, _ = opt_einsum.parser.parse_einsum_input((subscripts.replace(" ", ""), *operands))
   lhs_l, rhs_l = inputs.split(",")
-  return Contraction(operands[0], operands[1], lhs_l, rhs_l, out,
-                     call.kwargs.get("preferred_element_type"))
+  return Contraction(
+    operands[0], operands[1], lhs_l, rhs_l, out, call.kwargs.get("preferred_element_type")
+  )
 
 
 def _dot(call: Call) -> Union[Contraction, str]:
   a, b = call.args[0], _arg(call, 1, "b")
   if np.ndim(a) == 0 or np.ndim(b) == 0:
     return "a product with a scalar"
-  a_l = _LETTERS[:np.ndim(a)]
-  b_free = _LETTERS[np.ndim(a):np.ndim(a) + np.ndim(b) - 1]
+  a_l = _LETTERS[: np.ndim(a)]
+  b_free = _LETTERS[np.ndim(a) : np.ndim(a) + np.ndim(b) - 1]
   if np.ndim(b) == 1:
     b_l, out = a_l[-1], a_l[:-1]
   else:  # a's last axis with b's second-to-last
@@ -98,8 +102,8 @@ def _matmul(call: Call) -> Union[Contraction, str]:
   a_batch, b_batch = a_shape[:-2], b_shape[:-2]
   if a_batch and b_batch and a_batch != b_batch:
     return f"a broadcast matmul of {a_shape} and {b_shape}"
-  batch = _LETTERS[:max(len(a_batch), len(b_batch))]
-  m, k, n = _LETTERS[len(batch):len(batch) + 3]
+  batch = _LETTERS[: max(len(a_batch), len(b_batch))]
+  m, k, n = _LETTERS[len(batch) : len(batch) + 3]
   a_l = (batch if a_batch else "") + (m + k if len(a_shape) > 1 else k)
   b_l = (batch if b_batch else "") + (k + n if len(b_shape) > 1 else k)
   out = batch + (m if len(a_shape) > 1 else "") + (n if len(b_shape) > 1 else "")

@@ -25,9 +25,11 @@ from jaxquant.ops.operands import FORWARD_USAGES, gemm_matrices, usages_to_quant
 from jaxquant.quantizers import Quantizer, for_usage
 
 # The logical matrix of each role and the GEMM dim each of its axes is.
-_ROLE_DIMS = {"input": ("M (rows of the input)", "K (contraction)"),
-              "weight": ("N (output features)", "K (contraction)"),
-              "grad_output": ("M (rows of the input)", "N (output features)")}
+_ROLE_DIMS = {
+  "input": ("M (rows of the input)", "K (contraction)"),
+  "weight": ("N (output features)", "K (contraction)"),
+  "grad_output": ("M (rows of the input)", "N (output features)"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +47,18 @@ class GemmPlan:
     kt = jnp.transpose(kernel, self.kernel_perm)
     split = xt.ndim - self.n_contracted
     x_free, contracted = xt.shape[:split], xt.shape[split:]
-    k_free = kt.shape[self.n_contracted:]
-    y2d, aux = gemm(xt.reshape(math.prod(x_free), math.prod(contracted)),
-                    kt.reshape(math.prod(contracted), math.prod(k_free)))
+    k_free = kt.shape[self.n_contracted :]
+    y2d, aux = gemm(
+      xt.reshape(math.prod(x_free), math.prod(contracted)),
+      kt.reshape(math.prod(contracted), math.prod(k_free)),
+    )
     return jnp.transpose(y2d.reshape(x_free + k_free), self.out_perm), aux
 
   def dims(self, x_shape, kernel_shape) -> tuple[int, int, int]:
     """(M, K, N) of the GEMM for operands of these shapes."""
-    x_free = [x_shape[a] for a in self.x_perm[:len(self.x_perm) - self.n_contracted]]
-    contracted = [x_shape[a] for a in self.x_perm[len(self.x_perm) - self.n_contracted:]]
-    k_free = [kernel_shape[a] for a in self.kernel_perm[self.n_contracted:]]
+    x_free = [x_shape[a] for a in self.x_perm[: len(self.x_perm) - self.n_contracted]]
+    contracted = [x_shape[a] for a in self.x_perm[len(self.x_perm) - self.n_contracted :]]
+    k_free = [kernel_shape[a] for a in self.kernel_perm[self.n_contracted :]]
     return math.prod(x_free), math.prod(contracted), math.prod(k_free)
 
 
@@ -73,8 +77,8 @@ class GroupedPlan:
     xs = [x_shape[a] for a in self.x_perm]
     ks = [kernel_shape[a] for a in self.kernel_perm]
     split = len(xs) - self.n_contracted
-    batch, x_free = xs[:self.n_batch], xs[self.n_batch:split]
-    contracted, k_free = xs[split:], ks[self.n_batch + self.n_contracted:]
+    batch, x_free = xs[: self.n_batch], xs[self.n_batch : split]
+    contracted, k_free = xs[split:], ks[self.n_batch + self.n_contracted :]
     return batch, x_free, contracted, k_free
 
   def dims(self, x_shape, kernel_shape) -> tuple[int, int, int]:
@@ -101,8 +105,12 @@ def _identity(n: int) -> tuple[int, ...]:
 def plan_dense_general(x_ndim: int, axis: tuple[int, ...], n_features: int) -> GemmPlan:
   """DenseGeneral without batch_dims: kernel [*contracted, *features]."""
   free = tuple(a for a in range(x_ndim) if a not in axis)
-  return GemmPlan(free + tuple(axis), _identity(len(axis) + n_features), len(axis),
-                  _identity(len(free) + n_features))
+  return GemmPlan(
+    free + tuple(axis),
+    _identity(len(axis) + n_features),
+    len(axis),
+    _identity(len(free) + n_features),
+  )
 
 
 def not_a_gemm(lhs: str, rhs: str, out: str) -> Optional[str]:
@@ -110,8 +118,9 @@ def not_a_gemm(lhs: str, rhs: str, out: str) -> Optional[str]:
   for operand, letters in (("input", lhs), ("kernel", rhs), ("output", out)):
     if len(set(letters)) != len(letters):
       return f"it repeats an axis of the {operand} (a diagonal)"
-  summed = [c for c in lhs if c not in rhs and c not in out] + \
-           [c for c in rhs if c not in lhs and c not in out]
+  summed = [c for c in lhs if c not in rhs and c not in out] + [
+    c for c in rhs if c not in lhs and c not in out
+  ]
   if summed:
     return f"it sums axes {summed} of one operand only"
   if [c for c in out if c not in lhs + rhs]:
@@ -123,13 +132,16 @@ def plan_einsum(lhs: str, rhs: str, out: str, what: str) -> GemmPlan:
   """A two-operand einsum `lhs,rhs->out` (ellipses expanded) as one GEMM."""
   reason = not_a_gemm(lhs, rhs, out)
   if reason:
-    raise ValueError(f"{what}: einsum '{lhs},{rhs}->{out}': {reason}; a quantized einsum "
-                     "must be a GEMM")
+    raise ValueError(
+      f"{what}: einsum '{lhs},{rhs}->{out}': {reason}; a quantized einsum must be a GEMM"
+    )
   batch = [c for c in lhs if c in rhs and c in out]
   if batch:
-    raise ValueError(f"{what}: einsum '{lhs},{rhs}->{out}' has batch axes {batch} (in input, "
-                     "kernel and output): that is a batched GEMM, which quantized layers do "
-                     "not support; map this module to None (high precision) in the recipe")
+    raise ValueError(
+      f"{what}: einsum '{lhs},{rhs}->{out}' has batch axes {batch} (in input, "
+      "kernel and output): that is a batched GEMM, which quantized layers do "
+      "not support; map this module to None (high precision) in the recipe"
+    )
   return plan_contraction(lhs, rhs, out)
 
 
@@ -149,8 +161,14 @@ def plan_contraction(lhs: str, rhs: str, out: str):
   return GemmPlan(x_perm, kernel_perm, len(contracted), out_perm)
 
 
-def unfit_reason(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]], *,
-                 backward: Optional[str] = None) -> Optional[str]:
+def unfit_reason(
+  m: int,
+  k: int,
+  n: int,
+  quantizers: Mapping[str, Optional[Quantizer]],
+  *,
+  backward: Optional[str] = None,
+) -> Optional[str]:
   """Why a quantizer's blocks do not tile a dim of a matrix its GEMMs quantize (naming the
   role and the GEMM dim M, K or N), or None. The forward's usages only, unless `backward`
   (a recipes.BackwardMode) asks for those of the backward GEMMs too. M = 0 skips M (a
@@ -159,8 +177,11 @@ def unfit_reason(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quant
   for tensor_type, quantizer in quantizers.items():
     rows, cols = sizes[tensor_type]
     row_dim, col_dim = _ROLE_DIMS[tensor_type]
-    usages = FORWARD_USAGES[tensor_type] if backward is None else \
-        tuple(set(FORWARD_USAGES[tensor_type]) | set(usages_to_quantize(tensor_type, backward)))
+    usages = (
+      FORWARD_USAGES[tensor_type]
+      if backward is None
+      else tuple(set(FORWARD_USAGES[tensor_type]) | set(usages_to_quantize(tensor_type, backward)))
+    )
     for usage in sorted(usages, reverse=True):  # rowwise first
       q = for_usage(quantizer, usage)
       if q is None:
@@ -172,39 +193,62 @@ def unfit_reason(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quant
       stored = ((rows, row_dim), (cols, col_dim))
       if usage == "columnwise":
         stored = stored[::-1]
-      for (size, dim), block in zip(stored, fmt.block):
+      for (size, dim), block in zip(stored, fmt.block, strict=False):
         if block > 1 and size % block:
-          return (f"the {tensor_type} quantizer {q!r} does not fit dim {dim} = {size}: its "
-                  f"{usage} usage needs it divisible by {block}")
+          return (
+            f"the {tensor_type} quantizer {q!r} does not fit dim {dim} = {size}: its "
+            f"{usage} usage needs it divisible by {block}"
+          )
   return None
 
 
-def check_gemm_dims(m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]],
-                    what: str) -> None:
+def check_gemm_dims(
+  m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]], what: str
+) -> None:
   """Raises, naming the role and the GEMM dim (M, K or N), if a quantizer's blocks do not
   tile a dim of the matrix the forward GEMM quantizes (`ops.dense` checks the backward's
   usages when a backward is traced, so that few-token inference is not refused)."""
   reason = unfit_reason(m, k, n, quantizers)
   if reason:
-    raise ValueError(f"{what}: {reason}; change the layer's shape or map this role to another "
-                     "quantizer (or None) in the recipe, or pass on_unfit='high_precision' to "
-                     "quantize_model")
+    raise ValueError(
+      f"{what}: {reason}; change the layer's shape or map this role to another "
+      "quantizer (or None) in the recipe, or pass on_unfit='high_precision' to "
+      "quantize_model"
+    )
 
 
-def quantized_gemm(plan: GemmPlan, x: jax.Array, kernel: jax.Array, *,
-                   quantizers: Mapping[str, Optional[Quantizer]], backward: str, name: str,
-                   what: str, key: Optional[jax.Array], state: Optional[dict],
-                   weight_gather: Optional[ops.WeightGather] = None,
-                   fast_accumulation: frozenset = frozenset()):
+def quantized_gemm(
+  plan: GemmPlan,
+  x: jax.Array,
+  kernel: jax.Array,
+  *,
+  quantizers: Mapping[str, Optional[Quantizer]],
+  backward: str,
+  name: str,
+  what: str,
+  key: Optional[jax.Array],
+  state: Optional[dict],
+  weight_gather: Optional[ops.WeightGather] = None,
+  fast_accumulation: frozenset = frozenset(),
+):
   """The layer's output through `ops.dense`, and the new delayed-scaling state (or None).
   `weight_gather` describes the GEMM's 2-D [K, N] kernel; `fast_accumulation` names the
   GEMMs allowed FP8 fast accumulation (ops.dense)."""
 
   def gemm(x2d, k2d):
     check_gemm_dims(x2d.shape[0], x2d.shape[1], k2d.shape[1], quantizers, what)
-    out = ops.dense(x2d, k2d, quantizers=dict(quantizers), backward=backward, name=name,
-                    module_type="linear", key=key, state=state, weight_gather=weight_gather,
-                    fast_accumulation=fast_accumulation)
+    out = ops.dense(
+      x2d,
+      k2d,
+      quantizers=dict(quantizers),
+      backward=backward,
+      name=name,
+      module_type="linear",
+      key=key,
+      state=state,
+      weight_gather=weight_gather,
+      fast_accumulation=fast_accumulation,
+    )
     return out if state is not None else (out, None)
 
   return plan.run(x, kernel, gemm)

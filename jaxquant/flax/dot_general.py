@@ -41,10 +41,11 @@ def _contract(kind: str, args: tuple, kwargs: dict, weight: WeightRef, recipe, o
   rhs = args[1] if kind == "dot_general" else args[2]
   outer = sessions.current()
   session = sessions.Session(
-      recipes.resolve(recipe, outer.recipe if outer else None),
-      outer.on_unfit if outer else "error",
-      find_weight=lambda operand: weight if operand is rhs else None,
-      rows=outer.rows if outer else [])
+    recipes.resolve(recipe, outer.recipe if outer else None),
+    outer.on_unfit if outer else "error",
+    find_weight=lambda operand: weight if operand is rhs else None,
+    rows=outer.rows if outer else [],
+  )
   call = interception.Call(kind, args, kwargs, original)
   with sessions.active(session), interception.paused():
     return routed.handle(call)
@@ -55,13 +56,19 @@ class JaxquantDotGeneral(nn.Module):
 
   recipe: Optional[recipes.CustomRecipe] = None
 
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-               preferred_element_type=None, **kwargs):
+  def __call__(
+    self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
+  ):
     caller = "/".join(self.path[:-1])
     weight = WeightRef(caller, "kernel", True, LinenHost(self))
-    return _contract("dot_general", (lhs, rhs, dimension_numbers),
-                     dict(precision=precision, preferred_element_type=preferred_element_type,
-                          **kwargs), weight, self.recipe, jax.lax.dot_general)
+    return _contract(
+      "dot_general",
+      (lhs, rhs, dimension_numbers),
+      dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs),
+      weight,
+      self.recipe,
+      jax.lax.dot_general,
+    )
 
 
 class JaxquantEinsum(nn.Module):
@@ -94,14 +101,18 @@ class _NnxHost:
 
   def key(self, quantizers, what):
     if any(needs_key(q) for q in quantizers.values()):
-      raise ValueError(f"{what}: an NNX dot_general / einsum_op hook cannot draw keys for "
-                       "stochastic rounding; use jaxquant.flax.nnx's layers or quantize_model")
+      raise ValueError(
+        f"{what}: an NNX dot_general / einsum_op hook cannot draw keys for "
+        "stochastic rounding; use jaxquant.flax.nnx's layers or quantize_model"
+      )
     return None
 
   def state(self, param, roles, quantizers, what):
     if any(needs_state(q) for q in quantizers.values()):
-      raise ValueError(f"{what}: an NNX dot_general / einsum_op hook holds no delayed-scaling "
-                       "state; use jaxquant.flax.nnx's layers or quantize_model")
+      raise ValueError(
+        f"{what}: an NNX dot_general / einsum_op hook holds no delayed-scaling "
+        "state; use jaxquant.flax.nnx's layers or quantize_model"
+      )
     return None
 
   def write_state(self, param, new_state):
@@ -115,12 +126,18 @@ class dot_general:  # noqa: N801 (used like a function: nnx.Linear(dot_general=.
   name: str
   recipe: Optional[recipes.CustomRecipe] = None
 
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-               **kwargs):
+  def __call__(
+    self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
+  ):
     weight = WeightRef(self.name, "kernel", True, _NnxHost())
-    return _contract("dot_general", (lhs, rhs, dimension_numbers),
-                     dict(precision=precision, preferred_element_type=preferred_element_type,
-                          **kwargs), weight, self.recipe, jax.lax.dot_general)
+    return _contract(
+      "dot_general",
+      (lhs, rhs, dimension_numbers),
+      dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs),
+      weight,
+      self.recipe,
+      jax.lax.dot_general,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,9 +40,11 @@ def _quantizers(recipe, model_recipe, name, what):
   quantizers = recipe.quantizers(MODULE_TYPE, name)
   delayed = sorted(t for t, q in quantizers.items() if needs_state(q))
   if delayed:
-    raise ValueError(f"{what}: roles {delayed} use delayed scaling, which GroupedDense does "
-                     "not hold state for yet; call ops.grouped_dense with "
-                     "state=init_grouped_state(...) or use a current-scaling recipe")
+    raise ValueError(
+      f"{what}: roles {delayed} use delayed scaling, which GroupedDense does "
+      "not hold state for yet; call ops.grouped_dense with "
+      "state=init_grouped_state(...) or use a current-scaling recipe"
+    )
   return recipe, quantizers
 
 
@@ -62,23 +64,34 @@ class GroupedDense(nn.Module):
     return linen_call(self, x, group_sizes)
 
 
-def linen_call(module: GroupedDense, x, group_sizes, *,
-               model_recipe: Optional[recipes.CustomRecipe] = None):
+def linen_call(
+  module: GroupedDense, x, group_sizes, *, model_recipe: Optional[recipes.CustomRecipe] = None
+):
   """GroupedDense's computation, under the model's recipe unless the module has its own."""
   name = "/".join(module.path)
   what = f"GroupedDense {name!r}"
   recipe, quantizers = _quantizers(module.recipe, model_recipe, name, what)
   session = sessions.current()
   if session is not None and session.weight_gather is not None and quantizers["weight"] is not None:
-    raise ValueError(f"{what}: quantize_model's weight_gather does not reach grouped (MoE) "
-                     "layers, whose experts' kernels would be gathered in high precision; "
-                     "leave weight_gather out")
-  kernel = module.param("kernel", module.kernel_init,
-                        (module.num_groups, x.shape[-1], module.features), module.param_dtype)
-  annotate_linen_weight(module, "kernel", QuantizerRole(MODULE_TYPE, "weight", name),
-                        quantizers["weight"])
-  bias = (module.param("bias", module.bias_init, (module.num_groups, module.features),
-                       module.param_dtype) if module.use_bias else None)
+    raise ValueError(
+      f"{what}: quantize_model's weight_gather does not reach grouped (MoE) "
+      "layers, whose experts' kernels would be gathered in high precision; "
+      "leave weight_gather out"
+    )
+  kernel = module.param(
+    "kernel",
+    module.kernel_init,
+    (module.num_groups, x.shape[-1], module.features),
+    module.param_dtype,
+  )
+  annotate_linen_weight(
+    module, "kernel", QuantizerRole(MODULE_TYPE, "weight", name), quantizers["weight"]
+  )
+  bias = (
+    module.param("bias", module.bias_init, (module.num_groups, module.features), module.param_dtype)
+    if module.use_bias
+    else None
+  )
   key = module.make_rng(QUANT_RNG) if any(map(needs_key, quantizers.values())) else None
   return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name, key=key)
 
@@ -87,14 +100,23 @@ class NnxGroupedDense(nnx.Module):
   """NNX: the same layer; `name` names its roles (NNX modules do not know their path;
   `quantize_model` sets it to the module path)."""
 
-  def __init__(self, in_features: int, out_features: int, num_groups: int, *,
-               use_bias: bool = False, recipe: Optional[recipes.CustomRecipe] = None,
-               name: str = "", param_dtype=jnp.float32, kernel_init=default_kernel_init,
-               rngs: nnx.Rngs):
-    self.kernel = nnx.Param(kernel_init(rngs.params(), (num_groups, in_features, out_features),
-                                        param_dtype))
-    self.bias = (nnx.Param(jnp.zeros((num_groups, out_features), param_dtype))
-                 if use_bias else None)
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    num_groups: int,
+    *,
+    use_bias: bool = False,
+    recipe: Optional[recipes.CustomRecipe] = None,
+    name: str = "",
+    param_dtype=jnp.float32,
+    kernel_init=default_kernel_init,
+    rngs: nnx.Rngs,
+  ):
+    self.kernel = nnx.Param(
+      kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype)
+    )
+    self.bias = nnx.Param(jnp.zeros((num_groups, out_features), param_dtype)) if use_bias else None
     self.recipe, self.model_recipe, self.name = recipe, None, name
     quantizers = self._resolve()[1]
     # The module's own stochastic-rounding recipe draws from `rngs`; a model recipe's
@@ -116,8 +138,10 @@ class NnxGroupedDense(nnx.Module):
     if not any(map(needs_key, quantizers.values())):
       return None
     if self.quant_rngs is None:
-      raise ValueError(f"GroupedDense {self.name!r}: its recipe rounds stochastically; pass "
-                       "rngs= to quantize_model (an nnx.Rngs with a 'quant' stream)")
+      raise ValueError(
+        f"GroupedDense {self.name!r}: its recipe rounds stochastically; pass "
+        "rngs= to quantize_model (an nnx.Rngs with a 'quant' stream)"
+      )
     return self.quant_rngs[QUANT_RNG]()
 
   def __call__(self, x, group_sizes):
@@ -128,5 +152,6 @@ class NnxGroupedDense(nnx.Module):
     recipe, quantizers = self._resolve()
     key = self._key(quantizers)
     bias = None if self.bias is None else self.bias[...]
-    return grouped_dense(x, self.kernel[...], group_sizes, bias, recipe=recipe, name=self.name,
-                         key=key)
+    return grouped_dense(
+      x, self.kernel[...], group_sizes, bias, recipe=recipe, name=self.name, key=key
+    )

@@ -50,7 +50,8 @@ class Call:
 
 Handler = Callable[[Call], Any]
 _HANDLER: contextvars.ContextVar[Optional[Handler]] = contextvars.ContextVar(
-    "jaxquant_contraction_handler", default=None)
+  "jaxquant_contraction_handler", default=None
+)
 
 # What is patched while any context is open (process-wide by nature: these are module
 # and class attributes). Guarded by _LOCK.
@@ -74,27 +75,36 @@ def _function_dispatcher(kind: str, original: Callable) -> Callable:
   @functools.wraps(original)
   def dispatcher(*args, **kwargs):
     return _dispatch(kind, original, args, kwargs)
+
   return dispatcher
 
 
 def _operator_dispatcher(original: Callable, reflected: bool) -> Callable:
   """`a @ b` (`__matmul__`) or `b @ a` (`__rmatmul__`, reflected) as a "matmul" call."""
   if reflected:
+
     def dispatcher(self, other):
       return _dispatch("matmul", lambda a, b: original(b, a), (other, self), {})
   else:
+
     def dispatcher(self, other):
       return _dispatch("matmul", original, (self, other), {})
+
   return functools.wraps(original)(dispatcher)
 
 
 def _targets():
   """(owner, attribute, make_dispatcher) for every entry point."""
   array_type = type(jnp.zeros(()))
-  functions = [(jax.lax, "dot_general", "dot_general"), (jnp, "einsum", "einsum"),
-               (jnp, "dot", "dot"), (jnp, "matmul", "matmul")]
-  out = [(owner, attr, functools.partial(_function_dispatcher, kind))
-         for owner, attr, kind in functions]
+  functions = [
+    (jax.lax, "dot_general", "dot_general"),
+    (jnp, "einsum", "einsum"),
+    (jnp, "dot", "dot"),
+    (jnp, "matmul", "matmul"),
+  ]
+  out = [
+    (owner, attr, functools.partial(_function_dispatcher, kind)) for owner, attr, kind in functions
+  ]
   for cls in (jax.core.Tracer, array_type):
     out.append((cls, "__matmul__", functools.partial(_operator_dispatcher, reflected=False)))
     out.append((cls, "__rmatmul__", functools.partial(_operator_dispatcher, reflected=True)))

@@ -50,28 +50,39 @@ def _describe(module: nn.Module) -> str:
 
 # ---- Params exactly as Flax's layers create them. ----
 
+
 def _dense_params(module, x):
-  kernel = module.param("kernel", module.kernel_init, (x.shape[-1], module.features),
-                        module.param_dtype)
-  bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
-          if module.use_bias else None)
+  kernel = module.param(
+    "kernel", module.kernel_init, (x.shape[-1], module.features), module.param_dtype
+  )
+  bias = (
+    module.param("bias", module.bias_init, (module.features,), module.param_dtype)
+    if module.use_bias
+    else None
+  )
   return kernel, bias
 
 
 def _init_flat_then_reshape(init, n_rows: int):
   """DenseGeneral's initializers see the 2-D [K, N] (or 1-D [N]) shape, then reshape:
   fan-in and fan-out are those of the flattened GEMM."""
+
   def wrapped(rng, shape, dtype=jnp.float32):
-    flat = (int(np.prod(shape[:n_rows])), int(np.prod(shape[n_rows:]))) if n_rows else \
-           (int(np.prod(shape)),)
+    flat = (
+      (int(np.prod(shape[:n_rows])), int(np.prod(shape[n_rows:])))
+      if n_rows
+      else (int(np.prod(shape)),)
+    )
     value = init(rng, flat, dtype)
     if isinstance(value, meta.AxisMetadata):
       return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
     return jnp.reshape(value, shape)
+
   return wrapped
 
 
 # ---- The three layers' contractions, each as (params, plan) for a quantized GEMM. ----
+
 
 def _dense(module, x):
   kernel, bias = _dense_params(module, x)
@@ -83,14 +94,23 @@ def _dense_general(module, x):
   features = nn.linear._canonicalize_tuple(module.features)
   axis = nn.linear._normalize_axes(nn.linear._canonicalize_tuple(module.axis), x.ndim)
   if nn.linear._canonicalize_tuple(module.batch_dims):
-    raise ValueError(f"{_describe(module)}: batch_dims={module.batch_dims} makes it a batched "
-                     "GEMM, which quantized layers do not support; map this module to None "
-                     "(high precision) in the recipe")
+    raise ValueError(
+      f"{_describe(module)}: batch_dims={module.batch_dims} makes it a batched "
+      "GEMM, which quantized layers do not support; map this module to None "
+      "(high precision) in the recipe"
+    )
   kernel_shape = tuple(x.shape[a] for a in axis) + features
-  kernel = module.param("kernel", _init_flat_then_reshape(module.kernel_init, len(axis)),
-                        kernel_shape, module.param_dtype)
-  bias = (module.param("bias", _init_flat_then_reshape(module.bias_init, 0), features,
-                       module.param_dtype) if module.use_bias else None)
+  kernel = module.param(
+    "kernel",
+    _init_flat_then_reshape(module.kernel_init, len(axis)),
+    kernel_shape,
+    module.param_dtype,
+  )
+  bias = (
+    module.param("bias", _init_flat_then_reshape(module.bias_init, 0), features, module.param_dtype)
+    if module.use_bias
+    else None
+  )
   plan = contraction.plan_dense_general(x.ndim, axis, len(features))
   return kernel, bias, plan, lambda y, b: y + b
 
@@ -98,8 +118,10 @@ def _dense_general(module, x):
 def _einsum(module, x, einsum_str=None):
   einsum_str = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
   if "->" not in einsum_str or einsum_str.count(",") != 1:
-    raise ValueError(f"{_describe(module)}: einsum_str must be explicit ('->') with exactly two "
-                     f"operands, got {einsum_str!r}")
+    raise ValueError(
+      f"{_describe(module)}: einsum_str must be explicit ('->') with exactly two "
+      f"operands, got {einsum_str!r}"
+    )
   kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
   operands, out, _ = opt_einsum.parser.parse_einsum_input((einsum_str, x, kernel))
   lhs, rhs = operands.split(",")
@@ -131,8 +153,9 @@ def _state_variables(module, roles, quantizers):
   for t, v in variables.items():
     if v.value.quantizer != stateful[t]:
       raise ValueError(
-          f"{_describe(module)}: its {QUANT_STATE} for {t!r} was made for {v.value.quantizer!r} "
-          f"but the recipe now gives {stateful[t]!r}; re-initialise the {QUANT_STATE} collection")
+        f"{_describe(module)}: its {QUANT_STATE} for {t!r} was made for {v.value.quantizer!r} "
+        f"but the recipe now gives {stateful[t]!r}; re-initialise the {QUANT_STATE} collection"
+      )
   return variables
 
 
@@ -142,13 +165,22 @@ def _key(module, quantizers):
   if module.is_initializing():
     return jax.random.key(0)  # init only needs shapes; keep the params RNG stream untouched
   if not module.has_rng(QUANT_RNG):
-    raise ValueError(f"{_describe(module)}: its recipe rounds stochastically; pass a PRNG key "
-                     f"for the {QUANT_RNG!r} stream: model.apply(..., rngs={{'{QUANT_RNG}': key}})")
+    raise ValueError(
+      f"{_describe(module)}: its recipe rounds stochastically; pass a PRNG key "
+      f"for the {QUANT_RNG!r} stream: model.apply(..., rngs={{'{QUANT_RNG}': key}})"
+    )
   return module.make_rng(QUANT_RNG)
 
 
-def gemm_call(module: nn.Module, flax_call: Callable, args, kwargs, *,
-              model_recipe: Optional[recipes.CustomRecipe], annotate: bool):
+def gemm_call(
+  module: nn.Module,
+  flax_call: Callable,
+  args,
+  kwargs,
+  *,
+  model_recipe: Optional[recipes.CustomRecipe],
+  annotate: bool,
+):
   """Runs a (Flax or jaxquant) Dense / DenseGeneral / Einsum under the resolved recipe.
 
   Args:
@@ -167,8 +199,10 @@ def gemm_call(module: nn.Module, flax_call: Callable, args, kwargs, *,
   roles = gemm_roles(MODULE_TYPE, name)
   quantizers = recipe.quantizers(MODULE_TYPE, name)
   session = sessions.current()
-  record = lambda status, shapes: session and session.record(sessions.Row(
-      name, type(module).__name__, shapes, name, quantizers, status))
+  record = lambda status, shapes: (
+    session
+    and session.record(sessions.Row(name, type(module).__name__, shapes, name, quantizers, status))
+  )
   if is_high_precision(quantizers):
     y = flax_call(*args, **kwargs)
     record(sessions.RECIPE_NONE, (np.shape(args[0]),))
@@ -181,16 +215,21 @@ def gemm_call(module: nn.Module, flax_call: Callable, args, kwargs, *,
 
 def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *args, **kwargs):
   what = _describe(module)
-  if getattr(module, "dot_general", None) is not None or \
-     getattr(module, "dot_general_cls", None) is not None:
-    raise ValueError(f"{what}: a custom dot_general cannot be combined with a quantizing "
-                     "recipe; map this module to None in the recipe")
+  if (
+    getattr(module, "dot_general", None) is not None
+    or getattr(module, "dot_general_cls", None) is not None
+  ):
+    raise ValueError(
+      f"{what}: a custom dot_general cannot be combined with a quantizing "
+      "recipe; map this module to None in the recipe"
+    )
   kernel, bias, plan, add_bias = _CONTRACTIONS[_flax_class(module)](module, x, *args, **kwargs)
   shapes = (np.shape(x), np.shape(kernel))
   session = sessions.current()
   if session is not None and session.on_unfit == "high_precision":
-    reason = contraction.unfit_reason(*plan.dims(x.shape, kernel.shape), quantizers,
-                                      backward=recipe.backward)
+    reason = contraction.unfit_reason(
+      *plan.dims(x.shape, kernel.shape), quantizers, backward=recipe.backward
+    )
     if reason:
       record(sessions.unfit_status(reason), shapes)
       return flax_call(x, *args, **kwargs)
@@ -200,12 +239,21 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
   gather = None
   if session is not None and session.weight_gather is not None:
     gather = session.weight_gather.kernel_gather(
-        tuple(module.path) + ("kernel",), np.shape(kernel), plan.kernel_perm, plan.n_contracted,
-        what)
+      tuple(module.path) + ("kernel",), np.shape(kernel), plan.kernel_perm, plan.n_contracted, what
+    )
   y, new_state = contraction.quantized_gemm(
-      plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=module_path(module),
-      what=what, key=_key(module, quantizers), state=state, weight_gather=gather,
-      fast_accumulation=recipe.fast_accumulation)
+    plan,
+    x,
+    kernel,
+    quantizers=quantizers,
+    backward=recipe.backward,
+    name=module_path(module),
+    what=what,
+    key=_key(module, quantizers),
+    state=state,
+    weight_gather=gather,
+    fast_accumulation=recipe.fast_accumulation,
+  )
   record(sessions.QUANTIZED, shapes)
   if variables and module.is_mutable_collection(QUANT_STATE) and not module.is_initializing():
     for t, v in variables.items():
@@ -214,9 +262,15 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
 
 
 def _call_native(module, *args, model_recipe=None, **kwargs):
-  flax_call = getattr(_flax_class(module).__call__, "__wrapped__")
-  return gemm_call(module, lambda *a, **k: flax_call(module, *a, **k), args, kwargs,
-                   model_recipe=model_recipe, annotate=True)
+  flax_call = _flax_class(module).__call__.__wrapped__
+  return gemm_call(
+    module,
+    lambda *a, **k: flax_call(module, *a, **k),
+    args,
+    kwargs,
+    model_recipe=model_recipe,
+    annotate=True,
+  )
 
 
 class Dense(nn.Dense):

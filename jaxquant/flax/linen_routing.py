@@ -58,8 +58,10 @@ class LinenHost:
     if self.module.is_initializing():
       return jax.random.key(0)  # init needs shapes only; the params stream stays untouched
     if not self.module.has_rng(QUANT_RNG):
-      raise ValueError(f"{what}: its recipe rounds stochastically; pass a PRNG key for the "
-                       f"{QUANT_RNG!r} stream: model.apply(..., rngs={{'{QUANT_RNG}': key}})")
+      raise ValueError(
+        f"{what}: its recipe rounds stochastically; pass a PRNG key for the "
+        f"{QUANT_RNG!r} stream: model.apply(..., rngs={{'{QUANT_RNG}': key}})"
+      )
     return self.module.make_rng(QUANT_RNG)
 
   def state(self, param: str, roles, quantizers, what: str) -> Optional[dict]:
@@ -68,13 +70,16 @@ class LinenHost:
       return None
     fresh = lambda t: init_role_states(roles, quantizers)[t]
     # scope.variable, not module.variable: the owner need not be in a compact method.
-    variables = {t: self.module.scope.variable(QUANT_STATE, f"{param}_{t}", fresh, t)
-                 for t in stateful}
+    variables = {
+      t: self.module.scope.variable(QUANT_STATE, f"{param}_{t}", fresh, t) for t in stateful
+    }
     for t, v in variables.items():
       if v.value.quantizer != stateful[t]:
-        raise ValueError(f"{what}: its {QUANT_STATE} for {t!r} was made for "
-                         f"{v.value.quantizer!r} but the recipe now gives {stateful[t]!r}; "
-                         f"re-initialise the {QUANT_STATE} collection")
+        raise ValueError(
+          f"{what}: its {QUANT_STATE} for {t!r} was made for "
+          f"{v.value.quantizer!r} but the recipe now gives {stateful[t]!r}; "
+          f"re-initialise the {QUANT_STATE} collection"
+        )
     self.variables[param] = variables
     return {t: v.value.scaling for t, v in variables.items()}
 

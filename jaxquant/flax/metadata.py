@@ -57,8 +57,9 @@ class QuantizedWeight(struct.PyTreeNode, meta.AxisMetadata):
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def annotate_linen_weight(module, param_name: str, role: QuantizerRole,
-                          quantizer: Optional[Quantizer]) -> None:
+def annotate_linen_weight(
+  module, param_name: str, role: QuantizerRole, quantizer: Optional[Quantizer]
+) -> None:
   """Boxes a Linen module's freshly initialised weight with its role (only during init).
 
   Called after the module created the param the ordinary way, so its initializer, shape
@@ -104,6 +105,10 @@ def weight_roles(tree_or_module: Any) -> dict[str, tuple[QuantizerRole, Optional
         found["/".join(map(str, path))] = (metadata[ROLE_KEY], metadata[QUANTIZER_KEY])
     return found
   leaves = jax.tree_util.tree_leaves_with_path(
-      tree_or_module, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-  return {_path_str(path): (leaf.role, leaf.quantizer)
-          for path, leaf in leaves if isinstance(leaf, QuantizedWeight)}
+    tree_or_module, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+  )
+  return {
+    _path_str(path): (leaf.role, leaf.quantizer)
+    for path, leaf in leaves
+    if isinstance(leaf, QuantizedWeight)
+  }

@@ -70,13 +70,15 @@ class MoE(nn.Module):
   def __call__(self, x):
     shape, d = x.shape, x.shape[-1]
     tokens = x.reshape(-1, d)
-    logits = nn.Dense(self.num_experts, use_bias=False, param_dtype=self.param_dtype,
-                      name="router")(tokens.astype(jnp.float32))
+    logits = nn.Dense(
+      self.num_experts, use_bias=False, param_dtype=self.param_dtype, name="router"
+    )(tokens.astype(jnp.float32))
     experts, weights, aux = route(logits, self.top_k)
     self.sow("intermediates", "load_balancing_loss", aux)
     xs, order, sizes = permute(tokens, experts, self.num_experts)
-    dense = lambda n, name: GroupedDense(self.num_experts, n, recipe=self.recipe,
-                                         param_dtype=self.param_dtype, name=name)
+    dense = lambda n, name: GroupedDense(
+      self.num_experts, n, recipe=self.recipe, param_dtype=self.param_dtype, name=name
+    )
     h = nn.silu(dense(self.hidden, "gate")(xs, sizes)) * dense(self.hidden, "up")(xs, sizes)
     ys = dense(d, "down")(h, sizes)
     return unpermute(ys, order, weights).astype(x.dtype).reshape(shape), aux

@@ -47,8 +47,9 @@ class _QuantizedGemm:
     if name is not None:
       self.bind_role(name, None)
 
-  def bind_role(self, name: str, model_recipe: Optional[recipes.CustomRecipe], *,
-                annotate: bool = True) -> None:
+  def bind_role(
+    self, name: str, model_recipe: Optional[recipes.CustomRecipe], *, annotate: bool = True
+  ) -> None:
     """Names the roles, records the model's recipe, creates the state the recipe needs."""
     self.role_name = name
     self.model_recipe = model_recipe
@@ -59,7 +60,8 @@ class _QuantizedGemm:
       # A layer built under nnx.vmap (layers for nnx.scan) has stacked kernels: its state
       # is stacked alike, one per layer.
       self.quant_state = QuantState(
-          stacked_role_states(init_role_states(roles, quantizers), self._stacked_dims()))
+        stacked_role_states(init_role_states(roles, quantizers), self._stacked_dims())
+      )
     elif hasattr(self, "quant_state"):
       del self.quant_state
     if annotate:
@@ -68,7 +70,7 @@ class _QuantizedGemm:
   def _stacked_dims(self) -> tuple[int, ...]:
     """Leading kernel dims beyond the layer's own (from nnx.vmap), e.g. (layers,)."""
     own = len(self.kernel_shape) if isinstance(self, nnx.Einsum) else 2
-    return tuple(self.kernel.shape[:len(self.kernel.shape) - own])
+    return tuple(self.kernel.shape[: len(self.kernel.shape) - own])
 
   def _what(self) -> str:
     return f"{type(self).__name__} {self.role_name!r}"
@@ -85,17 +87,20 @@ class _QuantizedGemm:
     for t, q in stateful.items():
       if t not in held or held[t].quantizer != q:
         raise ValueError(
-            f"{self._what()}: the recipe gives {t!r} the delayed-scaling quantizer {q!r}, but "
-            "the module holds no state made for it; give the recipe to the module or to "
-            "jaxquant.flax.quantize_model (not only to autocast), which create the state")
+          f"{self._what()}: the recipe gives {t!r} the delayed-scaling quantizer {q!r}, but "
+          "the module holds no state made for it; give the recipe to the module or to "
+          "jaxquant.flax.quantize_model (not only to autocast), which create the state"
+        )
     return {t: held[t].scaling for t in stateful}
 
   def _key(self, quantizers):
     if not any(needs_key(q) for q in quantizers.values()):
       return None
     if self.quant_rngs is None:
-      raise ValueError(f"{self._what()}: its recipe rounds stochastically; pass "
-                       "quant_rngs=nnx.Rngs(quant=seed) (or rngs= to quantize_model)")
+      raise ValueError(
+        f"{self._what()}: its recipe rounds stochastically; pass "
+        "quant_rngs=nnx.Rngs(quant=seed) (or rngs= to quantize_model)"
+      )
     return self.quant_rngs.quant()
 
   def _gemm(self, flax_call, plan_fn, inputs, *args, **kwargs):
@@ -106,16 +111,27 @@ class _QuantizedGemm:
     recipe, quantizers = self._resolve()
     session = sessions.current()
     shapes = (jnp.shape(inputs), self.kernel.shape)
-    record = lambda status: session and session.record(sessions.Row(
-        self.role_name or "", type(self).__name__, shapes, self.role_name or "", quantizers,
-        status))
+    record = lambda status: (
+      session
+      and session.record(
+        sessions.Row(
+          self.role_name or "",
+          type(self).__name__,
+          shapes,
+          self.role_name or "",
+          quantizers,
+          status,
+        )
+      )
+    )
     if is_high_precision(quantizers):
       record(sessions.RECIPE_NONE)
       return flax_call(self, inputs, *args, **kwargs)
     plan, add_bias = plan_fn(inputs, *args, **kwargs)
     if session is not None and session.on_unfit == "high_precision":
-      reason = contraction.unfit_reason(*plan.dims(inputs.shape, self.kernel.shape), quantizers,
-                                        backward=recipe.backward)
+      reason = contraction.unfit_reason(
+        *plan.dims(inputs.shape, self.kernel.shape), quantizers, backward=recipe.backward
+      )
       if reason:
         record(sessions.unfit_status(reason))
         return flax_call(self, inputs, *args, **kwargs)
@@ -123,24 +139,42 @@ class _QuantizedGemm:
     x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)
     state = self._state(quantizers)
     y, new_state = contraction.quantized_gemm(
-        plan, x, kernel, quantizers=quantizers, backward=recipe.backward, name=self.role_name or "",
-        what=self._what(), key=self._key(quantizers), state=state,
-        fast_accumulation=recipe.fast_accumulation)
+      plan,
+      x,
+      kernel,
+      quantizers=quantizers,
+      backward=recipe.backward,
+      name=self.role_name or "",
+      what=self._what(),
+      key=self._key(quantizers),
+      state=state,
+      fast_accumulation=recipe.fast_accumulation,
+    )
     record(sessions.QUANTIZED)
     if new_state is not None:
       held = self.quant_state.get_value()
-      self.quant_state.set_value({t: s if t not in new_state else
-                                  type(s)(new_state[t], s.role, s.quantizer)
-                                  for t, s in held.items()})
+      self.quant_state.set_value(
+        {
+          t: s if t not in new_state else type(s)(new_state[t], s.role, s.quantizer)
+          for t, s in held.items()
+        }
+      )
     return y if bias is None else add_bias(y, bias)
 
 
 class Linear(_QuantizedGemm, nnx.Linear):
   """`nnx.Linear` with quantized GEMMs."""
 
-  def __init__(self, in_features: int, out_features: int, *,
-               recipe: Optional[recipes.CustomRecipe] = None, name: Optional[str] = None,
-               quant_rngs: Optional[nnx.Rngs] = None, **kwargs):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    recipe: Optional[recipes.CustomRecipe] = None,
+    name: Optional[str] = None,
+    quant_rngs: Optional[nnx.Rngs] = None,
+    **kwargs,
+  ):
     super().__init__(in_features, out_features, **kwargs)
     self._init_quantization(recipe, name, quant_rngs)
 
@@ -149,8 +183,10 @@ class Linear(_QuantizedGemm, nnx.Linear):
       return nnx.Linear.__call__(self, inputs, out_sharding)
 
     def plan(x):
-      return (contraction.plan_dense_general(x.ndim, (x.ndim - 1,), 1),
-              lambda y, b: y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,)))
+      return (
+        contraction.plan_dense_general(x.ndim, (x.ndim - 1,), 1),
+        lambda y, b: y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,)),
+      )
 
     return self._gemm(nnx.Linear.__call__, plan, inputs)
 
@@ -158,9 +194,17 @@ class Linear(_QuantizedGemm, nnx.Linear):
 class Einsum(_QuantizedGemm, nnx.Einsum):
   """`nnx.Einsum` whose contraction is a GEMM (no batch axes when quantized)."""
 
-  def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *,
-               recipe: Optional[recipes.CustomRecipe] = None, name: Optional[str] = None,
-               quant_rngs: Optional[nnx.Rngs] = None, **kwargs):
+  def __init__(
+    self,
+    einsum_str: str,
+    kernel_shape,
+    bias_shape=None,
+    *,
+    recipe: Optional[recipes.CustomRecipe] = None,
+    name: Optional[str] = None,
+    quant_rngs: Optional[nnx.Rngs] = None,
+    **kwargs,
+  ):
     super().__init__(einsum_str, kernel_shape, bias_shape, **kwargs)
     self._init_quantization(recipe, name, quant_rngs)
 
@@ -174,8 +218,10 @@ class Einsum(_QuantizedGemm, nnx.Einsum):
       operands, out, _ = opt_einsum.parser.parse_einsum_input((equation, x, kernel))
       lhs, rhs = operands.split(",")
       broadcast = self._infer_broadcasted_bias_shape(equation, x, kernel)
-      return (contraction.plan_einsum(lhs, rhs, out, self._what()),
-              lambda y, b: y + jnp.reshape(b, broadcast))
+      return (
+        contraction.plan_einsum(lhs, rhs, out, self._what()),
+        lambda y, b: y + jnp.reshape(b, broadcast),
+      )
 
     return self._gemm(nnx.Einsum.__call__, plan, inputs, einsum_str=einsum_str)
 
@@ -194,11 +240,13 @@ def _quantized_twin(module: nnx.Module, quant_rngs) -> nnx.Module:
   """
   cls = _SWAPPED[type(module)]
   if cls is Linear:
-    make = lambda: Linear(module.in_features, module.out_features, use_bias=module.use_bias,
-                          rngs=nnx.Rngs(0))
+    make = lambda: Linear(
+      module.in_features, module.out_features, use_bias=module.use_bias, rngs=nnx.Rngs(0)
+    )
   else:
-    make = lambda: Einsum(module.einsum_str, module.kernel_shape, module.bias_shape,
-                          rngs=nnx.Rngs(0))
+    make = lambda: Einsum(
+      module.einsum_str, module.kernel_shape, module.bias_shape, rngs=nnx.Rngs(0)
+    )
   twin = nnx.eval_shape(make)
   for attr, value in vars(module).items():
     if not attr.startswith("_pytree__"):
@@ -211,14 +259,21 @@ def _path(path) -> str:
   return "/".join(str(k) for k in path)
 
 
-def swap_modules(model: nnx.Module, recipe: Optional[recipes.CustomRecipe], *,
-                 annotate: bool = False, rngs: Optional[nnx.Rngs] = None) -> nnx.Module:
+def swap_modules(
+  model: nnx.Module,
+  recipe: Optional[recipes.CustomRecipe],
+  *,
+  annotate: bool = False,
+  rngs: Optional[nnx.Rngs] = None,
+) -> nnx.Module:
   """Replaces, in place, every nnx.Linear / nnx.Einsum reachable from `model` (every
   reference to it) by its quantized twin, and binds every jaxquant layer to its module
   path and the model recipe. Returns `model`."""
   if type(model) in _SWAPPED:
-    raise TypeError(f"quantize_model: the model itself is a {type(model).__name__}; wrap it "
-                    "in a module, or build jaxquant.flax.nnx's layer directly")
+    raise TypeError(
+      f"quantize_model: the model itself is a {type(model).__name__}; wrap it "
+      "in a module, or build jaxquant.flax.nnx's layer directly"
+    )
 
   def replace(child, path):
     if type(child) in _SWAPPED:
@@ -262,8 +317,10 @@ def replace_submodules(model: nnx.Module, replace) -> None:
         visit(child, child_path)
       elif new is not child:
         if getattr(impl, "set_key", None) is None:
-          raise TypeError(f"cannot replace the module at {_path(child_path)!r} inside an "
-                          f"immutable {type(node).__name__}; use nnx.List / nnx.Dict")
+          raise TypeError(
+            f"cannot replace the module at {_path(child_path)!r} inside an "
+            f"immutable {type(node).__name__}; use nnx.List / nnx.Dict"
+          )
         impl.set_key(node, key, new)
 
   visit(model, ())

@@ -44,15 +44,19 @@ class NnxHost:
     if not any(needs_key(q) for q in quantizers.values()):
       return None
     if self.rngs is None:
-      raise ValueError(f"{what}: its recipe rounds stochastically; pass "
-                       "rngs=nnx.Rngs(quant=seed) to quantize_model")
+      raise ValueError(
+        f"{what}: its recipe rounds stochastically; pass "
+        "rngs=nnx.Rngs(quant=seed) to quantize_model"
+      )
     return self.rngs.quant()
 
   def state(self, param, roles, quantizers, what: str) -> None:
     if any(needs_state(q) for q in quantizers.values()):
-      raise ValueError(f"{what}: delayed scaling needs state that an NNX model's routed "
-                       "contractions do not hold; use a current-scaling recipe for this role "
-                       "or build the layer from jaxquant.flax.nnx's Linear / Einsum")
+      raise ValueError(
+        f"{what}: delayed scaling needs state that an NNX model's routed "
+        "contractions do not hold; use a current-scaling recipe for this role "
+        "or build the layer from jaxquant.flax.nnx's Linear / Einsum"
+      )
     return None
 
   def write_state(self, param, new_state) -> None:
@@ -84,6 +88,7 @@ def _finder(rngs):
         weights = [n for n, v in params.items() if len(getattr(v, "shape", ())) >= 2]
         return WeightRef(getattr(module, PATH_ATTR), name, weights == [name], NnxHost(rngs))
     return None
+
   return find_weight
 
 
@@ -98,13 +103,27 @@ def _routed_class(cls: type, recipe, on_unfit, require_gemm) -> type:
       sessions.check_found_gemms(session, f"quantize_model({cls.__name__})")
     return y
 
-  return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                     "__qualname__": cls.__qualname__, _BASE_ATTR: cls})
+  return type(
+    cls.__name__,
+    (cls,),
+    {
+      "__call__": __call__,
+      "__module__": cls.__module__,
+      "__qualname__": cls.__qualname__,
+      _BASE_ATTR: cls,
+    },
+  )
 
 
-def quantize_nnx_model(model: nnx.Module, recipe: Optional[recipes.CustomRecipe], *,
-                       annotate: bool, rngs: Optional[nnx.Rngs], on_unfit: str,
-                       require_gemm: bool) -> nnx.Module:
+def quantize_nnx_model(
+  model: nnx.Module,
+  recipe: Optional[recipes.CustomRecipe],
+  *,
+  annotate: bool,
+  rngs: Optional[nnx.Rngs],
+  on_unfit: str,
+  require_gemm: bool,
+) -> nnx.Module:
   """In place: stock layers swapped, modules named, the model's calls routed. Returns it."""
   swap_modules(model, recipe, annotate=annotate, rngs=rngs)
   for path, node in nnx.iter_graph(model):

@@ -29,10 +29,22 @@ import numpy as np
 T = TypeVar("T")
 
 # Primitives whose output holds exactly the values of their one input.
-_VALUE_PRESERVING = frozenset({
-    "convert_element_type", "transpose", "reshape", "squeeze", "expand_dims",
-    "broadcast_in_dim", "sharding_constraint", "copy", "copy_p", "device_put", "reshard",
-    "mesh_cast"})
+_VALUE_PRESERVING = frozenset(
+  {
+    "convert_element_type",
+    "transpose",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "broadcast_in_dim",
+    "sharding_constraint",
+    "copy",
+    "copy_p",
+    "device_put",
+    "reshard",
+    "mesh_cast",
+  }
+)
 
 
 def _inner(value: Any) -> Any:
@@ -63,13 +75,13 @@ def _producer_input(value: Any) -> Optional[Any]:
 
 def _holds_values_of(operand: jax.Array, param: Any) -> bool:
   """Eagerly: whether `operand` is `param` cast, reshaped, or transposed (`.T`)."""
-  if isinstance(param, jax.core.Tracer) or np.ndim(param) < 2 or \
-     np.size(param) != np.size(operand):
+  if isinstance(param, jax.core.Tracer) or np.ndim(param) < 2 or np.size(param) != np.size(operand):
     return False
   cast = np.asarray(param).astype(operand.dtype)
   values = np.asarray(operand)
-  return bool(np.array_equal(values.ravel(), cast.ravel()) or
-              np.array_equal(values.ravel(), cast.T.ravel()))
+  return bool(
+    np.array_equal(values.ravel(), cast.ravel()) or np.array_equal(values.ravel(), cast.T.ravel())
+  )
 
 
 def find(operand: Any, params: Mapping[T, Any]) -> Optional[T]:

@@ -44,13 +44,21 @@ class SwapReport:
 
   def _cells(self, row: Row) -> tuple[str, ...]:
     quantizers = row.quantizers or {}
-    return (row.path or "-", row.call, " x ".join(str(tuple(s)) for s in row.shapes),
-            row.role or "-", *(_name(quantizers.get(t)) for t in TENSOR_TYPES), row.status)
+    return (
+      row.path or "-",
+      row.call,
+      " x ".join(str(tuple(s)) for s in row.shapes),
+      row.role or "-",
+      *(_name(quantizers.get(t)) for t in TENSOR_TYPES),
+      row.status,
+    )
 
   def __str__(self) -> str:
     table = [_COLUMNS] + [self._cells(r) for r in self.rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
+    lines = [
+      "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)).rstrip() for line in table
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -63,23 +71,28 @@ def swap_report(model: Any, *args, **kwargs) -> SwapReport:
   NNX: `swap_report(quantized_model, *args, **kwargs)`.
   """
   from jaxquant.flax.swap import QuantizedModel
+
   rows: list[Row] = []
   record = sessions.collecting(rows)
   if isinstance(model, nn.Module):
     if not isinstance(model, QuantizedModel):
-      raise TypeError("swap_report: pass the model that jaxquant.flax.quantize_model returned, "
-                      f"got a {type(model).__name__}")
+      raise TypeError(
+        "swap_report: pass the model that jaxquant.flax.quantize_model returned, "
+        f"got a {type(model).__name__}"
+      )
     variables, *args = args
-    apply = lambda v, *a: model.apply(v, *a, rngs={"quant": jax.random.key(0)},
-                                      mutable=True, **kwargs)
+    apply = lambda v, *a: model.apply(
+      v, *a, rngs={"quant": jax.random.key(0)}, mutable=True, **kwargs
+    )
     with record:
       jax.eval_shape(apply, variables, *args)
   else:
     from flax import nnx
+
     from jaxquant.flax.nnx_routing import PATH_ATTR
+
     if not hasattr(model, PATH_ATTR):
-      raise TypeError("swap_report: pass an NNX model that jaxquant.flax.quantize_model "
-                      "quantized")
+      raise TypeError("swap_report: pass an NNX model that jaxquant.flax.quantize_model quantized")
     with record:
       nnx.eval_shape(lambda m, *a: m(*a, **kwargs), model, *args)
   return SwapReport(tuple(rows))

@@ -56,8 +56,11 @@ def handle(call: Call):
   weight_first = refs[0] is not None
   ref = refs[0] or refs[1]
   x, w = (found.rhs, found.lhs) if weight_first else (found.lhs, found.rhs)
-  x_l, w_l = ((found.rhs_letters, found.lhs_letters) if weight_first
-              else (found.lhs_letters, found.rhs_letters))
+  x_l, w_l = (
+    (found.rhs_letters, found.lhs_letters)
+    if weight_first
+    else (found.lhs_letters, found.rhs_letters)
+  )
   shapes = (np.shape(x), np.shape(w))
   what = f"{calls.describe(call, found)} with weight {ref.role_name!r}"
   reason = contraction.not_a_gemm(x_l, w_l, found.out_letters)
@@ -73,20 +76,28 @@ def handle(call: Call):
   if plan is not None:
     m, k, n = plan.dims(np.shape(x), np.shape(w))
     reason = contraction.unfit_reason(
-        0 if grouped else m, k, n, quantizers,
-        backward=recipe.backward if session.on_unfit == "high_precision" else None)
+      0 if grouped else m,
+      k,
+      n,
+      quantizers,
+      backward=recipe.backward if session.on_unfit == "high_precision" else None,
+    )
   if reason:
     if session.on_unfit == "error":
-      raise ValueError(f"{what}: {reason}; change the shape or map role {ref.role_name!r} to "
-                       "another quantizer (or None) in the recipe, or pass "
-                       "on_unfit='high_precision' to quantize_model")
+      raise ValueError(
+        f"{what}: {reason}; change the shape or map role {ref.role_name!r} to "
+        "another quantizer (or None) in the recipe, or pass "
+        "on_unfit='high_precision' to quantize_model"
+      )
     session.record(row(sessions.unfit_status(reason)))
     return call.fallback()
   if session.weight_gather is not None and quantizers["weight"] is not None:
-    raise ValueError(f"{what}: quantize_model's weight_gather gathers the kernels of Dense, "
-                     "DenseGeneral and Einsum layers; a weight the model's own code contracts "
-                     "would be gathered in high precision. Map role "
-                     f"{ref.role_name!r} to None in the recipe, or leave weight_gather out")
+    raise ValueError(
+      f"{what}: quantize_model's weight_gather gathers the kernels of Dense, "
+      "DenseGeneral and Einsum layers; a weight the model's own code contracts "
+      "would be gathered in high precision. Map role "
+      f"{ref.role_name!r} to None in the recipe, or leave weight_gather out"
+    )
   session.record(row(sessions.QUANTIZED))
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
   x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
@@ -96,8 +107,17 @@ def handle(call: Call):
   roles = gemm_roles(module_type, ref.role_name)
   state = ref.host.state(ref.param, roles, quantizers, what)
   y, new_state = contraction.quantized_gemm(
-      plan, x, w, quantizers=quantizers, backward=recipe.backward, name=ref.role_name,
-      what=what, key=key, state=state, fast_accumulation=recipe.fast_accumulation)
+    plan,
+    x,
+    w,
+    quantizers=quantizers,
+    backward=recipe.backward,
+    name=ref.role_name,
+    what=what,
+    key=key,
+    state=state,
+    fast_accumulation=recipe.fast_accumulation,
+  )
   if new_state is not None:
     ref.host.write_state(ref.param, new_state)
   return y
@@ -106,12 +126,21 @@ def handle(call: Call):
 def _grouped(plan, x, w, quantizers, recipe, ref, key, what):
   delayed = sorted(t for t, q in quantizers.items() if needs_state(q))
   if delayed:
-    raise ValueError(f"{what}: roles {delayed} use delayed scaling, which batched (grouped) "
-                     "contractions do not hold state for; use a current-scaling recipe for "
-                     "this role")
+    raise ValueError(
+      f"{what}: roles {delayed} use delayed scaling, which batched (grouped) "
+      "contractions do not hold state for; use a current-scaling recipe for "
+      "this role"
+    )
 
   def grouped_gemm(x2d, k3d, group_sizes):
-    return ops.grouped_dense(x2d, k3d, group_sizes, quantizers=dict(quantizers),
-                             backward=recipe.backward, name=ref.role_name, key=key), None
+    return ops.grouped_dense(
+      x2d,
+      k3d,
+      group_sizes,
+      quantizers=dict(quantizers),
+      backward=recipe.backward,
+      name=ref.role_name,
+      key=key,
+    ), None
 
   return plan.run(x, w, grouped_gemm)[0]

@@ -85,10 +85,12 @@ class Session:
 
 
 _SESSION: contextvars.ContextVar[Optional[Session]] = contextvars.ContextVar(
-    "jaxquant_swap_session", default=None)
+  "jaxquant_swap_session", default=None
+)
 # Where `swap_report` collects the rows of every session opened while it traces.
 _REPORT: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(
-    "jaxquant_swap_report", default=None)
+  "jaxquant_swap_report", default=None
+)
 
 
 @contextlib.contextmanager
@@ -127,7 +129,8 @@ def check_found_gemms(session: Session, what: str) -> None:
   if all(q is None for q in probe.values()):
     return  # e.g. bf16: nothing to quantize, nothing missed
   raise ValueError(
-      f"{what}: the recipe {recipe.name!r} quantizes, but the model made no GEMM with a "
-      f"weight that the swap-in reaches ({len(session.rows)} contractions met, none with a "
-      "param operand), so it would run entirely in high precision. jaxquant.flax.swap_report "
-      "lists what was met. If this is intended, pass require_gemm=False to quantize_model")
+    f"{what}: the recipe {recipe.name!r} quantizes, but the model made no GEMM with a "
+    f"weight that the swap-in reaches ({len(session.rows)} contractions met, none with a "
+    "param operand), so it would run entirely in high precision. jaxquant.flax.swap_report "
+    "lists what was met. If this is intended, pass require_gemm=False to quantize_model"
+  )

@@ -63,15 +63,20 @@ def _delayed(quantizer: Quantizer) -> DelayedFloat8Quantizer:
   raise ValueError(f"{quantizer!r} does not use delayed scaling")
 
 
-def init_role_states(roles: dict[str, QuantizerRole],
-                     quantizers: dict[str, Optional[Quantizer]]) -> dict[str, RoleState]:
+def init_role_states(
+  roles: dict[str, QuantizerRole], quantizers: dict[str, Optional[Quantizer]]
+) -> dict[str, RoleState]:
   """Fresh states for exactly the roles whose quantizer needs state."""
-  return {t: RoleState(scaling.init_state(_delayed(q)), roles[t], q)
-          for t, q in quantizers.items() if needs_state(q)}
+  return {
+    t: RoleState(scaling.init_state(_delayed(q)), roles[t], q)
+    for t, q in quantizers.items()
+    if needs_state(q)
+  }
 
 
-def stacked_role_states(states: dict[str, RoleState], leading: tuple[int, ...]
-                        ) -> dict[str, RoleState]:
+def stacked_role_states(
+  states: dict[str, RoleState], leading: tuple[int, ...]
+) -> dict[str, RoleState]:
   """States for a layer stacked along `leading` axes (scanned layers: one state each)."""
   return jax.tree.map(lambda a: jnp.broadcast_to(a, leading + a.shape), states)
 
@@ -101,8 +106,14 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
   if uses_kernels():  # delayed_state.update divides in the kernel
     # Layers stacked by scan go to the kernel as one vector (update's leading axes), not
     # one call per layer as vmap would make them.
-    recorded = states if grads is None else [
-        _per_layer(scaling.record_grad_amax, state, grad) for state, grad in zip(states, grads)]
+    recorded = (
+      states
+      if grads is None
+      else [
+        _per_layer(scaling.record_grad_amax, state, grad)
+        for state, grad in zip(states, grads, strict=False)
+      ]
+    )
     return [delayed_state.update(state, quantizer) for state in recorded]
   stacked = stack(states)
   new = _per_layer(advance, stacked, None if grads is None else stack(grads))
@@ -120,9 +131,11 @@ def _advance_all(states: list, grads: list) -> list:
   new = list(states)
   for (quantizer, _, records_grad), members in groups.items():
     advanced = _advance_group(
-        quantizer, [states[i].scaling for i in members],
-        [grads[i].scaling for i in members] if records_grad else None)
-    for i, scaled in zip(members, advanced):
+      quantizer,
+      [states[i].scaling for i in members],
+      [grads[i].scaling for i in members] if records_grad else None,
+    )
+    for i, scaled in zip(members, advanced, strict=False):
       new[i] = dataclasses.replace(states[i], scaling=scaled)
   return new
 
@@ -146,8 +159,10 @@ def update_quant_state(quant_state: Any, state_grads: Any = None) -> Any:
     The state for the next step: the new scales, the histories rolled.
   """
   from flax import nnx  # only to recognise an NNX model
+
   if isinstance(quant_state, nnx.Module):
     from jaxquant.flax.nnx import QuantState
+
     model = quant_state
     grads = None if state_grads is None else nnx.filter_state(state_grads, QuantState)
     new_state = update_quant_state(nnx.state(model, QuantState), grads)
@@ -160,7 +175,7 @@ def update_quant_state(quant_state: Any, state_grads: Any = None) -> Any:
     grad_leaves = treedef.flatten_up_to(state_grads)
   at = [i for i, leaf in enumerate(leaves) if is_role_state(leaf)]  # e.g. params beside it
   advanced = _advance_all([leaves[i] for i in at], [grad_leaves[i] for i in at])
-  for i, state in zip(at, advanced):
+  for i, state in zip(at, advanced, strict=False):
     leaves[i] = state
   return jax.tree.unflatten(treedef, leaves)
 
@@ -168,5 +183,8 @@ def update_quant_state(quant_state: Any, state_grads: Any = None) -> Any:
 def combine_quant_state(a: Any, b: Any) -> Any:
   """Merges two records of one step (micro-batches, or their state gradients) by max."""
   return jax.tree.map(
-      lambda x, y: dataclasses.replace(x, scaling=scaling.combine(x.scaling, y.scaling)),
-      a, b, is_leaf=is_role_state)
+    lambda x, y: dataclasses.replace(x, scaling=scaling.combine(x.scaling, y.scaling)),
+    a,
+    b,
+    is_leaf=is_role_state,
+  )

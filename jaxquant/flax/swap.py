@@ -51,11 +51,13 @@ LINEN_GEMMS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
 def uses_jaxquant_hook(module: nn.Module) -> bool:
   """A stock layer given jaxquant's dot_general_cls quantizes through it already."""
   from jaxquant.flax.dot_general import is_jaxquant_hook  # dot_general imports this module
+
   return is_jaxquant_hook(getattr(module, "dot_general_cls", None))
 
 
-def _linen_interceptor(recipe: Optional[recipes.CustomRecipe], annotate: bool,
-                       stack: Optional[ModuleStack] = None):
+def _linen_interceptor(
+  recipe: Optional[recipes.CustomRecipe], annotate: bool, stack: Optional[ModuleStack] = None
+):
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
@@ -75,8 +77,9 @@ def _linen_interceptor(recipe: Optional[recipes.CustomRecipe], annotate: bool,
         return grouped.linen_call(module, *args, model_recipe=recipe, **kwargs)
     if type(module) in LINEN_GEMMS and not uses_jaxquant_hook(module):
       with interception.paused():
-        return linen.gemm_call(module, next_fun, args, kwargs, model_recipe=recipe,
-                               annotate=annotate)
+        return linen.gemm_call(
+          module, next_fun, args, kwargs, model_recipe=recipe, annotate=annotate
+        )
     return next_fun(*args, **kwargs)
 
   return intercept
@@ -109,8 +112,9 @@ class QuantizedModel(nn.Module):
       with recipes.autocast(recipes.bf16):
         self.module(*args, **kwargs)
     stack = ModuleStack()
-    session = sessions.Session(self.recipe, self.on_unfit, stack.find_weight,
-                               weight_gather=self.weight_gather)
+    session = sessions.Session(
+      self.recipe, self.on_unfit, stack.find_weight, weight_gather=self.weight_gather
+    )
     with sessions.active(session), interception.routing(routed.handle):
       with nn.intercept_methods(_linen_interceptor(self.recipe, self.annotate, stack)):
         y = self.module(*args, **kwargs)
@@ -124,10 +128,16 @@ def intercepting(recipe: Optional[recipes.CustomRecipe], annotate: bool = False)
   return nn.intercept_methods(_linen_interceptor(recipe, annotate))
 
 
-def quantize_model(model: Any, recipe: Optional[recipes.CustomRecipe] = None, *,
-                   annotate: bool = False, rngs: Any = None,
-                   on_unfit: sessions.OnUnfit = "error", require_gemm: bool = True,
-                   weight_gather: Optional[ModelWeightGather] = None) -> Any:
+def quantize_model(
+  model: Any,
+  recipe: Optional[recipes.CustomRecipe] = None,
+  *,
+  annotate: bool = False,
+  rngs: Any = None,
+  on_unfit: sessions.OnUnfit = "error",
+  require_gemm: bool = True,
+  weight_gather: Optional[ModelWeightGather] = None,
+) -> Any:
   """The model with its GEMMs quantized per `recipe` (None: autocast's, else bf16).
 
   Args:
@@ -148,17 +158,25 @@ def quantize_model(model: Any, recipe: Optional[recipes.CustomRecipe] = None, *,
   """
   sessions.check_on_unfit(on_unfit)
   if weight_gather is not None and not isinstance(weight_gather, ModelWeightGather):
-    raise TypeError("quantize_model: weight_gather must be a jaxquant.flax.ModelWeightGather, "
-                    f"got {type(weight_gather).__name__}")
+    raise TypeError(
+      "quantize_model: weight_gather must be a jaxquant.flax.ModelWeightGather, "
+      f"got {type(weight_gather).__name__}"
+    )
   if isinstance(model, nn.Module):
     if rngs is not None:
-      raise ValueError("quantize_model: rngs= is for NNX models; a Linen model takes its "
-                       "'quant' key in apply(..., rngs={'quant': key})")
+      raise ValueError(
+        "quantize_model: rngs= is for NNX models; a Linen model takes its "
+        "'quant' key in apply(..., rngs={'quant': key})"
+      )
     return QuantizedModel(model, recipe, annotate, on_unfit, require_gemm, weight_gather)
   if weight_gather is not None:
-    raise ValueError("quantize_model: weight_gather= is for Linen models; an NNX model's "
-                     "layers do not read their params' shardings, and would gather every "
-                     "weight in high precision")
+    raise ValueError(
+      "quantize_model: weight_gather= is for Linen models; an NNX model's "
+      "layers do not read their params' shardings, and would gather every "
+      "weight in high precision"
+    )
   from jaxquant.flax import nnx_routing  # NNX only for NNX models
-  return nnx_routing.quantize_nnx_model(model, recipe, annotate=annotate, rngs=rngs,
-                                        on_unfit=on_unfit, require_gemm=require_gemm)
+
+  return nnx_routing.quantize_nnx_model(
+    model, recipe, annotate=annotate, rngs=rngs, on_unfit=on_unfit, require_gemm=require_gemm
+  )

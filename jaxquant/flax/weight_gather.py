@@ -47,32 +47,49 @@ class ModelWeightGather:
         node = node[key]
       except (KeyError, TypeError, IndexError):
         raise ValueError(
-            f"{what}: ModelWeightGather.param_specs has no entry for "
-            f"{'/'.join(param_path[:i + 1])!r}; it must be shaped like the model's params "
-            "(the 'params' collection itself, not the variables dict)") from None
+          f"{what}: ModelWeightGather.param_specs has no entry for "
+          f"{'/'.join(param_path[: i + 1])!r}; it must be shaped like the model's params "
+          "(the 'params' collection itself, not the variables dict)"
+        ) from None
     if isinstance(node, jax.sharding.NamedSharding):
       node = node.spec
     if not isinstance(node, P):
-      raise TypeError(f"{what}: ModelWeightGather.param_specs['{'/'.join(param_path)}'] must be "
-                      f"a PartitionSpec or NamedSharding, got {type(node).__name__}")
+      raise TypeError(
+        f"{what}: ModelWeightGather.param_specs['{'/'.join(param_path)}'] must be "
+        f"a PartitionSpec or NamedSharding, got {type(node).__name__}"
+      )
     return tuple(node)
 
-  def kernel_gather(self, param_path: tuple[str, ...], kernel_shape: tuple[int, ...],
-                    kernel_perm: tuple[int, ...], n_contracted: int, what: str) -> WeightGather:
+  def kernel_gather(
+    self,
+    param_path: tuple[str, ...],
+    kernel_shape: tuple[int, ...],
+    kernel_perm: tuple[int, ...],
+    n_contracted: int,
+    what: str,
+  ) -> WeightGather:
     """The WeightGather of a layer's GEMM kernel: the param at `param_path`, of
     `kernel_shape`, seen by the GEMM as `transpose(kernel, kernel_perm)` reshaped to
     [K = prod(first n_contracted), N = prod(rest)]."""
     entries = self.spec_of(param_path, what)
     ndim = len(kernel_shape)
     entries = entries + (None,) * max(0, ndim - len(entries))
-    stacked, entries = entries[:len(entries) - ndim], entries[len(entries) - ndim:]
+    stacked, entries = entries[: len(entries) - ndim], entries[len(entries) - ndim :]
     if any(entry_axes(e) for e in stacked):
-      raise ValueError(f"{what}: the param's spec {P(*stacked, *entries)} shards an axis the "
-                       f"layer does not see (a scanned stack's); its kernel is {kernel_shape}")
+      raise ValueError(
+        f"{what}: the param's spec {P(*stacked, *entries)} shards an axis the "
+        f"layer does not see (a scanned stack's); its kernel is {kernel_shape}"
+      )
     order = tuple(kernel_perm)
-    return WeightGather(self.mesh, P(self._merged(order[:n_contracted], entries, kernel_shape, what),
-                                     self._merged(order[n_contracted:], entries, kernel_shape, what)),
-                        self.axis, self.fallback)
+    return WeightGather(
+      self.mesh,
+      P(
+        self._merged(order[:n_contracted], entries, kernel_shape, what),
+        self._merged(order[n_contracted:], entries, kernel_shape, what),
+      ),
+      self.axis,
+      self.fallback,
+    )
 
   @staticmethod
   def _merged(dims, entries, kernel_shape, what):
@@ -83,9 +100,11 @@ class ModelWeightGather:
     for d in dims:
       these = entry_axes(entries[d])
       if these and whole_before is not None:
-        raise ValueError(f"{what}: kernel axis {d} is sharded ({entries[d]}) but axis "
-                         f"{whole_before} before it in the GEMM's merged dim is not: the GEMM's "
-                         "[K, N] kernel would hold interleaved shards; shard the outer axis")
+        raise ValueError(
+          f"{what}: kernel axis {d} is sharded ({entries[d]}) but axis "
+          f"{whole_before} before it in the GEMM's merged dim is not: the GEMM's "
+          "[K, N] kernel would hold interleaved shards; shard the outer axis"
+        )
       if not these and kernel_shape[d] > 1:
         whole_before = d
       axes += these

@@ -9,20 +9,34 @@ loads the CUDA library, when it was built, and registers its FFI targets.
 
 from jaxquant.kernels import library
 from jaxquant.kernels.amax import amax
-from jaxquant.kernels.config import KernelConfig, unsupported_reason
+from jaxquant.kernels.bf16_gemm import scaled_bf16_gemm
 from jaxquant.kernels.block_gemm import block_fp8_gemm
-from jaxquant.kernels.fused_dequant import dequant_gemm
+from jaxquant.kernels.config import KernelConfig, unsupported_reason
 from jaxquant.kernels.decode_scale import decode_scale
 from jaxquant.kernels.delayed_scale import delayed_scale
 from jaxquant.kernels.dequantize import dequantize_data
-from jaxquant.kernels.tensor_gemm import fp8_tensor_gemm
-from jaxquant.kernels.bf16_gemm import scaled_bf16_gemm
+from jaxquant.kernels.fused_dequant import dequant_gemm
 from jaxquant.kernels.grouped import grouped_gemm
 from jaxquant.kernels.library import available, unavailable_reason
 from jaxquant.kernels.quantize import quantize_usages, quantize_usages_and_amax
+from jaxquant.kernels.tensor_gemm import fp8_tensor_gemm
 
 library.load_error()  # register the FFI targets now, when the library exists
 
-__all__ = ["available", "unavailable_reason", "amax", "quantize_usages", "quantize_usages_and_amax",
-           "decode_scale", "delayed_scale", "dequantize_data", "grouped_gemm", "block_fp8_gemm",
-           "dequant_gemm", "fp8_tensor_gemm", "scaled_bf16_gemm", "KernelConfig", "unsupported_reason"]
+__all__ = [
+  "available",
+  "unavailable_reason",
+  "amax",
+  "quantize_usages",
+  "quantize_usages_and_amax",
+  "decode_scale",
+  "delayed_scale",
+  "dequantize_data",
+  "grouped_gemm",
+  "block_fp8_gemm",
+  "dequant_gemm",
+  "fp8_tensor_gemm",
+  "scaled_bf16_gemm",
+  "KernelConfig",
+  "unsupported_reason",
+]

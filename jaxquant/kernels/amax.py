@@ -59,9 +59,16 @@ def _sharding_rule(config, shapes, mesh_size):
   return sharding.rule([("m", "k")], [()], {}, reduction_factors=("m", "k"))
 
 
-amax_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_amax", ffi_target=lambda config: "jaxquant_amax", abstract_eval=_abstract_eval,
-    reference=_reference, partition=_partition, sharding_rule=_sharding_rule))
+amax_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_amax",
+    ffi_target=lambda config: "jaxquant_amax",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+  )
+)
 
 
 def amax(x: jax.Array, *, per_row: bool = False, rht: bool = False) -> jax.Array:

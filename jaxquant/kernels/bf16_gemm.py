@@ -38,8 +38,13 @@ def _abstract_eval(a, b, alpha_beta, *, config):
 
 
 def _reference(a, b, alpha_beta, *, config):
-  sums = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                             precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  sums = jax.lax.dot_general(
+    a.astype(jnp.float32),
+    b.astype(jnp.float32),
+    (((1,), (1,)), ((), ())),
+    precision=jax.lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
   return [(sums * alpha_beta[0]).astype(config.out_dtype)]
 
 
@@ -50,19 +55,31 @@ _K_PER_SHARD = 16
 
 
 def _sharding_rule(config, shapes, mesh_size):
-  return sharding.rule([("m", "k"), ("n", "k"), ("two",)], [("m", "n")], {},
-                       reduction_factors=("k",), need_replication_factors=("two",))
+  return sharding.rule(
+    [("m", "k"), ("n", "k"), ("two",)],
+    [("m", "n")],
+    {},
+    reduction_factors=("k",),
+    need_replication_factors=("two",),
+  )
 
 
 def _partition(config, mesh, arg_shapes, result_shape):
-  return sharding.scaled_gemm_partition(mesh, arg_shapes, result_shape,
-                                        rows_multiple=_ROWS_PER_SHARD, k_multiple=_K_PER_SHARD)
+  return sharding.scaled_gemm_partition(
+    mesh, arg_shapes, result_shape, rows_multiple=_ROWS_PER_SHARD, k_multiple=_K_PER_SHARD
+  )
 
 
-scaled_bf16_gemm_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_scaled_bf16_gemm", ffi_target=lambda config: "jaxquant_scaled_bf16_gemm",
-    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule))
+scaled_bf16_gemm_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_scaled_bf16_gemm",
+    ffi_target=lambda config: "jaxquant_scaled_bf16_gemm",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+  )
+)
 
 
 def unsupported_reason(a_dtype, b_dtype, n: int, k: int, out_dtype) -> str | None:
@@ -74,8 +91,9 @@ def unsupported_reason(a_dtype, b_dtype, n: int, k: int, out_dtype) -> str | Non
   return validate.gemm_shape_reason(n, k, out_dtype)
 
 
-def scaled_bf16_gemm(a: jax.Array, b: jax.Array, scale: jax.Array, *,
-                     out_dtype=jnp.float32) -> jax.Array:
+def scaled_bf16_gemm(
+  a: jax.Array, b: jax.Array, scale: jax.Array, *, out_dtype=jnp.float32
+) -> jax.Array:
   """D [M, N] = scale * (A . B^T) from bf16 A [M, K] and B [N, K] and a float32 scalar
   scale: the scaled fp32 sums rounded once to out_dtype."""
   _, n, k = validate.check_gemm_operands(a, b, "scaled_bf16_gemm")

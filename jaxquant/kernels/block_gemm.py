@@ -50,8 +50,13 @@ def _reference(a, b, sfa, sfb, *, config):
   (m, k), n = a.shape, b.shape[0]
   va = a.astype(jnp.float32) * _expand(sfa, m, 1, k)
   vb = b.astype(jnp.float32) * _expand(sfb, n, config.b_block_rows, k)
-  out = jax.lax.dot_general(va, vb, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
+  out = jax.lax.dot_general(
+    va,
+    vb,
+    (((1,), (1,)), ((), ())),
+    precision=jax.lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
   return [out.astype(config.out_dtype)]
 
 
@@ -84,8 +89,9 @@ def _sharding_rule(config, shapes, mesh_size):
     replicated += ("n", "nb")
   operands = [("m", k_dim), (n_dim, k_dim), ("kb", "m"), ("kb", b_scale_rows)]
   reduced = ("kb",) if k % BLOCK == 0 else ()
-  return sharding.rule(operands, [("m", n_dim)], sizes, need_replication_factors=replicated,
-                       reduction_factors=reduced)
+  return sharding.rule(
+    operands, [("m", n_dim)], sizes, need_replication_factors=replicated, reduction_factors=reduced
+  )
 
 
 def _partition(config, mesh, arg_shapes, result_shape):
@@ -94,14 +100,26 @@ def _partition(config, mesh, arg_shapes, result_shape):
   with the scales of its k-blocks, and the devices' partial products are added
   (`sharding.split_k_results`); a K split otherwise is gathered."""
   (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
-  m_axes, n_axes = sharding.gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding,
-                                          m, n, _ROWS_PER_SHARD,
-                                          max(config.b_block_rows, _ROWS_PER_SHARD))
+  m_axes, n_axes = sharding.gemm_row_axes(
+    mesh,
+    arg_shapes[0].sharding,
+    arg_shapes[1].sharding,
+    m,
+    n,
+    _ROWS_PER_SHARD,
+    max(config.b_block_rows, _ROWS_PER_SHARD),
+  )
   k_axes = sharding.gemm_k_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, k, BLOCK)
-  arg_specs = [sharding.pspec(m_axes, k_axes), sharding.pspec(n_axes, k_axes),
-               sharding.pspec(k_axes, m_axes), sharding.pspec(k_axes, n_axes)]
-  return (arg_specs, *sharding.split_k_results(mesh, result_shape, k_axes, (m, n),
-                                               (m_axes, n_axes)))
+  arg_specs = [
+    sharding.pspec(m_axes, k_axes),
+    sharding.pspec(n_axes, k_axes),
+    sharding.pspec(k_axes, m_axes),
+    sharding.pspec(k_axes, n_axes),
+  ]
+  return (
+    arg_specs,
+    *sharding.split_k_results(mesh, result_shape, k_axes, (m, n), (m_axes, n_axes)),
+  )
 
 
 def _workspace_bytes(config, a, b, sfa, sfb):
@@ -111,10 +129,17 @@ def _workspace_bytes(config, a, b, sfa, sfb):
   return library.workspace_bytes("jaxquant_block_fp8_gemm", m, n, k, config.b_block_rows, f32_out)
 
 
-block_gemm_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_block_fp8_gemm", ffi_target=lambda config: "jaxquant_block_fp8_gemm",
-    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule, workspace_bytes=_workspace_bytes))
+block_gemm_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_block_fp8_gemm",
+    ffi_target=lambda config: "jaxquant_block_fp8_gemm",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+    workspace_bytes=_workspace_bytes,
+  )
+)
 
 
 def unsupported_reason(m: int, n: int, k: int, b_block_rows: int, out_dtype) -> str | None:
@@ -127,21 +152,32 @@ def unsupported_reason(m: int, n: int, k: int, b_block_rows: int, out_dtype) -> 
   return validate.gemm_shape_reason(n, k, out_dtype)
 
 
-def block_fp8_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Array, *,
-                   b_block_rows: int, out_dtype=jnp.float32) -> jax.Array:
+def block_fp8_gemm(
+  a: jax.Array,
+  b: jax.Array,
+  a_scales: jax.Array,
+  b_scales: jax.Array,
+  *,
+  b_block_rows: int,
+  out_dtype=jnp.float32,
+) -> jax.Array:
   """D = A . B^T from E4M3 codes and their decode scales in the stored (K-major) layout:
   a_scales [M, ceil(K/128)], b_scales [ceil(N/b_block_rows), ceil(K/128)]."""
   m, n, k = validate.check_gemm_operands(a, b, "block_fp8_gemm")
   for what, x in (("A", a), ("B", b)):
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.float8_e4m3fn):
-      raise ValueError(f"block_fp8_gemm: {what} must be float8_e4m3fn, got {jnp.dtype(x.dtype).name}")
+      raise ValueError(
+        f"block_fp8_gemm: {what} must be float8_e4m3fn, got {jnp.dtype(x.dtype).name}"
+      )
   reason = unsupported_reason(m, n, k, b_block_rows, out_dtype)
   if reason:
     raise ValueError(f"block_fp8_gemm: {reason}")
   kb = -(-k // BLOCK)
   for what, s, rows in (("A", a_scales, m), ("B", b_scales, -(-n // b_block_rows))):
     if tuple(jnp.shape(s)) != (rows, kb) or jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
-      raise ValueError(f"block_fp8_gemm: {what}'s scales must be float32[{rows}, {kb}], got "
-                       f"{jnp.dtype(s.dtype).name}{list(jnp.shape(s))}")
+      raise ValueError(
+        f"block_fp8_gemm: {what}'s scales must be float32[{rows}, {kb}], got "
+        f"{jnp.dtype(s.dtype).name}{list(jnp.shape(s))}"
+      )
   config = BlockGemmConfig(b_block_rows=b_block_rows, out_dtype=jnp.dtype(out_dtype).name)
   return block_gemm_p.bind(a, b, a_scales.T, b_scales.T, config=config)[0]

@@ -21,10 +21,10 @@ from jaxquant.kernels.config import KernelConfig
 from jaxquant.kernels.reference_cast import reference_cast
 
 TARGETS = {
-    Family.FP8_TENSOR: "jaxquant_fp8_tensor_cast",
-    Family.FP8_BLOCK: "jaxquant_fp8_block_cast",
-    Family.MXFP8: "jaxquant_mxfp8_cast",
-    Family.NVFP4: "jaxquant_nvfp4_cast",
+  Family.FP8_TENSOR: "jaxquant_fp8_tensor_cast",
+  Family.FP8_BLOCK: "jaxquant_fp8_block_cast",
+  Family.MXFP8: "jaxquant_mxfp8_cast",
+  Family.NVFP4: "jaxquant_nvfp4_cast",
 }
 
 
@@ -68,10 +68,13 @@ def _factors(config: KernelConfig, m: int, k: int):
   M, K = ("mb", "mi"), ("kb", "ki")
   packed = fmt.family is Family.NVFP4
   two_d = fmt.block[0] > 1
-  dims = {"rowwise": (M, ("kb", "kh") if packed else K), "columnwise": (K, ("mb", "mh") if packed else M)}
+  dims = {
+    "rowwise": (M, ("kb", "kh") if packed else K),
+    "columnwise": (K, ("mb", "mh") if packed else M),
+  }
   scale_dims = {
-      "rowwise": () if fmt.family is Family.FP8_TENSOR else ("mb", "kb") if two_d else (M, "kb"),
-      "columnwise": () if fmt.family is Family.FP8_TENSOR else ("kb", "mb") if two_d else (K, "mb"),
+    "rowwise": () if fmt.family is Family.FP8_TENSOR else ("mb", "kb") if two_d else (M, "kb"),
+    "columnwise": () if fmt.family is Family.FP8_TENSOR else ("kb", "mb") if two_d else (K, "mb"),
   }
   row_amax = (M,) if fmt.row_scaled else ()
   seed = ("seed",) if config.stochastic_rounding else ()
@@ -98,8 +101,12 @@ def _sharding_rule(config: KernelConfig, shapes, mesh_size):
     # keep the tensor whole.
     seed = ("seed",) if config.stochastic_rounding else ()
     operands = [("m", "k"), ("r",) if config.format.row_scaled else (), (), seed]
-    results = [tuple(f"o{i}_{d}" for d in range(len(s))) for i, s in enumerate(
-        _abstract_eval(ShapedArray((m, k), jnp.float32), None, None, None, config=config))]
+    results = [
+      tuple(f"o{i}_{d}" for d in range(len(s)))
+      for i, s in enumerate(
+        _abstract_eval(ShapedArray((m, k), jnp.float32), None, None, None, config=config)
+      )
+    ]
     names = {f for t in operands + results for f in t}
     return sharding.rule(operands, results, {}, need_replication_factors=tuple(sorted(names)))
   operands, results, sizes = _factors(config, m, k)
@@ -114,13 +121,19 @@ def partition(config: KernelConfig, mesh, arg_shapes, result_shape):
   m_axes = sharding.keep_if_whole(mesh, m_axes, m, mi)
   k_axes = sharding.keep_if_whole(mesh, k_axes, k, ki)
   per_tensor = config.format.family is Family.FP8_TENSOR
-  arg_specs = [sharding.pspec(m_axes, k_axes),
-               sharding.pspec(m_axes) if config.format.row_scaled else sharding.pspec(),
-               sharding.pspec(), sharding.pspec()]
+  arg_specs = [
+    sharding.pspec(m_axes, k_axes),
+    sharding.pspec(m_axes) if config.format.row_scaled else sharding.pspec(),
+    sharding.pspec(),
+    sharding.pspec(),
+  ]
   result_specs = []
   for usage in config.usages:
     data = (m_axes, k_axes) if usage == "rowwise" else (k_axes, m_axes)
-    result_specs += [sharding.pspec(*data), sharding.pspec() if per_tensor else sharding.pspec(*data)]
+    result_specs += [
+      sharding.pspec(*data),
+      sharding.pspec() if per_tensor else sharding.pspec(*data),
+    ]
   if config.observe_amax:
     result_specs.append(sharding.pspec())
   sharded_axes = m_axes + k_axes
@@ -137,6 +150,13 @@ def partition(config: KernelConfig, mesh, arg_shapes, result_shape):
   return arg_specs, result_specs, local
 
 
-cast_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_cast", ffi_target=lambda config: TARGETS[config.format.family], abstract_eval=_abstract_eval,
-    reference=reference_cast, partition=partition, sharding_rule=_sharding_rule))
+cast_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_cast",
+    ffi_target=lambda config: TARGETS[config.format.family],
+    abstract_eval=_abstract_eval,
+    reference=reference_cast,
+    partition=partition,
+    sharding_rule=_sharding_rule,
+  )
+)

@@ -49,21 +49,21 @@ class KernelConfig:
   def ffi_attributes(self) -> dict:
     i32 = np.int32
     return dict(
-        family=i32(FAMILY_CODES[self.format.family]),
-        element=i32(ELEMENT_CODES[self.format.element]),
-        rowwise=i32(self.rowwise),
-        columnwise=i32(self.columnwise),
-        block_rows=i32(self.format.block[0]),
-        block_cols=i32(self.format.block[1]),
-        pow2_scales=i32(self.pow2_scales),
-        eps=np.float32(self.eps),
-        given_scale=i32(self.given_scale),
-        rht=i32(self.rht),
-        stochastic_rounding=i32(self.stochastic_rounding),
-        row_scaled=i32(self.format.row_scaled),
-        amax_per_row=i32(self.amax_per_row),
-        block_scales_only=i32(self.block_scales_only),
-        observe_amax=i32(self.observe_amax),
+      family=i32(FAMILY_CODES[self.format.family]),
+      element=i32(ELEMENT_CODES[self.format.element]),
+      rowwise=i32(self.rowwise),
+      columnwise=i32(self.columnwise),
+      block_rows=i32(self.format.block[0]),
+      block_cols=i32(self.format.block[1]),
+      pow2_scales=i32(self.pow2_scales),
+      eps=np.float32(self.eps),
+      given_scale=i32(self.given_scale),
+      rht=i32(self.rht),
+      stochastic_rounding=i32(self.stochastic_rounding),
+      row_scaled=i32(self.format.row_scaled),
+      amax_per_row=i32(self.amax_per_row),
+      block_scales_only=i32(self.block_scales_only),
+      observe_amax=i32(self.observe_amax),
     )
 
   @property
@@ -81,15 +81,15 @@ def cast_config(quantizer: BaseQuantizer, usages: tuple[Usage, ...]) -> KernelCo
   # Row scales (per-token) belong to the rowwise usage only.
   fmt = quantizer.format("rowwise" if "rowwise" in usages else "columnwise")
   return KernelConfig(
-      format=fmt,
-      rowwise="rowwise" in usages,
-      columnwise="columnwise" in usages,
-      pow2_scales=bool(getattr(quantizer, "pow2_scales", False)),
-      eps=float(getattr(quantizer, "eps", 0.0)),
-      given_scale=isinstance(quantizer, DelayedFloat8Quantizer),
-      observe_amax=isinstance(quantizer, DelayedFloat8Quantizer),
-      rht=isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and "columnwise" in usages,
-      stochastic_rounding=isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic_rounding,
+    format=fmt,
+    rowwise="rowwise" in usages,
+    columnwise="columnwise" in usages,
+    pow2_scales=bool(getattr(quantizer, "pow2_scales", False)),
+    eps=float(getattr(quantizer, "eps", 0.0)),
+    given_scale=isinstance(quantizer, DelayedFloat8Quantizer),
+    observe_amax=isinstance(quantizer, DelayedFloat8Quantizer),
+    rht=isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and "columnwise" in usages,
+    stochastic_rounding=isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic_rounding,
   )
 
 
@@ -105,6 +105,8 @@ def unsupported_reason(quantizer: BaseQuantizer, rows: int, cols: int, dtype) ->
     return "NVFP4 16x16 tiles with RHT are not implemented in the kernel"
   multiple = 32 if quantizer.format("rowwise").family is Family.MXFP8 else 16
   if rows % multiple or cols % multiple:
-    return (f"the {type(quantizer).__name__} kernel needs both dims of the [M, K] = "
-            f"[{rows}, {cols}] matrix divisible by {multiple}")
+    return (
+      f"the {type(quantizer).__name__} kernel needs both dims of the [M, K] = "
+      f"[{rows}, {cols}] matrix divisible by {multiple}"
+    )
   return None

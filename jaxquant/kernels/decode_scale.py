@@ -39,10 +39,16 @@ def _reference(amax, *, config):
 _partition, _sharding_rule = sharding.elementwise(1)
 
 
-decode_scale_p = primitive.define(primitive.KernelSpec(
+decode_scale_p = primitive.define(
+  primitive.KernelSpec(
     name="jaxquant_nvfp4_decode_scale",
-    ffi_target=lambda config: "jaxquant_nvfp4_decode_scale", abstract_eval=_abstract_eval,
-    reference=_reference, partition=_partition, sharding_rule=_sharding_rule))
+    ffi_target=lambda config: "jaxquant_nvfp4_decode_scale",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+  )
+)
 
 
 def decode_scale(amax: jax.Array) -> jax.Array:

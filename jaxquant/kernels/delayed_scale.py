@@ -44,10 +44,16 @@ def _reference(amax, scale, *, config):
 _partition, _sharding_rule = sharding.elementwise(2)
 
 
-delayed_scale_p = primitive.define(primitive.KernelSpec(
+delayed_scale_p = primitive.define(
+  primitive.KernelSpec(
     name="jaxquant_delayed_scale",
-    ffi_target=lambda config: "jaxquant_delayed_scale", abstract_eval=_abstract_eval,
-    reference=_reference, partition=_partition, sharding_rule=_sharding_rule))
+    ffi_target=lambda config: "jaxquant_delayed_scale",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+  )
+)
 
 
 def delayed_scale(amax: jax.Array, scale: jax.Array, fmax: float, divisor: float) -> jax.Array:
@@ -57,5 +63,6 @@ def delayed_scale(amax: jax.Array, scale: jax.Array, fmax: float, divisor: float
   check_array(scale, "delayed scale", amax.shape, jnp.float32)
   if amax.ndim > 1:
     raise ValueError(f"delayed-scaling amax: a scalar or a vector, got shape {amax.shape}")
-  return delayed_scale_p.bind(amax, scale, config=DelayedScaleConfig(float(fmax),
-                                                                     float(divisor)))[0]
+  return delayed_scale_p.bind(amax, scale, config=DelayedScaleConfig(float(fmax), float(divisor)))[
+    0
+  ]

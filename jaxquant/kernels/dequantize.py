@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from jax._src.core import ShapedArray
 
+from jaxquant import reference
 from jaxquant.formats import Family, Format
 from jaxquant.kernels import primitive, sharding
 from jaxquant.kernels.config import KernelConfig
 from jaxquant.kernels.validate import check_array
-from jaxquant import reference
 from jaxquant.tensor import QuantizedData
 
 
@@ -76,8 +76,9 @@ def _sharding_rule(config, shapes, mesh_size):
   scale = (row_s, col_s) if scale_shape else ()
   amax = (row_d,) if amax_shape else ()  # per-token S_dec: one per stored row (1-D blocks)
   operands = [(row_d, col_d), scale, amax]
-  names = dict.fromkeys(f for t in (*operands, (row_r, col_r)) for d in t
-                        for f in (d if isinstance(d, tuple) else (d,)))
+  names = dict.fromkeys(
+    f for t in (*operands, (row_r, col_r)) for d in t for f in (d if isinstance(d, tuple) else (d,))
+  )
   replicated = tuple(f for f in names if f in whole)
   return sharding.rule(operands, [(row_r, col_r)], sizes, need_replication_factors=replicated)
 
@@ -93,14 +94,19 @@ def _partition(config, mesh, arg_shapes, result_shape):
   data_spec = sharding.pspec(row_axes, col_axes)
   scale_spec = data_spec if arg_shapes[1].shape else sharding.pspec()
   amax_spec = sharding.pspec(row_axes) if arg_shapes[2].shape else sharding.pspec()
-  return ([data_spec, scale_spec, amax_spec], [data_spec],
-          lambda kernel, *shards: kernel(*shards))
+  return ([data_spec, scale_spec, amax_spec], [data_spec], lambda kernel, *shards: kernel(*shards))
 
 
-dequantize_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_dequantize", ffi_target=lambda config: "jaxquant_dequantize",
-    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule))
+dequantize_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_dequantize",
+    ffi_target=lambda config: "jaxquant_dequantize",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+  )
+)
 
 
 def dequantize_data(qd: QuantizedData, dtype, *, block_scales_only: bool = False) -> jax.Array:
@@ -112,14 +118,17 @@ def dequantize_data(qd: QuantizedData, dtype, *, block_scales_only: bool = False
   if cols % 16:
     raise ValueError(f"dequantize kernel: stored cols = {cols} must be a multiple of 16")
   if block_scales_only and fmt.family is Family.FP8_TENSOR:
-    raise ValueError("dequantize kernel: block_scales_only needs block scales; per-tensor FP8 "
-                     "has only its outer scale")
+    raise ValueError(
+      "dequantize kernel: block_scales_only needs block scales; per-tensor FP8 "
+      "has only its outer scale"
+    )
   check_array(qd.data, "dequantize data", fmt.data_shape(rows, cols), fmt.storage_dtype)
   check_array(qd.scale_inv, "dequantize scales", fmt.scale_shape(rows, cols), fmt.scale_dtype)
   amax = jnp.zeros((), jnp.float32)
   if fmt.family is Family.NVFP4 and not block_scales_only:
     check_array(qd.amax, "dequantize global amax", (rows,) if fmt.row_scaled else (), jnp.float32)
     amax = qd.amax
-  config = KernelConfig(format=fmt, out_dtype=jnp.dtype(dtype).name,
-                        block_scales_only=block_scales_only)
+  config = KernelConfig(
+    format=fmt, out_dtype=jnp.dtype(dtype).name, block_scales_only=block_scales_only
+  )
   return dequantize_p.bind(qd.data, qd.scale_inv, amax, config=config)[0]

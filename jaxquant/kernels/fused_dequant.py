@@ -41,9 +41,12 @@ class DequantGemmConfig:
 
   def ffi_attributes(self) -> dict:
     shift = lambda fmt: np.int32(int(fmt.block[0]).bit_length() - 1)
-    return {"a_element": np.int32(ELEMENT_CODES[self.a_format.element]),
-            "b_element": np.int32(ELEMENT_CODES[self.b_format.element]),
-            "a_scale_row_shift": shift(self.a_format), "b_scale_row_shift": shift(self.b_format)}
+    return {
+      "a_element": np.int32(ELEMENT_CODES[self.a_format.element]),
+      "b_element": np.int32(ELEMENT_CODES[self.b_format.element]),
+      "a_scale_row_shift": shift(self.a_format),
+      "b_scale_row_shift": shift(self.b_format),
+    }
 
 
 def _rows_k(data, fmt: Format) -> tuple[int, int]:
@@ -68,8 +71,13 @@ def _reference(a, sa, amax_a, b, sb, amax_b, *, config):
   """ops.gemm's reference: block-scaled values, fp32 dot, outer scales (S_dec) after."""
   va, vb = _values(a, sa, config.a_format), _values(b, sb, config.b_format)
   oa, ob = _decode_scale(amax_a, config.a_format), _decode_scale(amax_b, config.b_format)
-  out = jax.lax.dot_general(va, vb, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
+  out = jax.lax.dot_general(
+    va,
+    vb,
+    (((1,), (1,)), ((), ())),
+    precision=jax.lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
   scale = (oa.reshape(-1, 1) if oa.ndim else oa) * (ob.reshape(1, -1) if ob.ndim else ob)
   return [(out * scale).astype(config.out_dtype)]
 
@@ -102,14 +110,22 @@ def _partition(config, mesh, arg_shapes, result_shape):
 def _workspace_bytes(config, a, sa, amax_a, b, sb, amax_b):
   (m, k), n = _rows_k(a, config.a_format), b.shape[0]
   attrs = config.ffi_attributes()
-  return library.workspace_bytes("jaxquant_dequant_gemm", m, n, k, int(attrs["a_element"]),
-                                 int(attrs["b_element"]))
+  return library.workspace_bytes(
+    "jaxquant_dequant_gemm", m, n, k, int(attrs["a_element"]), int(attrs["b_element"])
+  )
 
 
-dequant_gemm_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_dequant_gemm", ffi_target=lambda config: "jaxquant_dequant_gemm",
-    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule, workspace_bytes=_workspace_bytes))
+dequant_gemm_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_dequant_gemm",
+    ffi_target=lambda config: "jaxquant_dequant_gemm",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+    workspace_bytes=_workspace_bytes,
+  )
+)
 
 
 def shape_reason(a_rows: int, k: int) -> str | None:
@@ -152,5 +168,12 @@ def dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32) -
     raise ValueError(f"dequant_gemm: contraction dims differ: A has K={ka}, B has K={kb}")
   config = DequantGemmConfig(a.format, b.format, jnp.dtype(out_dtype).name)
   as_bytes = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)
-  return dequant_gemm_p.bind(a.data, as_bytes(a.scale_inv), _global_amax(a), b.data,
-                             as_bytes(b.scale_inv), _global_amax(b), config=config)[0]
+  return dequant_gemm_p.bind(
+    a.data,
+    as_bytes(a.scale_inv),
+    _global_amax(a),
+    b.data,
+    as_bytes(b.scale_inv),
+    _global_amax(b),
+    config=config,
+  )[0]

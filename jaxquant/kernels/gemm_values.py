@@ -55,8 +55,11 @@ class ValuesConfig:
     return tuple(u for u, on in (("rowwise", self.rowwise), ("columnwise", self.columnwise)) if on)
 
   def ffi_attributes(self) -> dict:
-    return {"element": np.int32(ELEMENT_CODES[self.element]), "rowwise": np.int32(self.rowwise),
-            "columnwise": np.int32(self.columnwise)}
+    return {
+      "element": np.int32(ELEMENT_CODES[self.element]),
+      "rowwise": np.int32(self.rowwise),
+      "columnwise": np.int32(self.columnwise),
+    }
 
 
 def _stored(usage: Usage, m: int, k: int) -> tuple[int, int]:
@@ -70,12 +73,21 @@ def _abstract_eval(x, *, config: ValuesConfig):
 def _reference(x, *, config: ValuesConfig):
   fmt = MXFP8Quantizer(config.element).format("rowwise")
   x2d = x.astype(jnp.float32)
-  return [dequantize_data(mxfp8.quantize(x2d if u == "rowwise" else x2d.T, fmt)).astype(jnp.bfloat16)
-          for u in config.usages]
+  return [
+    dequantize_data(mxfp8.quantize(x2d if u == "rowwise" else x2d.T, fmt)).astype(jnp.bfloat16)
+    for u in config.usages
+  ]
 
 
-def _values_rule(usages, m: int, k: int, block: int, mesh_size: int,
-                 more_operands=lambda M: [], replicated: tuple = ()):
+def _values_rule(
+  usages,
+  m: int,
+  k: int,
+  block: int,
+  mesh_size: int,
+  more_operands=lambda M: [],
+  replicated: tuple = (),
+):
   """The Shardy rule of a values cast: x [M, K] (then `more_operands(M)`) to each usage's
   values in its stored layout, M and K split only into whole blocks."""
   whole = (m // block) % mesh_size or (k // block) % mesh_size
@@ -99,22 +111,37 @@ def _partition(config: ValuesConfig, mesh, arg_shapes, result_shape):
   m_axes = sharding.keep_if_whole(mesh, m_axes, m, BLOCK)
   k_axes = sharding.keep_if_whole(mesh, k_axes, k, BLOCK)
   dims = {"rowwise": (m_axes, k_axes), "columnwise": (k_axes, m_axes)}
-  return ([sharding.pspec(m_axes, k_axes)], [sharding.pspec(*dims[u]) for u in config.usages],
-          lambda kernel, x: kernel(x))
+  return (
+    [sharding.pspec(m_axes, k_axes)],
+    [sharding.pspec(*dims[u]) for u in config.usages],
+    lambda kernel, x: kernel(x),
+  )
 
 
-values_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_mxfp8_values", ffi_target=lambda config: "jaxquant_mxfp8_values",
-    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule))
+values_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_mxfp8_values",
+    ffi_target=lambda config: "jaxquant_mxfp8_values",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+  )
+)
 
 
 def unsupported_reason(quantizer, rows: int, cols: int, dtype) -> str | None:
   """Why the values kernel cannot cast an [rows, cols] `dtype` matrix for `quantizer`."""
   if not isinstance(quantizer, MXFP8Quantizer):
     return f"the values kernel casts MXFP8 only, got {quantizer!r}"
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-    return f"the values kernel takes bfloat16, float16 or float32 input, got {jnp.dtype(dtype).name}"
+  if jnp.dtype(dtype) not in (
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.float16),
+    jnp.dtype(jnp.bfloat16),
+  ):
+    return (
+      f"the values kernel takes bfloat16, float16 or float32 input, got {jnp.dtype(dtype).name}"
+    )
   if rows % BLOCK or cols % BLOCK:
     return f"the values kernel needs both dims of the [{rows}, {cols}] matrix divisible by {BLOCK}"
   return None
@@ -124,17 +151,21 @@ def mxfp8_values(x2d: jax.Array, quantizer: MXFP8Quantizer, usages) -> dict[Usag
   """{usage: the bf16 values of `quantizer`'s cast of x2d [M, K] for that usage, in its
   stored layout}: bit for bit `reference.dequantize_data` of each usage, in bf16."""
   usages = tuple(usages)
-  reason = unsupported_reason(quantizer, *jnp.shape(x2d), x2d.dtype) if jnp.ndim(x2d) == 2 else \
-      f"the values kernel takes a 2-D matrix, got shape {jnp.shape(x2d)}"
+  reason = (
+    unsupported_reason(quantizer, *jnp.shape(x2d), x2d.dtype)
+    if jnp.ndim(x2d) == 2
+    else f"the values kernel takes a 2-D matrix, got shape {jnp.shape(x2d)}"
+  )
   if reason:
     raise ValueError(f"mxfp8_values: {reason}")
   if not usages or set(usages) - {"rowwise", "columnwise"}:
     raise ValueError(f"mxfp8_values: usages must be among rowwise, columnwise, got {usages}")
   config = ValuesConfig(quantizer.element, "rowwise" in usages, "columnwise" in usages)
-  return dict(zip(config.usages, values_p.bind(x2d, config=config)))
+  return dict(zip(config.usages, values_p.bind(x2d, config=config), strict=False))
 
 
 # ---- NVFP4 ----
+
 
 def _nvfp4_abstract_eval(x, row_amax, col_amax, seed, *, config: KernelConfig):
   return [ShapedArray(_stored(u, *x.shape), jnp.bfloat16) for u in config.usages]
@@ -165,10 +196,16 @@ def _nvfp4_partition(config: KernelConfig, mesh, arg_shapes, result_shape):
   return arg_specs, cast_specs[::2], local
 
 
-nvfp4_values_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_nvfp4_values", ffi_target=lambda config: "jaxquant_nvfp4_values",
-    abstract_eval=_nvfp4_abstract_eval, reference=_nvfp4_reference, partition=_nvfp4_partition,
-    sharding_rule=_nvfp4_sharding_rule))
+nvfp4_values_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_nvfp4_values",
+    ffi_target=lambda config: "jaxquant_nvfp4_values",
+    abstract_eval=_nvfp4_abstract_eval,
+    reference=_nvfp4_reference,
+    partition=_nvfp4_partition,
+    sharding_rule=_nvfp4_sharding_rule,
+  )
+)
 
 
 def nvfp4_unsupported_reason(quantizer, rows: int, cols: int, dtype) -> Optional[str]:
@@ -177,22 +214,34 @@ def nvfp4_unsupported_reason(quantizer, rows: int, cols: int, dtype) -> Optional
     return f"the NVFP4 values kernel casts NVFP4 only, got {quantizer!r}"
   if quantizer.per_token:
     return "the NVFP4 values kernel takes per-tensor global amaxes, not per_token rows"
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-    return f"the values kernel takes bfloat16, float16 or float32 input, got {jnp.dtype(dtype).name}"
+  if jnp.dtype(dtype) not in (
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.float16),
+    jnp.dtype(jnp.bfloat16),
+  ):
+    return (
+      f"the values kernel takes bfloat16, float16 or float32 input, got {jnp.dtype(dtype).name}"
+    )
   if rows % NVFP4_BLOCK or cols % NVFP4_BLOCK:
-    return (f"the NVFP4 values kernel needs both dims of the [{rows}, {cols}] matrix divisible "
-            f"by {NVFP4_BLOCK}")
+    return (
+      f"the NVFP4 values kernel needs both dims of the [{rows}, {cols}] matrix divisible "
+      f"by {NVFP4_BLOCK}"
+    )
   return None
 
 
-def nvfp4_values(x2d: jax.Array, quantizer: NVFP4Quantizer, usages, *,
-                 key: Optional[jax.Array] = None) -> dict[Usage, ScaledValues]:
+def nvfp4_values(
+  x2d: jax.Array, quantizer: NVFP4Quantizer, usages, *, key: Optional[jax.Array] = None
+) -> dict[Usage, ScaledValues]:
   """{usage: ScaledValues of `quantizer`'s cast of x2d [M, K] for that usage}: the values
   bit for bit the dequantize kernel's block-scaled ones of the cast (its global amaxes
   taken as the cast takes them), in bf16; `key` for stochastic rounding."""
   usages = tuple(usages)
-  reason = (nvfp4_unsupported_reason(quantizer, *jnp.shape(x2d), x2d.dtype) if jnp.ndim(x2d) == 2
-            else f"the values kernel takes a 2-D matrix, got shape {jnp.shape(x2d)}")
+  reason = (
+    nvfp4_unsupported_reason(quantizer, *jnp.shape(x2d), x2d.dtype)
+    if jnp.ndim(x2d) == 2
+    else f"the values kernel takes a 2-D matrix, got shape {jnp.shape(x2d)}"
+  )
   if reason:
     raise ValueError(f"nvfp4_values: {reason}")
   if not usages or set(usages) - {"rowwise", "columnwise"}:
@@ -203,4 +252,4 @@ def nvfp4_values(x2d: jax.Array, quantizer: NVFP4Quantizer, usages, *,
   row_amax, col_amax = nvfp4_amaxes(x2d, quantizer, usages)
   values = nvfp4_values_p.bind(x2d, row_amax, col_amax, cast_seed(config, key), config=config)
   amaxes = {"rowwise": row_amax, "columnwise": col_amax}
-  return {u: ScaledValues(v, amaxes[u]) for u, v in zip(config.usages, values)}
+  return {u: ScaledValues(v, amaxes[u]) for u, v in zip(config.usages, values, strict=False)}

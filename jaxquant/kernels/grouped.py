@@ -42,6 +42,7 @@ def _abstract_eval(a, b, group_sizes, alpha, *, config):
 def _reference(a, b, group_sizes, alpha, *, config):
   # Imported here: ops imports kernels, so the reverse import must wait for first use.
   from jaxquant.ops.ragged import ragged_matmul
+
   layout = group_layout(group_sizes, a.shape[0])
   acc = ragged_matmul(a.astype(jnp.float32), b.astype(jnp.float32), layout)
   alpha_rows = jnp.where(layout.row_mask(), alpha[layout.row_gather_ids()], 0.0)
@@ -57,10 +58,17 @@ def _workspace_bytes(config, a, b, group_sizes, alpha):
   return library.workspace_bytes("jaxquant_grouped_gemm", b.shape[0])
 
 
-grouped_gemm_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_grouped_gemm", ffi_target=lambda config: "jaxquant_grouped_gemm",
-    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule, workspace_bytes=_workspace_bytes))
+grouped_gemm_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_grouped_gemm",
+    ffi_target=lambda config: "jaxquant_grouped_gemm",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+    workspace_bytes=_workspace_bytes,
+  )
+)
 
 
 def unsupported_reason(a_dtype, b_dtype, k: int, n: int, out_dtype) -> str | None:
@@ -69,8 +77,10 @@ def unsupported_reason(a_dtype, b_dtype, k: int, n: int, out_dtype) -> str | Non
   a_dtype, b_dtype, out_dtype = map(jnp.dtype, (a_dtype, b_dtype, out_dtype))
   fp8_pair = a_dtype in _FP8 and b_dtype in _FP8 and not (a_dtype == b_dtype == _FP8[1])
   if not (fp8_pair or a_dtype == b_dtype == _BF16):
-    return (f"operands must be bfloat16 x bfloat16 or an FP8 pair other than E5M2 x E5M2, got "
-            f"{a_dtype.name} x {b_dtype.name}")
+    return (
+      f"operands must be bfloat16 x bfloat16 or an FP8 pair other than E5M2 x E5M2, got "
+      f"{a_dtype.name} x {b_dtype.name}"
+    )
   if out_dtype not in OUT_DTYPES:
     return f"the output dtype must be bfloat16 or float32, got {out_dtype.name}"
   if (k * a_dtype.itemsize) % 16:
@@ -80,19 +90,24 @@ def unsupported_reason(a_dtype, b_dtype, k: int, n: int, out_dtype) -> str | Non
   return None
 
 
-def grouped_gemm(a: jax.Array, b: jax.Array, group_sizes: jax.Array, alpha: jax.Array,
-                 out_dtype=jnp.float32) -> jax.Array:
+def grouped_gemm(
+  a: jax.Array, b: jax.Array, group_sizes: jax.Array, alpha: jax.Array, out_dtype=jnp.float32
+) -> jax.Array:
   """D[rows of g] = alpha[g] * A[rows of g] . B[g]^T; rows of no group are zero."""
   if jnp.ndim(a) != 2 or jnp.ndim(b) != 3:
-    raise ValueError(f"grouped_gemm: expects A [M, K] and B [G, N, K], got shapes "
-                     f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}")
+    raise ValueError(
+      f"grouped_gemm: expects A [M, K] and B [G, N, K], got shapes "
+      f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}"
+    )
   (_, k), (g, n, kb) = a.shape, b.shape
   if kb != k:
     raise ValueError(f"grouped_gemm: contraction dims differ: A has K={k}, B has K={kb}")
   for what, arr, dtype in (("group_sizes", group_sizes, jnp.int32), ("alpha", alpha, jnp.float32)):
     if tuple(jnp.shape(arr)) != (g,) or jnp.dtype(arr.dtype) != jnp.dtype(dtype):
-      raise ValueError(f"grouped_gemm: {what} must be {jnp.dtype(dtype).name}[{g}], got "
-                       f"{jnp.dtype(arr.dtype).name}{list(jnp.shape(arr))}")
+      raise ValueError(
+        f"grouped_gemm: {what} must be {jnp.dtype(dtype).name}[{g}], got "
+        f"{jnp.dtype(arr.dtype).name}{list(jnp.shape(arr))}"
+      )
   reason = unsupported_reason(a.dtype, b.dtype, k, n, out_dtype)
   if reason:
     raise ValueError(f"grouped_gemm: {reason}")

@@ -19,30 +19,34 @@ from jaxlib import xla_client
 LIBRARY_NAME = "libjaxquant_ffi.so"
 # FFI target name -> exported handler symbol (ffi/include/jaxquant/handlers.h).
 TARGETS = {
-    "jaxquant_amax": "JaxquantAmax",
-    "jaxquant_fp8_tensor_cast": "JaxquantFp8TensorCast",
-    "jaxquant_fp8_block_cast": "JaxquantFp8BlockCast",
-    "jaxquant_mxfp8_cast": "JaxquantMxfp8Cast",
-    "jaxquant_mxfp8_values": "JaxquantMxfp8Values",
-    "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
-    "jaxquant_nvfp4_values": "JaxquantNvfp4Values",
-    "jaxquant_nvfp4_decode_scale": "JaxquantNvfp4DecodeScale",
-    "jaxquant_delayed_scale": "JaxquantDelayedScale",
-    "jaxquant_dequantize": "JaxquantDequantize",
-    "jaxquant_grouped_gemm": "JaxquantGroupedGemm",
-    "jaxquant_block_fp8_gemm": "JaxquantBlockFp8Gemm",
-    "jaxquant_dequant_gemm": "JaxquantDequantGemm",
-    "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
-    "jaxquant_scaled_bf16_gemm": "JaxquantScaledBf16Gemm",
+  "jaxquant_amax": "JaxquantAmax",
+  "jaxquant_fp8_tensor_cast": "JaxquantFp8TensorCast",
+  "jaxquant_fp8_block_cast": "JaxquantFp8BlockCast",
+  "jaxquant_mxfp8_cast": "JaxquantMxfp8Cast",
+  "jaxquant_mxfp8_values": "JaxquantMxfp8Values",
+  "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
+  "jaxquant_nvfp4_values": "JaxquantNvfp4Values",
+  "jaxquant_nvfp4_decode_scale": "JaxquantNvfp4DecodeScale",
+  "jaxquant_delayed_scale": "JaxquantDelayedScale",
+  "jaxquant_dequantize": "JaxquantDequantize",
+  "jaxquant_grouped_gemm": "JaxquantGroupedGemm",
+  "jaxquant_block_fp8_gemm": "JaxquantBlockFp8Gemm",
+  "jaxquant_dequant_gemm": "JaxquantDequantGemm",
+  "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
+  "jaxquant_scaled_bf16_gemm": "JaxquantScaledBf16Gemm",
 }
 # Plain C functions that size a target's workspace, the result buffer its lowering adds
 # (primitive.KernelSpec.workspace_bytes; handlers.h): target -> (symbol, argument types).
 WORKSPACE_QUERIES = {
-    "jaxquant_grouped_gemm": ("JaxquantGroupedGemmWorkspaceBytes", (ctypes.c_int32,)),
-    "jaxquant_dequant_gemm": ("JaxquantDequantGemmWorkspaceBytes",
-                              (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2),
-    "jaxquant_block_fp8_gemm": ("JaxquantBlockFp8GemmWorkspaceBytes",
-                                (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2),
+  "jaxquant_grouped_gemm": ("JaxquantGroupedGemmWorkspaceBytes", (ctypes.c_int32,)),
+  "jaxquant_dequant_gemm": (
+    "JaxquantDequantGemmWorkspaceBytes",
+    (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
+  ),
+  "jaxquant_block_fp8_gemm": (
+    "JaxquantBlockFp8GemmWorkspaceBytes",
+    (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
+  ),
 }
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
@@ -59,9 +63,11 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
   """(the library, None) once it is loaded and its targets registered; (None, why not)."""
   path = library_path()
   if not path.exists():
-    return None, (f"the CUDA library is not installed ({path} is missing): jaxquant was built "
-                  "without a CUDA compiler or with JAXQUANT_BUILD_CUDA=0; reinstall with nvcc "
-                  "on the PATH")
+    return None, (
+      f"the CUDA library is not installed ({path} is missing): jaxquant was built "
+      "without a CUDA compiler or with JAXQUANT_BUILD_CUDA=0; reinstall with nvcc "
+      "on the PATH"
+    )
   try:
     lib = ctypes.CDLL(str(path))
   except OSError as e:
@@ -83,8 +89,11 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     # (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE); tests/kernels/test_command_buffers.py checks
     # on the GPU that their kernels run from XLA's CUDA graphs.
     jax.ffi.register_ffi_target(
-        target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA",
-        traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
+      target,
+      jax.ffi.pycapsule(getattr(lib, symbol)),
+      platform="CUDA",
+      traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE,
+    )
   return lib, None
 
 
@@ -103,8 +112,10 @@ def workspace_bytes(target: str, *dims: int) -> int:
     raise RuntimeError(f"{target}: {error}")
   size = getattr(lib, WORKSPACE_QUERIES[target][0])(*dims)
   if size < 0:
-    raise RuntimeError(f"{target}: could not size the workspace for dims {dims}: the CUDA "
-                       "device could not be queried")
+    raise RuntimeError(
+      f"{target}: could not size the workspace for dims {dims}: the CUDA "
+      "device could not be queried"
+    )
   return size
 
 
@@ -120,8 +131,10 @@ def unavailable_reason() -> Optional[str]:
     return f"JAX has no CUDA backend (backends: {jax.default_backend()})"
   capabilities = {getattr(d, "compute_capability", "?") for d in gpus}
   if not capabilities <= set(SUPPORTED_COMPUTE_CAPABILITIES):
-    return (f"the kernels are built for compute capability 9.0 (Hopper) only; this machine's "
-            f"GPUs report {sorted(capabilities)}")
+    return (
+      f"the kernels are built for compute capability 9.0 (Hopper) only; this machine's "
+      f"GPUs report {sorted(capabilities)}"
+    )
   return None
 
 

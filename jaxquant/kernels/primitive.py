@@ -72,9 +72,11 @@ def _batch_rule(outer: Primitive):
 
   def rule(args, dims, *, config):
     # An unbatched argument has dim None (batching.not_mapped).
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [jnp.broadcast_to(a, (size,) + a.shape) if d is None
-             else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=False) if d is not None)
+    moved = [
+      jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+      for a, d in zip(args, dims, strict=False)
+    ]
     out = jax.lax.map(lambda xs: outer.bind(*xs, config=config), moved)
     return out, [0] * len(out)
 
@@ -88,19 +90,18 @@ def define(spec: KernelSpec) -> Primitive:
   inner.def_impl(functools.partial(dispatch.apply_primitive, inner))
   inner.def_abstract_eval(spec.abstract_eval)
   mlir.register_lowering(
-      inner, mlir.lower_fun(lambda *a, config: spec.reference(*a, config=config),
-                            multiple_results=True))
+    inner,
+    mlir.lower_fun(lambda *a, config: spec.reference(*a, config=config), multiple_results=True),
+  )
   mlir.register_lowering(inner, _cuda_lowering(spec), platform="cuda")
 
   def partition(config, mesh, arg_shapes, result_shape):
     arg_specs, result_specs, local_fn = spec.partition(config, mesh, arg_shapes, result_shape)
     named = lambda s: jax.sharding.NamedSharding(mesh, s)
-    lower_fn = lambda *shards: local_fn(
-        lambda *a: inner.bind(*a, config=config), *shards)
+    lower_fn = lambda *shards: local_fn(lambda *a: inner.bind(*a, config=config), *shards)
     # A tuple: custom_partitioning flattens the argument shardings against the operands'
     # tree, a tuple ("Expected tuple" from the fused-dequant GEMM's partition with a list).
-    return (mesh, lower_fn, [named(s) for s in result_specs],
-            tuple(named(s) for s in arg_specs))
+    return (mesh, lower_fn, [named(s) for s in result_specs], tuple(named(s) for s in arg_specs))
 
   def sharding_rule(config, mesh, value_types, result_types):
     shapes = [tuple(t.shape) for t in value_types]
@@ -115,17 +116,22 @@ def define(spec: KernelSpec) -> Primitive:
     _, result_specs, _ = spec.partition(config, mesh, arg_shapes, result_shape)
     return [jax.sharding.NamedSharding(mesh, s) for s in result_specs]
 
-  partitioned.def_partition(partition=partition, sharding_rule=sharding_rule,
-                            infer_sharding_from_operands=infer_sharding_from_operands)
+  partitioned.def_partition(
+    partition=partition,
+    sharding_rule=sharding_rule,
+    infer_sharding_from_operands=infer_sharding_from_operands,
+  )
 
   outer = Primitive(spec.name)
   outer.multiple_results = True
   outer.def_impl(functools.partial(dispatch.apply_primitive, outer))
   outer.def_abstract_eval(spec.abstract_eval)
-  lower_whole = mlir.lower_fun(lambda *a, config: inner.bind(*a, config=config),
-                               multiple_results=True)
-  lower_partitioned = mlir.lower_fun(lambda *a, config: partitioned(config, *a),
-                                     multiple_results=True)
+  lower_whole = mlir.lower_fun(
+    lambda *a, config: inner.bind(*a, config=config), multiple_results=True
+  )
+  lower_partitioned = mlir.lower_fun(
+    lambda *a, config: partitioned(config, *a), multiple_results=True
+  )
 
   def lower_outer(ctx, *args, config):
     # One device (including eager calls, whose context names no devices): nothing to

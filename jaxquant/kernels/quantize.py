@@ -44,9 +44,14 @@ def cast_seed(config: KernelConfig, key: Optional[jax.Array]) -> jax.Array:
   return seed_from_key(key)
 
 
-def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, ...], *,
-                    key: Optional[jax.Array] = None, scale: Optional[jax.Array] = None
-                    ) -> dict[Usage, QuantizedData]:
+def quantize_usages(
+  x2d: jax.Array,
+  quantizer: BaseQuantizer,
+  usages: tuple[Usage, ...],
+  *,
+  key: Optional[jax.Array] = None,
+  scale: Optional[jax.Array] = None,
+) -> dict[Usage, QuantizedData]:
   """Quantizes a [M, K] matrix for `usages` with one base quantizer, in one cast.
 
   `scale` is the delayed-scaling scale (DelayedFloat8Quantizer); `key` the SR key.
@@ -55,9 +60,14 @@ def quantize_usages(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usag
   return quantize_usages_and_amax(x2d, quantizer, usages, key=key, scale=scale)[0]
 
 
-def quantize_usages_and_amax(x2d: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, ...],
-                             *, key: Optional[jax.Array] = None,
-                             scale: Optional[jax.Array] = None):
+def quantize_usages_and_amax(
+  x2d: jax.Array,
+  quantizer: BaseQuantizer,
+  usages: tuple[Usage, ...],
+  *,
+  key: Optional[jax.Array] = None,
+  scale: Optional[jax.Array] = None,
+):
   """`quantize_usages`, plus the amax of x2d that delayed scaling records: taken by the
   cast as it reads x2d, not by a pass of its own (None for the other quantizers)."""
   check_matrix(x2d, f"{type(quantizer).__name__} kernel")
@@ -91,8 +101,9 @@ def quantize_usages_and_amax(x2d: jax.Array, quantizer: BaseQuantizer, usages: t
     global_amax = None
     if family is Family.NVFP4:
       global_amax = row_amax if usage == "rowwise" else col_amax
-    result[usage] = QuantizedData(outs[2 * i], outs[2 * i + 1], global_amax,
-                                  config.usage_format(usage))
+    result[usage] = QuantizedData(
+      outs[2 * i], outs[2 * i + 1], global_amax, config.usage_format(usage)
+    )
   return result, (outs[-1] if config.observe_amax else None)
 
 

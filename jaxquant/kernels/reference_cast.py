@@ -32,20 +32,27 @@ def reference_cast(x, row_amax, col_amax, seed, *, config):
     stored = x2d if usage == "rowwise" else x2d.T
     family = fmt.family
     if family is Family.FP8_TENSOR:
-      scale = row_amax if config.given_scale else fp8.scale_from_amax(
-          row_amax, fmt.fmax, eps=config.eps, pow2=config.pow2_scales, input_dtype=dtype)
+      scale = (
+        row_amax
+        if config.given_scale
+        else fp8.scale_from_amax(
+          row_amax, fmt.fmax, eps=config.eps, pow2=config.pow2_scales, input_dtype=dtype
+        )
+      )
       qd = fp8.quantize_with_scale(stored, scale, fmt)
     elif family is Family.FP8_BLOCK:
-      qd = fp8.quantize_block(stored, fmt, eps=config.eps, pow2=config.pow2_scales,
-                              input_dtype=dtype)
+      qd = fp8.quantize_block(
+        stored, fmt, eps=config.eps, pow2=config.pow2_scales, input_dtype=dtype
+      )
     elif family is Family.MXFP8:
       qd = mxfp8.quantize(stored, fmt)
     else:
       if config.rht and usage == "columnwise":
         stored = hadamard.apply_rht(stored, dtype)
       bits = sr_bits(seed, usage, stored.shape) if config.stochastic_rounding else None
-      qd = nvfp4.quantize(stored, fmt, random_bits=bits,
-                          amax=row_amax if usage == "rowwise" else col_amax)
+      qd = nvfp4.quantize(
+        stored, fmt, random_bits=bits, amax=row_amax if usage == "rowwise" else col_amax
+      )
     out += [qd.data, qd.scale_inv]
   if config.observe_amax:
     out.append(fp32.abs_max(x2d))

@@ -11,8 +11,12 @@ from jax.sharding import PartitionSpec as P
 Dim = Union[str, tuple[str, ...]]  # a factor, or a compound of factors (major first)
 
 
-def rule(operands: Sequence[Sequence[Dim]], results: Sequence[Sequence[Dim]],
-         sizes: dict[str, int], **kinds) -> tuple[str, dict]:
+def rule(
+  operands: Sequence[Sequence[Dim]],
+  results: Sequence[Sequence[Dim]],
+  sizes: dict[str, int],
+  **kinds,
+) -> tuple[str, dict]:
   """An einsum-like Shardy rule and its keyword arguments.
 
   `sizes` holds every factor's size; Shardy wants the sizes of exactly the factors that
@@ -22,8 +26,14 @@ def rule(operands: Sequence[Sequence[Dim]], results: Sequence[Sequence[Dim]],
   standalone = {d for t in (*operands, *results) for d in t if isinstance(d, str)}
   text = lambda t: " ".join(d if isinstance(d, str) else "(" + " ".join(d) + ")" for d in t)
   string = ", ".join(map(text, operands)) + " -> " + ", ".join(map(text, results))
-  compound_only = {f: sizes[f] for t in (*operands, *results) for d in t
-                   if not isinstance(d, str) for f in d if f not in standalone}
+  compound_only = {
+    f: sizes[f]
+    for t in (*operands, *results)
+    for d in t
+    if not isinstance(d, str)
+    for f in d
+    if f not in standalone
+  }
   return string, dict(compound_only, **kinds)
 
 
@@ -32,8 +42,9 @@ def spec_axes(sharding, rank: int) -> list[tuple[str, ...]]:
   spec = tuple(sharding.spec) + (None,) * rank
   out = []
   for entry in spec[:rank]:
-    out.append(() if entry is None else tuple(entry) if isinstance(entry, (tuple, list))
-               else (entry,))
+    out.append(
+      () if entry is None else tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+    )
   return out
 
 
@@ -50,8 +61,9 @@ def keep_if_whole(mesh, axes: tuple[str, ...], dim: int, multiple: int) -> tuple
   return axes if n > 1 and dim % (n * multiple) == 0 else ()
 
 
-def gemm_row_axes(mesh, a_sharding, b_sharding, m: int, n: int, a_multiple: int,
-                  b_multiple: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def gemm_row_axes(
+  mesh, a_sharding, b_sharding, m: int, n: int, a_multiple: int, b_multiple: int
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
   """Mesh axes that keep A's rows (M) and B's rows (N) of a TN GEMM sharded: each only
   where every shard holds whole multiples, and B's dropped when one mesh axis would
   split both output dims."""
@@ -72,22 +84,27 @@ def gemm_k_axes(mesh, a_sharding, b_sharding, k: int, multiple: int) -> tuple[st
   return keep_if_whole(mesh, a_axes, k, multiple)
 
 
-def scaled_gemm_partition(mesh, arg_shapes, result_shape, *, rows_multiple: int,
-                          k_multiple: int):
+def scaled_gemm_partition(mesh, arg_shapes, result_shape, *, rows_multiple: int, k_multiple: int):
   """(arg specs, result specs, local function) of a TN GEMM of A [M, K] and B [N, K] whose
   other operands are replicated scales: A's and B's rows stay sharded in whole
   `rows_multiple`s, a K split alike in both in whole `k_multiple`s (`split_k_results`
   adds the devices' partial products); anything else is gathered."""
   (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
-  m_axes, n_axes = gemm_row_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, m, n,
-                                 rows_multiple, rows_multiple)
+  m_axes, n_axes = gemm_row_axes(
+    mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, m, n, rows_multiple, rows_multiple
+  )
   k_axes = gemm_k_axes(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, k, k_multiple)
   arg_specs = [pspec(m_axes, k_axes), pspec(n_axes, k_axes)] + [pspec()] * (len(arg_shapes) - 2)
   return (arg_specs, *split_k_results(mesh, result_shape, k_axes, (m, n), (m_axes, n_axes)))
 
 
-def split_k_results(mesh, result_shape, k_axes: tuple[str, ...], dims: tuple[int, int],
-                    out_axes: tuple[tuple[str, ...], tuple[str, ...]]):
+def split_k_results(
+  mesh,
+  result_shape,
+  k_axes: tuple[str, ...],
+  dims: tuple[int, int],
+  out_axes: tuple[tuple[str, ...], tuple[str, ...]],
+):
   """The result specs and local function of a GEMM partition whose [M, N] result (`dims`)
   has its rows split over `out_axes` and whose K is split over `k_axes` (none: each
   device's product is its part of the result). The devices' partial products are
@@ -97,16 +114,22 @@ def split_k_results(mesh, result_shape, k_axes: tuple[str, ...], dims: tuple[int
   on the network)."""
   if not k_axes:
     return [pspec(*out_axes)], lambda kernel, *shards: kernel(*shards)
-  wanted = getattr(result_shape[0] if isinstance(result_shape, (list, tuple)) and result_shape
-                   else result_shape, "sharding", None)
+  wanted = getattr(
+    result_shape[0] if isinstance(result_shape, (list, tuple)) and result_shape else result_shape,
+    "sharding",
+    None,
+  )
   wanted_axes = spec_axes(wanted, 2) if hasattr(wanted, "spec") else [None, None]
   axes, add = list(out_axes), lambda partial: jax.lax.psum(partial, k_axes)
   for d, size in enumerate(dims):
-    if (wanted_axes[d] == out_axes[d] + k_axes
-        and size % (axes_size(mesh, out_axes[d]) * axes_size(mesh, k_axes)) == 0):
+    if (
+      wanted_axes[d] == out_axes[d] + k_axes
+      and size % (axes_size(mesh, out_axes[d]) * axes_size(mesh, k_axes)) == 0
+    ):
       axes[d] = axes[d] + k_axes
-      add = lambda partial, d=d: jax.lax.psum_scatter(partial, k_axes, scatter_dimension=d,
-                                                      tiled=True)
+      add = lambda partial, d=d: jax.lax.psum_scatter(
+        partial, k_axes, scatter_dimension=d, tiled=True
+      )
       break
   return [pspec(*axes)], lambda kernel, *shards: [add(kernel(*shards)[0])]
 

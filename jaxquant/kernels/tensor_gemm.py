@@ -38,8 +38,13 @@ def _abstract_eval(a, b, sa, sb, *, config):
 
 
 def _reference(a, b, sa, sb, *, config):
-  out = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  out = jax.lax.dot_general(
+    a.astype(jnp.float32),
+    b.astype(jnp.float32),
+    (((1,), (1,)), ((), ())),
+    precision=jax.lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
   return [(out * (sa * sb)).astype(config.out_dtype)]
 
 
@@ -51,8 +56,7 @@ _K_PER_SHARD = 16
 
 
 def _sharding_rule(config, shapes, mesh_size):
-  return sharding.rule([("m", "k"), ("n", "k"), (), ()], [("m", "n")], {},
-                       reduction_factors=("k",))
+  return sharding.rule([("m", "k"), ("n", "k"), (), ()], [("m", "n")], {}, reduction_factors=("k",))
 
 
 def _partition(config, mesh, arg_shapes, result_shape):
@@ -62,14 +66,21 @@ def _partition(config, mesh, arg_shapes, result_shape):
   products, in the output dtype as XLA's own partitioned dots have theirs, are added
   across the devices (reduce-scattered where the result is wanted split over the same
   axes, else all-reduced). A K split otherwise is gathered."""
-  return sharding.scaled_gemm_partition(mesh, arg_shapes, result_shape,
-                                        rows_multiple=_ROWS_PER_SHARD, k_multiple=_K_PER_SHARD)
+  return sharding.scaled_gemm_partition(
+    mesh, arg_shapes, result_shape, rows_multiple=_ROWS_PER_SHARD, k_multiple=_K_PER_SHARD
+  )
 
 
-tensor_gemm_p = primitive.define(primitive.KernelSpec(
-    name="jaxquant_fp8_tensor_gemm", ffi_target=lambda config: "jaxquant_fp8_tensor_gemm",
-    abstract_eval=_abstract_eval, reference=_reference, partition=_partition,
-    sharding_rule=_sharding_rule))
+tensor_gemm_p = primitive.define(
+  primitive.KernelSpec(
+    name="jaxquant_fp8_tensor_gemm",
+    ffi_target=lambda config: "jaxquant_fp8_tensor_gemm",
+    abstract_eval=_abstract_eval,
+    reference=_reference,
+    partition=_partition,
+    sharding_rule=_sharding_rule,
+  )
+)
 
 
 def unsupported_reason(a_dtype, b_dtype, n: int, k: int, out_dtype) -> str | None:
@@ -83,8 +94,15 @@ def unsupported_reason(a_dtype, b_dtype, n: int, k: int, out_dtype) -> str | Non
   return validate.gemm_shape_reason(n, k, out_dtype)
 
 
-def fp8_tensor_gemm(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array, b_scale_inv: jax.Array,
-                    *, out_dtype=jnp.float32, fast_accumulation: bool = False) -> jax.Array:
+def fp8_tensor_gemm(
+  a: jax.Array,
+  b: jax.Array,
+  a_scale_inv: jax.Array,
+  b_scale_inv: jax.Array,
+  *,
+  out_dtype=jnp.float32,
+  fast_accumulation: bool = False,
+) -> jax.Array:
   """D = (a_scale_inv * b_scale_inv) * (A . B^T) from FP8 codes A [M, K] and B [N, K];
   with `fast_accumulation`, cuBLASLt's faster, less accurate FP8 accumulation."""
   _, n, k = validate.check_gemm_operands(a, b, "fp8_tensor_gemm")
@@ -93,8 +111,10 @@ def fp8_tensor_gemm(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array, b_scale_
     raise ValueError(f"fp8_tensor_gemm: {reason}")
   for what, s in (("A", a_scale_inv), ("B", b_scale_inv)):
     if jnp.shape(s) != () or jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
-      raise ValueError(f"fp8_tensor_gemm: {what}'s scale must be a float32 scalar, got "
-                       f"{jnp.dtype(s.dtype).name}{list(jnp.shape(s))}")
+      raise ValueError(
+        f"fp8_tensor_gemm: {what}'s scale must be a float32 scalar, got "
+        f"{jnp.dtype(s.dtype).name}{list(jnp.shape(s))}"
+      )
   if not isinstance(fast_accumulation, bool):
     raise TypeError(f"fp8_tensor_gemm: fast_accumulation must be a bool, got {fast_accumulation!r}")
   config = Fp8GemmConfig(out_dtype=jnp.dtype(out_dtype).name, fast_accumulation=fast_accumulation)

@@ -25,8 +25,10 @@ def check_matrix(x, what: str, *, rows_multiple: int = 1, cols_multiple: int = 1
 
 def check_array(a, what: str, shape: tuple, dtype) -> None:
   if tuple(jnp.shape(a)) != tuple(shape) or jnp.dtype(a.dtype) != jnp.dtype(dtype):
-    raise ValueError(f"{what}: expected {jnp.dtype(dtype).name}{list(shape)}, got "
-                     f"{jnp.dtype(a.dtype).name}{list(jnp.shape(a))}")
+    raise ValueError(
+      f"{what}: expected {jnp.dtype(dtype).name}{list(shape)}, got "
+      f"{jnp.dtype(a.dtype).name}{list(jnp.shape(a))}"
+    )
 
 
 # Output dtypes of the GEMM kernels (block FP8, per-tensor FP8).
@@ -49,8 +51,10 @@ def gemm_shape_reason(n: int, k: int, out_dtype) -> str | None:
 def check_gemm_operands(a, b, what: str) -> tuple[int, int, int]:
   """(M, N, K) of A [M, K] and B [N, K], or a ValueError naming the shapes."""
   if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
-    raise ValueError(f"{what}: expects A [M, K] and B [N, K], got shapes "
-                     f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}")
+    raise ValueError(
+      f"{what}: expects A [M, K] and B [N, K], got shapes "
+      f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}"
+    )
   (m, k), (n, kb) = a.shape, b.shape
   if kb != k:
     raise ValueError(f"{what}: contraction dims differ: A has K={k}, B has K={kb}")

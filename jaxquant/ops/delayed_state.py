@@ -14,12 +14,16 @@ from jaxquant.quantizers import DelayedFloat8Quantizer
 
 def _kernel_next_scale(amax, scale, fmax: float, divisor: float):
   # The kernel takes a vector: states stacked along several leading axes go in flattened.
-  return kernels.delayed_scale(amax.reshape(-1), scale.reshape(-1), fmax,
-                               divisor).reshape(scale.shape)
+  return kernels.delayed_scale(amax.reshape(-1), scale.reshape(-1), fmax, divisor).reshape(
+    scale.shape
+  )
 
 
-def update(state: scaling.DelayedScalingState, quantizer: DelayedFloat8Quantizer,
-           implementation: Optional[str] = None) -> scaling.DelayedScalingState:
+def update(
+  state: scaling.DelayedScalingState,
+  quantizer: DelayedFloat8Quantizer,
+  implementation: Optional[str] = None,
+) -> scaling.DelayedScalingState:
   """`scaling.update(state, quantizer)`, bit for bit; leading axes are groups of states."""
   if not uses_kernels(implementation):
     return scaling.update(state, quantizer)

@@ -16,39 +16,62 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import recipes
-from jaxquant.ops import weight_gather as gathering
 from jaxquant.formats import INPUT_DTYPES
+from jaxquant.ops import weight_gather as gathering
 from jaxquant.ops.dense_vjp import DenseConfig, dense_2d
-from jaxquant.ops.operands import (FORWARD_USAGES, check_dims, check_placement, check_role_args,
-                                   check_state, gemm_matrices, is_high_precision, resolve_quantizers,
-                                   role_key, takes_gemm_values, usages_to_quantize)
+from jaxquant.ops.operands import (
+  FORWARD_USAGES,
+  check_dims,
+  check_placement,
+  check_role_args,
+  check_state,
+  gemm_matrices,
+  is_high_precision,
+  resolve_quantizers,
+  role_key,
+  takes_gemm_values,
+  usages_to_quantize,
+)
 from jaxquant.quantizers import Quantizer, needs_key
 from jaxquant.roles import TENSOR_TYPES
 
 
 def _check_shapes(x, kernel, bias, what: str) -> None:
   if jnp.ndim(kernel) != 2:
-    raise ValueError(f"{what}: kernel must be rank 2 [K, N] (Flax layout), got shape {kernel.shape}")
+    raise ValueError(
+      f"{what}: kernel must be rank 2 [K, N] (Flax layout), got shape {kernel.shape}"
+    )
   if jnp.ndim(x) < 1:
     raise ValueError(f"{what}: x must have a last (contraction) dim [..., K], got a scalar")
   if x.shape[-1] != kernel.shape[0]:
-    raise ValueError(f"{what}: contraction dims differ: x is {x.shape} (K={x.shape[-1]}) but "
-                     f"kernel is {kernel.shape} (K={kernel.shape[0]}); kernel must be [K, N]")
+    raise ValueError(
+      f"{what}: contraction dims differ: x is {x.shape} (K={x.shape[-1]}) but "
+      f"kernel is {kernel.shape} (K={kernel.shape[0]}); kernel must be [K, N]"
+    )
   if bias is not None and tuple(bias.shape) != (kernel.shape[1],):
     raise ValueError(f"{what}: bias must have shape ({kernel.shape[1]},) = [N], got {bias.shape}")
   for arg, a in (("x", x), ("kernel", kernel)) + ((("bias", bias),) if bias is not None else ()):
     if jnp.dtype(a.dtype) not in INPUT_DTYPES:
-      raise TypeError(f"{what}: {arg} dtype must be one of bfloat16, float16, float32, got {a.dtype}")
+      raise TypeError(
+        f"{what}: {arg} dtype must be one of bfloat16, float16, float32, got {a.dtype}"
+      )
 
 
-def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
-          recipe: Optional[recipes.CustomRecipe] = None,
-          quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
-          name: str = "", module_type: str = "linear", backward: Optional[str] = None,
-          key: Optional[jax.Array] = None,
-          state: Optional[Mapping[str, object]] = None,
-          weight_gather: Optional[gathering.WeightGather] = None,
-          fast_accumulation: Optional[Iterable[str]] = None):
+def dense(
+  x: jax.Array,
+  kernel: jax.Array,
+  bias: Optional[jax.Array] = None,
+  *,
+  recipe: Optional[recipes.CustomRecipe] = None,
+  quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
+  name: str = "",
+  module_type: str = "linear",
+  backward: Optional[str] = None,
+  key: Optional[jax.Array] = None,
+  state: Optional[Mapping[str, object]] = None,
+  weight_gather: Optional[gathering.WeightGather] = None,
+  fast_accumulation: Optional[Iterable[str]] = None,
+):
   """y = x @ kernel + bias with the GEMMs in the formats the recipe picks per role.
 
   Args:
@@ -81,16 +104,21 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
   """
   what = f"dense {name!r}"
   _check_shapes(x, kernel, bias, what)
-  quantizers, default_backward, default_fast = resolve_quantizers(recipe, quantizers, module_type,
-                                                                  name, what)
+  quantizers, default_backward, default_fast = resolve_quantizers(
+    recipe, quantizers, module_type, name, what
+  )
   backward = default_backward if backward is None else backward
-  fast_accumulation = (default_fast if fast_accumulation is None
-                       else recipes.check_fast_accumulation(fast_accumulation, what))
+  fast_accumulation = (
+    default_fast
+    if fast_accumulation is None
+    else recipes.check_fast_accumulation(fast_accumulation, what)
+  )
   if backward not in recipes.BACKWARD_MODES:
     raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")
   check_state(quantizers, state, what)
-  weight_gather = gathering.resolve(weight_gather, quantizers["weight"],
-                                    usages_to_quantize("weight", backward), kernel.shape, what)
+  weight_gather = gathering.resolve(
+    weight_gather, quantizers["weight"], usages_to_quantize("weight", backward), kernel.shape, what
+  )
 
   if is_high_precision(quantizers):
     y = jnp.dot(x, kernel.astype(x.dtype))
@@ -107,14 +135,22 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
     usages = usages_to_quantize(t, backward)
     # The forward's usages here; the backward's when a backward is traced (dense_vjp).
     check_dims(shapes[t], quantizers[t], FORWARD_USAGES[t], f"{what} {t}")
-    check_role_args(t, quantizers[t], usages, key=key, state=(state or {}).get(t),
-                    what=f"{what} {t}")
+    check_role_args(
+      t, quantizers[t], usages, key=key, state=(state or {}).get(t), what=f"{what} {t}"
+    )
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
 
   values = weight_gather is None and takes_gemm_values(quantizers, backward, m, k, n)
-  cfg = DenseConfig(tuple(quantizers.items()), backward, jnp.dtype(kernel.dtype),
-                    None if bias is None else jnp.dtype(bias.dtype), what, weight_gather,
-                    fast_accumulation, values)
+  cfg = DenseConfig(
+    tuple(quantizers.items()),
+    backward,
+    jnp.dtype(kernel.dtype),
+    None if bias is None else jnp.dtype(bias.dtype),
+    what,
+    weight_gather,
+    fast_accumulation,
+    values,
+  )
   y, new_state = dense_2d(cfg, x.reshape(m, k), kernel, bias, keys, dict(state or {}))
   y = y.reshape(*x.shape[:-1], n)
   return y if state is None else (y, new_state)

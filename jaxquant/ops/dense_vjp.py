@@ -22,10 +22,18 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import scaling
 from jaxquant.ops.gemm import gemm
-from jaxquant.ops.operands import (FORWARD_USAGES, backward_residual, check_dims,
-                                   columnwise_operand, gemm_matrices, gemm_values_operand,
-                                   quantize_operand, quantize_transposed_operand, stored,
-                                   usages_to_quantize)
+from jaxquant.ops.operands import (
+  FORWARD_USAGES,
+  backward_residual,
+  check_dims,
+  columnwise_operand,
+  gemm_matrices,
+  gemm_values_operand,
+  quantize_operand,
+  quantize_transposed_operand,
+  stored,
+  usages_to_quantize,
+)
 from jaxquant.ops.weight_gather import WeightGather, gather_operand, quantize_shards
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensor import USAGES
@@ -66,35 +74,52 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
   matrices = {"input": x, "weight": kernel.T}  # logical x [M, K] and w [N, K]
   operands = {}
   for tensor_type, matrix in matrices.items():
-    usages = (usages_to_quantize(tensor_type, cfg.backward) if for_backward
-              else FORWARD_USAGES[tensor_type])
+    usages = (
+      usages_to_quantize(tensor_type, cfg.backward) if for_backward else FORWARD_USAGES[tensor_type]
+    )
     # w = kernel.T: the weight's usages are cast from the kernel itself where they can be.
-    quantize_fn, source = ((quantize_transposed_operand, kernel) if tensor_type == "weight"
-                           else (quantize_operand, matrix))
+    quantize_fn, source = (
+      (quantize_transposed_operand, kernel)
+      if tensor_type == "weight"
+      else (quantize_operand, matrix)
+    )
     if cfg.gemm_values:  # no state or gather: MXFP8 / NVFP4 have none, takes_gemm_values none
       quantize_fn = lambda source, q, usages, key, state, weight=tensor_type == "weight": (
-          gemm_values_operand(source, q, usages, key=key, transposed=weight), state)
+        gemm_values_operand(source, q, usages, key=key, transposed=weight),
+        state,
+      )
     elif tensor_type == "weight" and cfg.weight_gather is not None:
       # No key: a weight that rounds stochastically is never gathered quantized.
       quantize_fn = lambda kernel, q, usages, key, state: quantize_shards(
-          kernel, q, usages, gather=cfg.weight_gather, state=state)
+        kernel, q, usages, gather=cfg.weight_gather, state=state
+      )
     operands[tensor_type], role_state = quantize_fn(
-        source, cfg.quantizer(tensor_type), usages, key=keys[tensor_type],
-        state=state.get(tensor_type))
+      source,
+      cfg.quantizer(tensor_type),
+      usages,
+      key=keys[tensor_type],
+      state=state.get(tensor_type),
+    )
     if tensor_type in state:
       new_state[tensor_type] = role_state
   # fp32 sums rounded once to x's dtype, by the GEMM itself where no bias is added first
   # (the same bits; no fp32 [M, N] to write and convert).
   y_dtype = x.dtype if bias is None else jnp.float32
   w_row = gather_operand(operands["weight"]["rowwise"], "rowwise", cfg.weight_gather)
-  y = gemm(operands["input"]["rowwise"], w_row, out_dtype=y_dtype,
-           fast_accumulation="fprop" in cfg.fast_accumulation)
+  y = gemm(
+    operands["input"]["rowwise"],
+    w_row,
+    out_dtype=y_dtype,
+    fast_accumulation="fprop" in cfg.fast_accumulation,
+  )
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   residuals = None
   if for_backward:
-    residuals = {t: _tag(backward_residual(operands[t], m, cfg.backward), RESIDUAL_NAMES[t])
-                 for t, m in matrices.items()}
+    residuals = {
+      t: _tag(backward_residual(operands[t], m, cfg.backward), RESIDUAL_NAMES[t])
+      for t, m in matrices.items()
+    }
   return y.astype(x.dtype), new_state, residuals
 
 
@@ -124,10 +149,14 @@ def _grad_output_operands(cfg, dy, key, state):
   if cfg.gemm_values:
     return gemm_values_operand(dy, cfg.quantizer("grad_output"), usages, key=key), None
   # A zeroed history makes slot 0 of the recorded state exactly this tensor's amax.
-  probe = None if state is None else scaling.DelayedScalingState(
-      jnp.zeros_like(state.amax_history), state.scale)
-  operands, recorded = quantize_operand(dy, cfg.quantizer("grad_output"), usages,
-                                        key=key, state=probe)
+  probe = (
+    None
+    if state is None
+    else scaling.DelayedScalingState(jnp.zeros_like(state.amax_history), state.scale)
+  )
+  operands, recorded = quantize_operand(
+    dy, cfg.quantizer("grad_output"), usages, key=key, state=probe
+  )
   return operands, (None if recorded is None else recorded.amax_history[0])
 
 
@@ -138,14 +167,20 @@ def _dense_bwd(cfg, saved, cotangents):
   # A gathered weight's residual is its shard (quantize_shards): gathered here, for dgrad.
   w_residual_usage = "columnwise" if cfg.backward == "quantized" else "rowwise"
   w_col = columnwise_operand(
-      gather_operand(residuals["weight"], w_residual_usage, cfg.weight_gather), cfg.backward)
+    gather_operand(residuals["weight"], w_residual_usage, cfg.weight_gather), cfg.backward
+  )
   x_col = columnwise_operand(residuals["input"], cfg.backward)
-  dx = gemm(dy_ops["rowwise"], w_col, out_dtype=dy.dtype,
-            fast_accumulation="dgrad" in cfg.fast_accumulation)
+  dx = gemm(
+    dy_ops["rowwise"], w_col, out_dtype=dy.dtype, fast_accumulation="dgrad" in cfg.fast_accumulation
+  )
   # The kernel's gradient [K, N] comes out in its own layout (x first): the other order
   # gives dwᵀ, whose transpose XLA can no longer fold into a GEMM kernel's bf16 output.
-  dkernel = gemm(x_col, dy_ops["columnwise"], out_dtype=cfg.kernel_dtype,
-                 fast_accumulation="wgrad" in cfg.fast_accumulation)
+  dkernel = gemm(
+    x_col,
+    dy_ops["columnwise"],
+    out_dtype=cfg.kernel_dtype,
+    fast_accumulation="wgrad" in cfg.fast_accumulation,
+  )
   dbias = None
   if cfg.bias_dtype is not None:
     dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(cfg.bias_dtype)

@@ -96,8 +96,9 @@ def emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, narrow: bool
   return _scaled_dot(va, vb, oa, ob, out_dtype, precision)
 
 
-def reference_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
-                   fast_accumulation: bool = False) -> jax.Array:
+def reference_gemm(
+  a: Operand, b: Operand, *, out_dtype=jnp.float32, fast_accumulation: bool = False
+) -> jax.Array:
   """The reference: emulation with fp32 operands, exact sums whatever `fast_accumulation`."""
   return emulated_gemm(a, b, out_dtype=out_dtype)
 
@@ -110,8 +111,9 @@ def _bf16_gemm(va, vb, oa, ob, out_dtype):
   return _scaled_dot(va, vb, oa, ob, out_dtype)
 
 
-def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
-                       fast_accumulation: bool = False) -> jax.Array:
+def _gpu_emulated_gemm(
+  a: Operand, b: Operand, *, out_dtype=jnp.float32, fast_accumulation: bool = False
+) -> jax.Array:
   """XLA's dot. Two bf16 matrices (high precision, or the values a GEMM that dequantizes
   first multiplies, kernels/gemm_values.py) go to it as they are."""
   if all(not isinstance(op, QuantizedData) and op.dtype == jnp.bfloat16 for op in (a, b)):
@@ -119,41 +121,56 @@ def _gpu_emulated_gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32,
   return emulated_gemm(a, b, out_dtype=out_dtype, narrow=True)
 
 
-def _fp8_tensor_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
-                     fast_accumulation: bool = False) -> jax.Array:
+def _fp8_tensor_gemm(
+  a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32, fast_accumulation: bool = False
+) -> jax.Array:
   """Per-tensor FP8 x FP8: cuBLASLt's FP8 GEMM with the scales and the output rounding
   inside (the kernel), or else XLA's dot on f8 operands, which also reaches cuBLASLt but
   converts its fp32 result in a second pass. XLA picks its own accumulation for that dot
   (fast at the default precision), so it is asked for HIGHEST unless fast accumulation is
   allowed."""
   n, k = b.stored_shape
-  if (kernels.available() and
-      tensor_gemm.unsupported_reason(a.data.dtype, b.data.dtype, n, k, out_dtype) is None):
-    return tensor_gemm.fp8_tensor_gemm(a.data, b.data, a.scale_inv, b.scale_inv,
-                                       out_dtype=out_dtype, fast_accumulation=fast_accumulation)
+  if (
+    kernels.available()
+    and tensor_gemm.unsupported_reason(a.data.dtype, b.data.dtype, n, k, out_dtype) is None
+  ):
+    return tensor_gemm.fp8_tensor_gemm(
+      a.data,
+      b.data,
+      a.scale_inv,
+      b.scale_inv,
+      out_dtype=out_dtype,
+      fast_accumulation=fast_accumulation,
+    )
   precision = None if fast_accumulation else jax.lax.Precision.HIGHEST
   return _scaled_dot(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, precision)
 
 
-def _block_fp8_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
-                    fast_accumulation: bool = False) -> jax.Array:
+def _block_fp8_gemm(
+  a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32, fast_accumulation: bool = False
+) -> jax.Array:
   """Block FP8 x block FP8: the block FP8 kernel (cuBLASLt's block-scaled FP8 GEMM, or
   jaxquant's CUTLASS blockwise kernel where cuBLASLt declines) for E4M3 with A in 1x128
   blocks and B in 1x128 blocks or 128x128 tiles (every GEMM of the fp8_block recipe); any
   other pair, or no kernels, takes the emulation."""
   n, k = b.stored_shape
-  supported = (kernels.available() and a.format.element == b.format.element == "e4m3"
-               and a.format.block == (1, 128) and b.format.block in ((1, 128), (128, 128))
-               and block_gemm.unsupported_reason(a.stored_shape[0], n, k, b.format.block[0],
-                                                 out_dtype) is None)
+  supported = (
+    kernels.available()
+    and a.format.element == b.format.element == "e4m3"
+    and a.format.block == (1, 128)
+    and b.format.block in ((1, 128), (128, 128))
+    and block_gemm.unsupported_reason(a.stored_shape[0], n, k, b.format.block[0], out_dtype) is None
+  )
   if not supported:
     return _gpu_emulated_gemm(a, b, out_dtype=out_dtype)
-  return block_gemm.block_fp8_gemm(a.data, b.data, a.scale_inv, b.scale_inv,
-                                   b_block_rows=b.format.block[0], out_dtype=out_dtype)
+  return block_gemm.block_fp8_gemm(
+    a.data, b.data, a.scale_inv, b.scale_inv, b_block_rows=b.format.block[0], out_dtype=out_dtype
+  )
 
 
-def _dequantize_first_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
-                           fast_accumulation: bool = False) -> jax.Array:
+def _dequantize_first_gemm(
+  a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32, fast_accumulation: bool = False
+) -> jax.Array:
   """Each operand's block-scaled values (exact in bf16) from the dequantize kernel, a bf16
   GEMM with fp32 accumulation, outer scales in the epilogue. The kernel's result is
   opaque to XLA, which would otherwise fuse the dequantization into a transposing fusion
@@ -172,8 +189,12 @@ def _outer_scaled_bf16_gemm(va, vb, oa, ob, out_dtype, use_kernel: bool = True) 
   out_dtype itself; XLA's dot takes the rest."""
   n, k = vb.shape
   scalars = [s for s in (oa, ob) if s is not None]
-  if (use_kernel and scalars and all(s.ndim == 0 for s in scalars)
-      and bf16_gemm.unsupported_reason(va.dtype, vb.dtype, n, k, out_dtype) is None):
+  if (
+    use_kernel
+    and scalars
+    and all(s.ndim == 0 for s in scalars)
+    and bf16_gemm.unsupported_reason(va.dtype, vb.dtype, n, k, out_dtype) is None
+  ):
     scale = scalars[0] if len(scalars) == 1 else scalars[0] * scalars[1]  # as _epilogue's
     return bf16_gemm.scaled_bf16_gemm(va, vb, scale, out_dtype=out_dtype)
   return _bf16_gemm(va, vb, oa, ob, out_dtype)
@@ -199,8 +220,9 @@ def _scaled_values_gemm(a, b, *, out_dtype=jnp.float32, use_kernels: bool = True
 _DEQUANTIZE_K_MULTIPLE = 16
 
 
-def _fused_dequant_gemm(a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32,
-                        fast_accumulation: bool = False) -> jax.Array:
+def _fused_dequant_gemm(
+  a: QuantizedData, b: QuantizedData, *, out_dtype=jnp.float32, fast_accumulation: bool = False
+) -> jax.Array:
   """MXFP8 / NVFP4 pairs: with at most 32 rows on one side (decode-like), the kernel that
   dequantizes in registers and reads the codes once; D^T = B . A^T when B is the short
   side. Larger problems dequantize first (kernel, then XLA's bf16 GEMM)."""
@@ -218,22 +240,28 @@ def dequantizes_first(a_family: Family, b_family: Family, a_rows: int, b_rows: i
   """Whether `gemm` of operands of these families and shapes on this platform dequantizes
   both to bf16 and multiplies those (`_dequantize_first_gemm`): MXFP8 / NVFP4 pairs on a
   GPU with the kernels, unless the fused-dequantize kernel takes them."""
-  if not kernels.available() or _select(jax.default_backend(), a_family, b_family) is not _fused_dequant_gemm:
+  if (
+    not kernels.available()
+    or _select(jax.default_backend(), a_family, b_family) is not _fused_dequant_gemm
+  ):
     return False
   fused = any(fused_dequant.shape_reason(rows, k) is None for rows in (a_rows, b_rows))
   return not fused and k % _DEQUANTIZE_K_MULTIPLE == 0
 
 
-_FUSED_DEQUANT = tuple((("gpu", fa, fb), _fused_dequant_gemm)
-                       for fa in fused_dequant.FAMILIES for fb in fused_dequant.FAMILIES)
+_FUSED_DEQUANT = tuple(
+  (("gpu", fa, fb), _fused_dequant_gemm)
+  for fa in fused_dequant.FAMILIES
+  for fb in fused_dequant.FAMILIES
+)
 
 # (platform, A family, B family) -> implementation; None matches any family. Kernels
 # are new entries here. The first matching key in this order wins.
 _IMPLEMENTATIONS: tuple[tuple[tuple[str, Optional[Family], Optional[Family]], GemmFn], ...] = (
-    (("gpu", Family.FP8_TENSOR, Family.FP8_TENSOR), _fp8_tensor_gemm),
-    (("gpu", Family.FP8_BLOCK, Family.FP8_BLOCK), _block_fp8_gemm),
-    *_FUSED_DEQUANT,
-    (("gpu", None, None), _gpu_emulated_gemm),
+  (("gpu", Family.FP8_TENSOR, Family.FP8_TENSOR), _fp8_tensor_gemm),
+  (("gpu", Family.FP8_BLOCK, Family.FP8_BLOCK), _block_fp8_gemm),
+  *_FUSED_DEQUANT,
+  (("gpu", None, None), _gpu_emulated_gemm),
 )
 
 
@@ -244,8 +272,14 @@ def _select(platform: str, fa: Optional[Family], fb: Optional[Family]) -> GemmFn
   return reference_gemm
 
 
-def gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, fast_accumulation: bool = False,
-         implementation: Optional[str] = None) -> jax.Array:
+def gemm(
+  a: Operand,
+  b: Operand,
+  *,
+  out_dtype=jnp.float32,
+  fast_accumulation: bool = False,
+  implementation: Optional[str] = None,
+) -> jax.Array:
   """C = A . B^T with both operands contiguous along k: [m, k] x [n, k] -> [m, n].
 
   `fast_accumulation` lets a per-tensor FP8 kernel accumulate in its fast mode (see the
@@ -255,8 +289,10 @@ def gemm(a: Operand, b: Operand, *, out_dtype=jnp.float32, fast_accumulation: bo
   reference = implementation == "reference" or os.environ.get("JAXQUANT_BACKEND") == "reference"
   if any(isinstance(op, ScaledValues) for op in (a, b)):
     if any(isinstance(op, QuantizedData) for op in (a, b)):
-      raise TypeError("gemm: NVFP4 values (ScaledValues) multiply NVFP4 or MXFP8 values, not "
-                      f"codes: got {type(a).__name__} and {type(b).__name__}")
+      raise TypeError(
+        "gemm: NVFP4 values (ScaledValues) multiply NVFP4 or MXFP8 values, not "
+        f"codes: got {type(a).__name__} and {type(b).__name__}"
+      )
     ka, kb = (op.values.shape[1] if isinstance(op, ScaledValues) else op.shape[1] for op in (a, b))
     if ka != kb:
       raise ValueError(f"gemm: contraction dims differ: A has k={ka}, B has k={kb}")

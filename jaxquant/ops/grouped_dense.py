@@ -32,11 +32,17 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import recipes, scaling
-from jaxquant.ops import delayed_state
 from jaxquant.formats import INPUT_DTYPES, Family
+from jaxquant.ops import delayed_state
 from jaxquant.ops.grouped_gemm import grouped_matmul
-from jaxquant.ops.operands import (check_placement, check_role_args, check_state, resolve_quantizers,
-                                   role_key, usages_to_quantize)
+from jaxquant.ops.operands import (
+  check_placement,
+  check_role_args,
+  check_state,
+  resolve_quantizers,
+  role_key,
+  usages_to_quantize,
+)
 from jaxquant.ops.ragged import ragged_contract
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key
 from jaxquant.reference import fp32
@@ -63,9 +69,11 @@ class GroupedDenseConfig:
 
 # ---- Delayed-scaling state, one per group ----
 
+
 def _delayed_side(q: Quantizer) -> DelayedFloat8Quantizer:
-  return next(s for u in ("rowwise", "columnwise")
-              if isinstance(s := for_usage(q, u), DelayedFloat8Quantizer))
+  return next(
+    s for u in ("rowwise", "columnwise") if isinstance(s := for_usage(q, u), DelayedFloat8Quantizer)
+  )
 
 
 def init_grouped_state(quantizers: Mapping[str, Optional[Quantizer]], num_groups: int):
@@ -73,8 +81,9 @@ def init_grouped_state(quantizers: Mapping[str, Optional[Quantizer]], num_groups
   delayed-scaling roles. Advance it with `update_grouped_state` (or flax.state)."""
   out = {}
   for t, q in quantizers.items():
-    if q is not None and any(isinstance(for_usage(q, u), DelayedFloat8Quantizer)
-                             for u in ("rowwise", "columnwise")):
+    if q is not None and any(
+      isinstance(for_usage(q, u), DelayedFloat8Quantizer) for u in ("rowwise", "columnwise")
+    ):
       one = scaling.init_state(_delayed_side(q))
       out[t] = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_groups,) + a.shape), one)
   return out
@@ -116,6 +125,7 @@ def _exact_dtype(quantizer: Optional[Quantizer], usage: str, input_dtype):
 
 # ---- The custom_vjp ----
 
+
 def _epilogue(acc, a_outer_rows, b_outer_groups, layout):
   """Output row m times A's row scale, then times B's scale of m's group (gemm's order)."""
   if a_outer_rows is not None:
@@ -131,26 +141,49 @@ def _forward(cfg, x, kernel, group_sizes, bias, keys, state):
   x32 = jnp.where(in_groups, fp32.widen(x), 0.0)
   qx, qw = cfg.quantizer("input"), cfg.quantizer("weight")
   new_state = dict(state)
-  x_row, x_amax = ref.quantize_rows(x32, layout, qx, "rowwise", input_dtype=x.dtype,
-                                    what="input", delayed_scale=_scale_of(state.get("input")),
-                                    key=_usage_key(keys["input"], "rowwise"))
+  x_row, x_amax = ref.quantize_rows(
+    x32,
+    layout,
+    qx,
+    "rowwise",
+    input_dtype=x.dtype,
+    what="input",
+    delayed_scale=_scale_of(state.get("input")),
+    key=_usage_key(keys["input"], "rowwise"),
+  )
   w_vals, w_outer, w_amax = ref.quantize_experts(
-      jnp.swapaxes(kernel, 1, 2), qw, "rowwise", delayed_scale=_scale_of(state.get("weight")),
-      key=_usage_key(keys["weight"], "rowwise"))
+    jnp.swapaxes(kernel, 1, 2),
+    qw,
+    "rowwise",
+    delayed_scale=_scale_of(state.get("weight")),
+    key=_usage_key(keys["weight"], "rowwise"),
+  )
   for t, amax in (("input", x_amax), ("weight", w_amax)):
     if amax is not None:
       new_state[t] = scaling.record_amax(state[t], amax)
-  acc = grouped_matmul(x_row.values, w_vals, layout, tile=cfg.tile,
-                       a_exact=_exact_dtype(qx, "rowwise", x.dtype),
-                       b_exact=_exact_dtype(qw, "rowwise", kernel.dtype))
+  acc = grouped_matmul(
+    x_row.values,
+    w_vals,
+    layout,
+    tile=cfg.tile,
+    a_exact=_exact_dtype(qx, "rowwise", x.dtype),
+    b_exact=_exact_dtype(qw, "rowwise", kernel.dtype),
+  )
   y = _epilogue(acc, x_row.outer, w_outer, layout)
   if bias is not None:
     y = y + bias.astype(jnp.float32)[layout.row_gather_ids()]
   y = jnp.where(in_groups, y, 0.0).astype(x.dtype)
   if cfg.backward == "quantized":
-    x_res, _ = ref.quantize_rows(x32, layout, qx, "columnwise", input_dtype=x.dtype, what="input",
-                                 delayed_scale=_scale_of(state.get("input")),
-                                 key=_usage_key(keys["input"], "columnwise"))
+    x_res, _ = ref.quantize_rows(
+      x32,
+      layout,
+      qx,
+      "columnwise",
+      input_dtype=x.dtype,
+      what="input",
+      delayed_scale=_scale_of(state.get("input")),
+      key=_usage_key(keys["input"], "columnwise"),
+    )
   elif cfg.backward == "high_precision":
     x_res = ref.GroupedValues(x32, None, layout)
   else:  # dequantized: the forward's rowwise values with their row scales applied
@@ -177,15 +210,23 @@ def _weight_columnwise(cfg, kernel, w_state, key):
   the narrow dtype holding the values exactly."""
   qw = cfg.quantizer("weight")
   if cfg.backward == "quantized":
-    vals, outer, _ = ref.quantize_experts(jnp.swapaxes(kernel, 1, 2), qw, "columnwise",
-                                          delayed_scale=_scale_of(w_state),
-                                          key=_usage_key(key, "columnwise"))
+    vals, outer, _ = ref.quantize_experts(
+      jnp.swapaxes(kernel, 1, 2),
+      qw,
+      "columnwise",
+      delayed_scale=_scale_of(w_state),
+      key=_usage_key(key, "columnwise"),
+    )
     return vals, outer, _exact_dtype(qw, "columnwise", kernel.dtype)
   if cfg.backward == "high_precision":
     return kernel.astype(jnp.float32), None, _exact_dtype(None, "columnwise", kernel.dtype)
-  vals, outer, _ = ref.quantize_experts(jnp.swapaxes(kernel, 1, 2), qw, "rowwise",
-                                        delayed_scale=_scale_of(w_state),
-                                        key=_usage_key(key, "rowwise"))
+  vals, outer, _ = ref.quantize_experts(
+    jnp.swapaxes(kernel, 1, 2),
+    qw,
+    "rowwise",
+    delayed_scale=_scale_of(w_state),
+    key=_usage_key(key, "rowwise"),
+  )
   exact = _exact_dtype(qw, "rowwise", kernel.dtype)
   if outer is not None:  # the scale is applied, so the values are no longer codes
     vals, exact = vals * outer[:, None, None], None
@@ -210,14 +251,22 @@ def _bwd(cfg, saved, cotangents):
   qdy = cfg.quantizer("grad_output") if cfg.backward == "quantized" else None
   dy_key = keys["grad_output"]
   common = dict(input_dtype=dy.dtype, what="grad_output", delayed_scale=_scale_of(dy_state))
-  dy_row, dy_amax = ref.quantize_rows(dy32, layout, qdy, "rowwise",
-                                      key=_usage_key(dy_key, "rowwise"), **common)
-  dy_col, _ = ref.quantize_rows(dy32, layout, qdy, "columnwise",
-                                key=_usage_key(dy_key, "columnwise"), **common)
+  dy_row, dy_amax = ref.quantize_rows(
+    dy32, layout, qdy, "rowwise", key=_usage_key(dy_key, "rowwise"), **common
+  )
+  dy_col, _ = ref.quantize_rows(
+    dy32, layout, qdy, "columnwise", key=_usage_key(dy_key, "columnwise"), **common
+  )
 
   w_col, w_outer, w_exact = _weight_columnwise(cfg, kernel, w_state, keys["weight"])
-  acc = grouped_matmul(dy_row.values, w_col, layout, tile=cfg.tile,
-                       a_exact=_exact_dtype(qdy, "rowwise", dy.dtype), b_exact=w_exact)
+  acc = grouped_matmul(
+    dy_row.values,
+    w_col,
+    layout,
+    tile=cfg.tile,
+    a_exact=_exact_dtype(qdy, "rowwise", dy.dtype),
+    b_exact=w_exact,
+  )
   dx = _epilogue(acc, dy_row.outer, w_outer, layout)
   dx = jnp.where(in_groups, dx, 0.0).astype(dy.dtype)  # y's dtype, which is x's
 
@@ -230,8 +279,9 @@ def _bwd(cfg, saved, cotangents):
 
   dbias = None
   if cfg.bias_dtype is not None:
-    dbias = jax.ops.segment_sum(dy32, layout.group_ids,
-                                layout.num_groups + 1)[:layout.num_groups].astype(cfg.bias_dtype)
+    dbias = jax.ops.segment_sum(dy32, layout.group_ids, layout.num_groups + 1)[
+      : layout.num_groups
+    ].astype(cfg.bias_dtype)
   state_ct = dict(state_ct)
   if dy_amax is not None:
     state_ct["grad_output"] = jax.vmap(scaling.fold_grad_amax)(state_ct["grad_output"], dy_amax)
@@ -244,37 +294,49 @@ grouped_dense_2d.defvjp(_fwd, _bwd)
 
 # ---- The public op ----
 
+
 def _check_args(x, kernel, group_sizes, bias, what):
   if jnp.ndim(kernel) != 3:
-    raise ValueError(f"{what}: kernel must be rank 3 [G, K, N] (one [K, N] per group), got "
-                     f"shape {jnp.shape(kernel)}")
+    raise ValueError(
+      f"{what}: kernel must be rank 3 [G, K, N] (one [K, N] per group), got "
+      f"shape {jnp.shape(kernel)}"
+    )
   if jnp.ndim(x) != 2:
-    raise ValueError(f"{what}: x must be rank 2 [M, K] (rows grouped along M), got shape "
-                     f"{jnp.shape(x)}")
+    raise ValueError(
+      f"{what}: x must be rank 2 [M, K] (rows grouped along M), got shape {jnp.shape(x)}"
+    )
   num_groups, k, n = kernel.shape
   if x.shape[1] != k:
-    raise ValueError(f"{what}: contraction dims differ: x is {x.shape} (K={x.shape[1]}) but "
-                     f"kernel is {kernel.shape} (K={k}); kernel must be [G, K, N]")
+    raise ValueError(
+      f"{what}: contraction dims differ: x is {x.shape} (K={x.shape[1]}) but "
+      f"kernel is {kernel.shape} (K={k}); kernel must be [G, K, N]"
+    )
   if jnp.shape(group_sizes) != (num_groups,):
-    raise ValueError(f"{what}: group_sizes must have shape ({num_groups},) = [G] to match "
-                     f"kernel {kernel.shape}, got {jnp.shape(group_sizes)}")
+    raise ValueError(
+      f"{what}: group_sizes must have shape ({num_groups},) = [G] to match "
+      f"kernel {kernel.shape}, got {jnp.shape(group_sizes)}"
+    )
   if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
-    raise TypeError(f"{what}: group_sizes must be an integer array (int32), got "
-                    f"{jnp.result_type(group_sizes)}")
+    raise TypeError(
+      f"{what}: group_sizes must be an integer array (int32), got {jnp.result_type(group_sizes)}"
+    )
   if bias is not None and tuple(bias.shape) != (num_groups, n):
-    raise ValueError(f"{what}: bias must have shape ({num_groups}, {n}) = [G, N] (one per "
-                     f"group), got {bias.shape}")
+    raise ValueError(
+      f"{what}: bias must have shape ({num_groups}, {n}) = [G, N] (one per group), got {bias.shape}"
+    )
   for arg, a in (("x", x), ("kernel", kernel)) + ((("bias", bias),) if bias is not None else ()):
     if jnp.dtype(a.dtype) not in INPUT_DTYPES:
-      raise TypeError(f"{what}: {arg} dtype must be one of bfloat16, float16, float32, got "
-                      f"{a.dtype}")
+      raise TypeError(
+        f"{what}: {arg} dtype must be one of bfloat16, float16, float32, got {a.dtype}"
+      )
   if not isinstance(group_sizes, jax.core.Tracer):  # known values: check them now
     sizes = np.asarray(group_sizes)
     if (sizes < 0).any():
       raise ValueError(f"{what}: group_sizes must be >= 0, got {sizes.tolist()}")
     if sizes.sum() > x.shape[0]:
-      raise ValueError(f"{what}: group_sizes sum to {int(sizes.sum())}, more than the "
-                       f"{x.shape[0]} rows of x")
+      raise ValueError(
+        f"{what}: group_sizes sum to {int(sizes.sum())}, more than the {x.shape[0]} rows of x"
+      )
 
 
 def _check_weight_dims(quantizers, backward, k, n, what):
@@ -283,18 +345,27 @@ def _check_weight_dims(quantizers, backward, k, n, what):
     q = for_usage(quantizers["weight"], usage)
     if q is not None:
       stored = (n, k) if usage == "rowwise" else (k, n)
-      q.format(usage).check_dims(*stored, what=f"{what} weight: {usage} usage of each "
-                                 f"expert's [N, K] = [{n}, {k}] weight, stored {list(stored)}")
+      q.format(usage).check_dims(
+        *stored,
+        what=f"{what} weight: {usage} usage of each "
+        f"expert's [N, K] = [{n}, {k}] weight, stored {list(stored)}",
+      )
 
 
-def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
-                  bias: Optional[jax.Array] = None, *,
-                  recipe: Optional[recipes.CustomRecipe] = None,
-                  quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
-                  name: str = "", backward: Optional[str] = None,
-                  key: Optional[jax.Array] = None,
-                  state: Optional[Mapping[str, scaling.DelayedScalingState]] = None,
-                  tile: int = 0):
+def grouped_dense(
+  x: jax.Array,
+  kernel: jax.Array,
+  group_sizes: jax.Array,
+  bias: Optional[jax.Array] = None,
+  *,
+  recipe: Optional[recipes.CustomRecipe] = None,
+  quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
+  name: str = "",
+  backward: Optional[str] = None,
+  key: Optional[jax.Array] = None,
+  state: Optional[Mapping[str, scaling.DelayedScalingState]] = None,
+  tile: int = 0,
+):
   """y[m] = x[m] @ kernel[g] + bias[g] for the rows m of group g, quantized per role.
 
   Args:
@@ -330,14 +401,28 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   keys = {}
   for t in TENSOR_TYPES:
     role_state = (state or {}).get(t)
-    check_role_args(t, quantizers[t], usages_to_quantize(t, backward), key=key,
-                    state=role_state, what=f"{what} {t}")
+    check_role_args(
+      t,
+      quantizers[t],
+      usages_to_quantize(t, backward),
+      key=key,
+      state=role_state,
+      what=f"{what} {t}",
+    )
     if role_state is not None and role_state.scale.shape != (num_groups,):
-      raise ValueError(f"{what}: state[{t!r}] must hold one scale per group ([{num_groups}]), "
-                       f"got scale shape {role_state.scale.shape}; use init_grouped_state")
+      raise ValueError(
+        f"{what}: state[{t!r}] must hold one scale per group ([{num_groups}]), "
+        f"got scale shape {role_state.scale.shape}; use init_grouped_state"
+      )
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
-  cfg = GroupedDenseConfig(tuple(quantizers.items()), backward, jnp.dtype(kernel.dtype),
-                           None if bias is None else jnp.dtype(bias.dtype), tile)
-  y, new_state = grouped_dense_2d(cfg, x, kernel, jnp.asarray(group_sizes, jnp.int32), bias, keys,
-                                  dict(state or {}))
+  cfg = GroupedDenseConfig(
+    tuple(quantizers.items()),
+    backward,
+    jnp.dtype(kernel.dtype),
+    None if bias is None else jnp.dtype(bias.dtype),
+    tile,
+  )
+  y, new_state = grouped_dense_2d(
+    cfg, x, kernel, jnp.asarray(group_sizes, jnp.int32), bias, keys, dict(state or {})
+  )
   return y if state is None else (y, new_state)

@@ -32,20 +32,31 @@ def kernel_dtypes(a_exact, b_exact, k: int, n: int):
   if a_exact is None or b_exact is None:
     return None
   pair = (jnp.dtype(a_exact), jnp.dtype(b_exact))
-  if not (pair[0] in _FP8 and pair[1] in _FP8 and
-          kernel.unsupported_reason(*pair, k, n, jnp.float32) is None):
+  if not (
+    pair[0] in _FP8
+    and pair[1] in _FP8
+    and kernel.unsupported_reason(*pair, k, n, jnp.float32) is None
+  ):
     pair = (jnp.dtype(jnp.bfloat16),) * 2  # FP8 values are exact in bf16 too
   return None if kernel.unsupported_reason(*pair, k, n, jnp.float32) else pair
 
 
-def grouped_matmul(a: jax.Array, b: jax.Array, layout: GroupLayout, *,
-                   a_exact: Optional[jnp.dtype] = None, b_exact: Optional[jnp.dtype] = None,
-                   tile: int = 0, implementation: Optional[str] = None) -> jax.Array:
+def grouped_matmul(
+  a: jax.Array,
+  b: jax.Array,
+  layout: GroupLayout,
+  *,
+  a_exact: Optional[jnp.dtype] = None,
+  b_exact: Optional[jnp.dtype] = None,
+  tile: int = 0,
+  implementation: Optional[str] = None,
+) -> jax.Array:
   """fp32 [rows, N] from a [rows, K] and b [G, N, K] (rows of no group are zero)."""
   choice = resolve_implementation(implementation)
   pair = kernel_dtypes(a_exact, b_exact, a.shape[1], b.shape[1])
   if choice == "reference" or pair is None or not kernels.available():
     return ragged_matmul(a, b, layout, tile=tile)
   ones = jnp.ones((layout.num_groups,), jnp.float32)
-  return kernel.grouped_gemm(a.astype(pair[0]), b.astype(pair[1]), layout.sizes, ones,
-                             out_dtype=jnp.float32)
+  return kernel.grouped_gemm(
+    a.astype(pair[0]), b.astype(pair[1]), layout.sizes, ones, out_dtype=jnp.float32
+  )

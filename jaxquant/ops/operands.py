@@ -30,18 +30,27 @@ from jaxquant import recipes, reference
 from jaxquant.formats import Family
 from jaxquant.kernels import gemm_values
 from jaxquant.ops.gemm import dequantizes_first
+
 # kernels where they run, else the reference
 from jaxquant.ops.quantize import cast_groups, quantize, resolve_implementation, uses_kernels
-from jaxquant.quantizers import (BASE_QUANTIZER_TYPES, QUANTIZER_TYPES, MXFP8Quantizer,
-                                 NVFP4Quantizer, Quantizer, for_usage, needs_key, needs_state)
+from jaxquant.quantizers import (
+  BASE_QUANTIZER_TYPES,
+  QUANTIZER_TYPES,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+  Quantizer,
+  for_usage,
+  needs_key,
+  needs_state,
+)
 from jaxquant.roles import TENSOR_TYPES
 from jaxquant.tensor import USAGES, QuantizedData, Usage
 
 # GEMM -> ((A tensor type, A usage), (B tensor type, B usage)).
 GEMM_OPERANDS = {
-    "fprop": (("input", "rowwise"), ("weight", "rowwise")),
-    "dgrad": (("grad_output", "rowwise"), ("weight", "columnwise")),
-    "wgrad": (("input", "columnwise"), ("grad_output", "columnwise")),
+  "fprop": (("input", "rowwise"), ("weight", "rowwise")),
+  "dgrad": (("grad_output", "rowwise"), ("weight", "columnwise")),
+  "wgrad": (("input", "columnwise"), ("grad_output", "columnwise")),
 }
 
 
@@ -52,7 +61,8 @@ def gemm_matrices(m: int, k: int, n: int) -> dict[str, tuple[int, int]]:
 
 # The usages the forward GEMM (fprop) consumes, per tensor type.
 FORWARD_USAGES: dict[str, tuple[Usage, ...]] = {
-    t: tuple(u for tt, u in GEMM_OPERANDS["fprop"] if tt == t) for t in TENSOR_TYPES}
+  t: tuple(u for tt, u in GEMM_OPERANDS["fprop"] if tt == t) for t in TENSOR_TYPES
+}
 
 
 def usages_to_quantize(tensor_type: str, backward: str) -> tuple[Usage, ...]:
@@ -89,16 +99,22 @@ def check_dims(shape: tuple[int, int], quantizer: Optional[Quantizer], usages, w
       continue
     stored_shape = (rows, cols) if usage == "rowwise" else (cols, rows)
     layout = "[rows, cols]" if usage == "rowwise" else "[cols, rows] (transposed)"
-    q.format(usage).check_dims(*stored_shape, what=(
-        f"{what}: {usage} usage of the {list(shape)} matrix, stored {layout} = {list(stored_shape)}"))
+    q.format(usage).check_dims(
+      *stored_shape,
+      what=(
+        f"{what}: {usage} usage of the {list(shape)} matrix, stored {layout} = {list(stored_shape)}"
+      ),
+    )
 
 
 def check_role_args(tensor_type: str, quantizer, usages, *, key, state, what: str) -> None:
   """Errors for a missing key or a missing / unexpected delayed-scaling state."""
   quantized = [u for u in usages if for_usage(quantizer, u) is not None]
   if quantized and needs_state(quantizer) and state is None:
-    raise ValueError(f"{what}: {quantizer!r} uses delayed scaling: pass state="
-                     f"{{'{tensor_type}': DelayedScalingState}} (scaling.init_state)")
+    raise ValueError(
+      f"{what}: {quantizer!r} uses delayed scaling: pass state="
+      f"{{'{tensor_type}': DelayedScalingState}} (scaling.init_state)"
+    )
   if any(needs_key(for_usage(quantizer, u)) for u in quantized) and key is None:
     raise ValueError(f"{what}: {quantizer!r} rounds stochastically: pass a PRNG key as key=")
 
@@ -107,12 +123,19 @@ def check_role_args(tensor_type: str, quantizer, usages, *, key, state, what: st
 # (quantizer, usages, shape) is traced once, not once per GEMM site (XLA then inlines the
 # calls; a sixth less time to trace and compile a train step). The implementation is
 # resolved outside, so the environment is read at every call, not only at the first trace.
-_quantize_once_per_shape = jax.jit(quantize, static_argnames=("quantizer", "usages",
-                                                              "implementation"))
+_quantize_once_per_shape = jax.jit(
+  quantize, static_argnames=("quantizer", "usages", "implementation")
+)
 
 
-def quantize_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, *,
-                     key: Optional[jax.Array] = None, state=None):
+def quantize_operand(
+  matrix: jax.Array,
+  quantizer: Optional[Quantizer],
+  usages,
+  *,
+  key: Optional[jax.Array] = None,
+  state=None,
+):
   """Produces the GEMM operand of each requested usage of a 2-D logical matrix.
 
   Returns `({usage: operand}, new_state)`. A usage whose quantizer is None (no
@@ -128,10 +151,14 @@ def quantize_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, 
   operands = {u: stored(matrix, u) for u in usages if u not in quantized}
   if not quantized:
     return operands, state
-  out = _quantize_once_per_shape(matrix, quantizer, quantized,
-                                 key=key if needs_key(quantizer) else None,
-                                 state=state if needs_state(quantizer) else None,
-                                 implementation=resolve_implementation(None))
+  out = _quantize_once_per_shape(
+    matrix,
+    quantizer,
+    quantized,
+    key=key if needs_key(quantizer) else None,
+    state=state if needs_state(quantizer) else None,
+    implementation=resolve_implementation(None),
+  )
   qt, new_state = out if needs_state(quantizer) else (out, state)
   for u in quantized:
     operands[u] = qt.usage(u)
@@ -153,13 +180,20 @@ def treats_usages_alike(quantizer: Optional[Quantizer]) -> bool:
   if not isinstance(quantizer, BASE_QUANTIZER_TYPES):
     return False  # high precision, or a hybrid
   if isinstance(quantizer, NVFP4Quantizer) and (
-      quantizer.rht or quantizer.stochastic_rounding or quantizer.per_token):
+    quantizer.rht or quantizer.stochastic_rounding or quantizer.per_token
+  ):
     return False
   return quantizer.format("rowwise") == quantizer.format("columnwise")
 
 
-def quantize_transposed_operand(matrix: jax.Array, quantizer: Optional[Quantizer], usages, *,
-                                key: Optional[jax.Array] = None, state=None):
+def quantize_transposed_operand(
+  matrix: jax.Array,
+  quantizer: Optional[Quantizer],
+  usages,
+  *,
+  key: Optional[jax.Array] = None,
+  state=None,
+):
   """`quantize_operand(matrix.T, ...)`, casting `matrix` as it is where the quantizer treats
   both usages alike: the operands are the same bits, and no transposed copy of the matrix
   is made for the cast kernel (XLA materializes a transpose before a custom call; a
@@ -180,8 +214,9 @@ def _values_family(quantizer: Optional[Quantizer]) -> Optional[Family]:
   return None
 
 
-def takes_gemm_values(quantizers: Mapping[str, Optional[Quantizer]], backward: str,
-                      m: int, k: int, n: int) -> bool:
+def takes_gemm_values(
+  quantizers: Mapping[str, Optional[Quantizer]], backward: str, m: int, k: int, n: int
+) -> bool:
   """Whether a linear layer's operands are cast straight to the bf16 values its GEMMs
   multiply (kernels/gemm_values.py) instead of to codes and scales: every usage of every
   role MXFP8 or NVFP4 with per-tensor global amaxes (no per_token; hybrids of the two
@@ -191,28 +226,39 @@ def takes_gemm_values(quantizers: Mapping[str, Optional[Quantizer]], backward: s
   of 8- or 4-bit codes."""
   if backward != "quantized" or not uses_kernels():
     return False
-  family = {(t, u): _values_family(for_usage(quantizers.get(t), u))
-            for t in TENSOR_TYPES for u in USAGES}
+  family = {
+    (t, u): _values_family(for_usage(quantizers.get(t), u)) for t in TENSOR_TYPES for u in USAGES
+  }
   if None in family.values():
     return False
-  block = max(gemm_values.BLOCK if f is Family.MXFP8 else gemm_values.NVFP4_BLOCK
-              for f in family.values())
+  block = max(
+    gemm_values.BLOCK if f is Family.MXFP8 else gemm_values.NVFP4_BLOCK for f in family.values()
+  )
   if any(d % block for d in (m, k, n)):
     return False
   # (A, B, A rows, B rows, k) of fprop, dgrad and wgrad.
-  gemms = ((("input", "rowwise"), ("weight", "rowwise"), m, n, k),
-           (("grad_output", "rowwise"), ("weight", "columnwise"), m, k, n),
-           (("input", "columnwise"), ("grad_output", "columnwise"), k, n, m))
+  gemms = (
+    (("input", "rowwise"), ("weight", "rowwise"), m, n, k),
+    (("grad_output", "rowwise"), ("weight", "columnwise"), m, k, n),
+    (("input", "columnwise"), ("grad_output", "columnwise"), k, n, m),
+  )
   return all(dequantizes_first(family[a], family[b], ra, rb, kk) for a, b, ra, rb, kk in gemms)
 
 
-def gemm_values_operand(matrix: jax.Array, quantizer: Quantizer, usages, *,
-                        key: Optional[jax.Array] = None, transposed: bool = False) -> dict:
+def gemm_values_operand(
+  matrix: jax.Array,
+  quantizer: Quantizer,
+  usages,
+  *,
+  key: Optional[jax.Array] = None,
+  transposed: bool = False,
+) -> dict:
   """{usage: the values the GEMM multiplies} of `matrix`: bf16 values (MXFP8) or
   `ScaledValues` (NVFP4; `key` for stochastic rounding), one cast per distinct base
   quantizer (a hybrid's two usages: two). `transposed`: of matrix.T, each usage cast from
   matrix as it is where its quantizer treats both usages alike, as
   `quantize_transposed_operand` does."""
+
   def cast(source, base, wanted):
     if isinstance(base, NVFP4Quantizer):
       return gemm_values.nvfp4_values(source, base, wanted, key=key)
@@ -243,7 +289,9 @@ def _is_nvfp4(q, **options) -> bool:
   return isinstance(q, NVFP4Quantizer) and all(getattr(q, k) == v for k, v in options.items())
 
 
-def check_placement(quantizers: Mapping[str, Optional[Quantizer]], backward: str, what: str) -> None:
+def check_placement(
+  quantizers: Mapping[str, Optional[Quantizer]], backward: str, what: str
+) -> None:
   """Rejects quantizer options whose scales cannot factor out of the GEMMs that use them.
 
   Per-token NVFP4 (row-scaled rowwise usage): its row scales factor out of the GEMM's
@@ -261,20 +309,27 @@ def check_placement(quantizers: Mapping[str, Optional[Quantizer]], backward: str
   w_row = for_usage(quantizers.get("weight"), "rowwise")
   if _is_nvfp4(w_row, per_token=True):
     raise ValueError(
-        f"{what}: per_token NVFP4 is not allowed for the weight role: w's rows are fprop's "
-        "output columns (B operand) and dgrad's contraction dim, so row scales cannot "
-        "factor out of the GEMM output rows; use per_token for input / grad_output")
+      f"{what}: per_token NVFP4 is not allowed for the weight role: w's rows are fprop's "
+      "output columns (B operand) and dgrad's contraction dim, so row scales cannot "
+      "factor out of the GEMM output rows; use per_token for input / grad_output"
+    )
   if backward != "quantized":
     return
   if _is_nvfp4(for_usage(quantizers.get("weight"), "columnwise"), rht=True):
-    raise ValueError(f"{what}: RHT on the weight's columnwise usage would rotate dgrad's "
-                     "contraction dim on one operand only; RHT belongs to wgrad operands")
-  rht = {t: _is_nvfp4(for_usage(quantizers.get(t), "columnwise"), rht=True)
-         for t in ("input", "grad_output")}
+    raise ValueError(
+      f"{what}: RHT on the weight's columnwise usage would rotate dgrad's "
+      "contraction dim on one operand only; RHT belongs to wgrad operands"
+    )
+  rht = {
+    t: _is_nvfp4(for_usage(quantizers.get(t), "columnwise"), rht=True)
+    for t in ("input", "grad_output")
+  }
   if rht["input"] != rht["grad_output"]:
     on, off = ("input", "grad_output") if rht["input"] else ("grad_output", "input")
-    raise ValueError(f"{what}: RHT on the {on} columnwise usage but not on {off}'s: wgrad "
-                     "needs both operands rotated by the same R (or neither) to cancel it")
+    raise ValueError(
+      f"{what}: RHT on the {on} columnwise usage but not on {off}'s: wgrad "
+      "needs both operands rotated by the same R (or neither) to cancel it"
+    )
 
 
 def is_high_precision(quantizers: Mapping[str, Optional[Quantizer]]) -> bool:
@@ -315,8 +370,10 @@ def resolve_quantizers(recipe, quantizers, module_type: str, name: str, what: st
     return recipe.quantizers(module_type, name), recipe.backward, recipe.fast_accumulation
   unknown = set(quantizers) - set(TENSOR_TYPES)
   if unknown:
-    raise ValueError(f"{what}: quantizers has unknown tensor types {sorted(unknown)}; "
-                     f"expected keys among {TENSOR_TYPES}")
+    raise ValueError(
+      f"{what}: quantizers has unknown tensor types {sorted(unknown)}; "
+      f"expected keys among {TENSOR_TYPES}"
+    )
   for t, q in quantizers.items():
     if q is not None and not isinstance(q, QUANTIZER_TYPES):
       raise TypeError(f"{what}: quantizers[{t!r}] must be a jaxquant quantizer or None, got {q!r}")
@@ -328,9 +385,13 @@ def check_state(quantizers, state, what: str) -> None:
   stateful = {t for t, q in quantizers.items() if needs_state(q)}
   given = set(state or {})
   if state is not None and given - stateful:
-    raise ValueError(f"{what}: state has entries {sorted(given - stateful)} whose quantizers "
-                     "do not use delayed scaling; state holds exactly the delayed roles "
-                     f"({sorted(stateful) or 'none here'})")
+    raise ValueError(
+      f"{what}: state has entries {sorted(given - stateful)} whose quantizers "
+      "do not use delayed scaling; state holds exactly the delayed roles "
+      f"({sorted(stateful) or 'none here'})"
+    )
   if stateful - given:
-    raise ValueError(f"{what}: roles {sorted(stateful - given)} use delayed scaling: pass "
-                     "state={tensor_type: scaling.init_state(quantizer)} for each")
+    raise ValueError(
+      f"{what}: roles {sorted(stateful - given)} use delayed scaling: pass "
+      "state={tensor_type: scaling.init_state(quantizer)} for each"
+    )

@@ -42,9 +42,15 @@ def uses_kernels(implementation: Optional[str] = None) -> bool:
   return choice == "kernel" or (choice == "auto" and kernels.available())
 
 
-def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"), *,
-             key: Optional[jax.Array] = None, state: Optional[DelayedScalingState] = None,
-             implementation: Optional[str] = None):
+def quantize(
+  x: jax.Array,
+  quantizer: Quantizer,
+  usages=("rowwise", "columnwise"),
+  *,
+  key: Optional[jax.Array] = None,
+  state: Optional[DelayedScalingState] = None,
+  implementation: Optional[str] = None,
+):
   """Same contract as `jaxquant.reference.quantize`, dispatched to the kernels."""
   choice = resolve_implementation(implementation)
   if not uses_kernels(choice):
@@ -87,8 +93,9 @@ def cast_groups(quantizer: Quantizer, usages: tuple[Usage, ...]):
   return [(q, (u,)) for q, u in bases]
 
 
-def dequantize(qt: QuantizedTensor, usage: Usage = "rowwise", dtype=None, *,
-               implementation: Optional[str] = None) -> jax.Array:
+def dequantize(
+  qt: QuantizedTensor, usage: Usage = "rowwise", dtype=None, *, implementation: Optional[str] = None
+) -> jax.Array:
   """Same contract as `jaxquant.reference.dequantize`."""
   choice = resolve_implementation(implementation)
   stored = qt.usage(usage)

@@ -70,12 +70,14 @@ def ragged_matmul(a: jax.Array, b: jax.Array, layout: GroupLayout, *, tile: int 
     start, owned_from, group, valid = item
     a_t = jax.lax.dynamic_slice_in_dim(a, start, tile, axis=0)
     b_g = jax.lax.dynamic_index_in_dim(b, group, axis=0, keepdims=False)
-    prod = jax.lax.dot_general(a_t, b_g, (((1,), (1,)), ((), ())), precision=_HIGHEST,
-                               preferred_element_type=jnp.float32)
+    prod = jax.lax.dot_general(
+      a_t, b_g, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
     mask = _row_mask(layout, start, owned_from, group, valid, tile)
     old = jax.lax.dynamic_slice_in_dim(out, start, tile, axis=0)
-    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask[:, None], prod, old), start,
-                                               axis=0), None
+    return jax.lax.dynamic_update_slice_in_dim(
+      out, jnp.where(mask[:, None], prod, old), start, axis=0
+    ), None
 
   out, _ = jax.lax.scan(step, out, _work_items(layout, tile))
   return out
@@ -100,8 +102,9 @@ def ragged_contract(a: jax.Array, b: jax.Array, layout: GroupLayout, *, tile: in
     # Both sides are masked: 0 * inf in another group's row would otherwise give NaN.
     a_t = jnp.where(mask, jax.lax.dynamic_slice_in_dim(a, start, tile, axis=0), 0.0)
     b_t = jnp.where(mask, jax.lax.dynamic_slice_in_dim(b, start, tile, axis=0), 0.0)
-    prod = jax.lax.dot_general(a_t, b_t, (((0,), (0,)), ((), ())), precision=_HIGHEST,
-                               preferred_element_type=jnp.float32)
+    prod = jax.lax.dot_general(
+      a_t, b_t, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
     acc = jax.lax.dynamic_index_in_dim(out, group, axis=0, keepdims=True)
     return jax.lax.dynamic_update_slice_in_dim(out, acc + prod[None], group, axis=0), None
 

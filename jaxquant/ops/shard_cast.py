@@ -26,8 +26,12 @@ from jaxquant.kernels.cast import cast_p
 from jaxquant.kernels.config import cast_config, unsupported_reason
 from jaxquant.kernels.reference_cast import reference_cast
 from jaxquant.kernels.sharding import pmax_amax
-from jaxquant.quantizers import (BaseQuantizer, DelayedFloat8Quantizer, Float8Quantizer,
-                                 NVFP4Quantizer)
+from jaxquant.quantizers import (
+  BaseQuantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  NVFP4Quantizer,
+)
 from jaxquant.reference import fp32, hadamard
 from jaxquant.tensor import QuantizedData, Usage
 
@@ -56,8 +60,9 @@ def _amax(shard, *, use_kernel: bool, per_row: bool = False, rht: bool = False):
   return fp32.abs_max(values, axis=1 if per_row else None)
 
 
-def _nvfp4_amaxes(shard, q: NVFP4Quantizer, usages, row_axes: Axes, col_axes: Axes,
-                  use_kernel: bool):
+def _nvfp4_amaxes(
+  shard, q: NVFP4Quantizer, usages, row_axes: Axes, col_axes: Axes, use_kernel: bool
+):
   """(rowwise, columnwise) global amaxes, as `kernels.quantize.nvfp4_amaxes` takes them
   from the whole matrix."""
   every_axis = row_axes + col_axes
@@ -65,24 +70,34 @@ def _nvfp4_amaxes(shard, q: NVFP4Quantizer, usages, row_axes: Axes, col_axes: Ax
   tensor = None
   if "rowwise" in usages:
     # Per-token amaxes are per row: only the shards of one row (its cols) reduce.
-    row = pmax_amax(_amax(shard, use_kernel=use_kernel, per_row=q.per_token),
-                    col_axes if q.per_token else every_axis)
+    row = pmax_amax(
+      _amax(shard, use_kernel=use_kernel, per_row=q.per_token),
+      col_axes if q.per_token else every_axis,
+    )
     # The tensor amax of per-token data: the max of the rows' amaxes, over every row's shard.
     tensor = pmax_amax(fp32.abs_max(row), row_axes) if q.per_token else row
   if "columnwise" in usages:
     if q.rht and not q.tile_2d:
       col = pmax_amax(_amax(shard, use_kernel=use_kernel, rht=True), every_axis)
     else:
-      col = tensor if tensor is not None else pmax_amax(_amax(shard, use_kernel=use_kernel),
-                                                         every_axis)
+      col = (
+        tensor if tensor is not None else pmax_amax(_amax(shard, use_kernel=use_kernel), every_axis)
+      )
   if q.tile_2d and "rowwise" not in usages:
     row = col  # 16x16 tiles take their scales from the (shared) tensor amax
   return row, col
 
 
-def cast_shard(shard: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, ...], *,
-               row_axes: Axes, col_axes: Axes, implementation: str,
-               scale: Optional[jax.Array] = None):
+def cast_shard(
+  shard: jax.Array,
+  quantizer: BaseQuantizer,
+  usages: tuple[Usage, ...],
+  *,
+  row_axes: Axes,
+  col_axes: Axes,
+  implementation: str,
+  scale: Optional[jax.Array] = None,
+):
   """Quantizes this device's shard of a [M, K] matrix for `usages` (in the matrix's
   rowwise / columnwise layouts), as the whole matrix's cast does on this shard.
 
@@ -91,8 +106,10 @@ def cast_shard(shard: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, 
   the shard}, recorded)`, `recorded` the whole matrix's amax for delayed scaling, else None.
   """
   if getattr(quantizer, "stochastic_rounding", False):
-    raise ValueError(f"{quantizer!r}: a shard cannot draw its part of the whole matrix's "
-                     "stochastic-rounding stream")
+    raise ValueError(
+      f"{quantizer!r}: a shard cannot draw its part of the whole matrix's "
+      "stochastic-rounding stream"
+    )
   use_kernel = _uses_kernel(quantizer, shard, implementation)
   every_axis = row_axes + col_axes
   zero = jnp.zeros((), jnp.float32)
@@ -105,8 +122,11 @@ def cast_shard(shard: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, 
   elif isinstance(quantizer, NVFP4Quantizer):
     row_amax, col_amax = _nvfp4_amaxes(shard, quantizer, usages, row_axes, col_axes, use_kernel)
   config = cast_config(quantizer, usages)
-  cast = (functools.partial(cast_p.bind, config=config) if use_kernel
-          else functools.partial(reference_cast, config=config))
+  cast = (
+    functools.partial(cast_p.bind, config=config)
+    if use_kernel
+    else functools.partial(reference_cast, config=config)
+  )
   # No stochastic rounding: the seed operand is an unread scalar.
   outs = cast(shard, row_amax, col_amax, jnp.zeros((), jnp.uint32))
   result = {}
@@ -114,8 +134,9 @@ def cast_shard(shard: jax.Array, quantizer: BaseQuantizer, usages: tuple[Usage, 
     global_amax = None
     if isinstance(quantizer, NVFP4Quantizer):
       global_amax = row_amax if usage == "rowwise" else col_amax
-    result[usage] = QuantizedData(outs[2 * i], outs[2 * i + 1], global_amax,
-                                  config.usage_format(usage))
+    result[usage] = QuantizedData(
+      outs[2 * i], outs[2 * i + 1], global_amax, config.usage_format(usage)
+    )
   if config.observe_amax:  # this shard's amax, from the cast: the matrix's is their max
     recorded = pmax_amax(outs[-1], every_axis)
   return result, recorded

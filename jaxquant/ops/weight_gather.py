@@ -75,8 +75,10 @@ class WeightGather:
       raise TypeError(f"WeightGather.mesh must be a jax.sharding.Mesh, got {self.mesh!r}")
     spec = tuple(self.kernel_spec)
     if len(spec) > 2:
-      raise ValueError(f"WeightGather.kernel_spec {self.kernel_spec} has {len(spec)} entries; "
-                       "a dense kernel [K, N] has 2")
+      raise ValueError(
+        f"WeightGather.kernel_spec {self.kernel_spec} has {len(spec)} entries; "
+        "a dense kernel [K, N] has 2"
+      )
     object.__setattr__(self, "kernel_spec", P(*spec, *(None,) * (2 - len(spec))))
     object.__setattr__(self, "axis", entry_axes(self.axis))
     used = [a for entry in self.kernel_spec for a in entry_axes(entry)]
@@ -85,13 +87,17 @@ class WeightGather:
         raise ValueError(f"WeightGather: mesh axis {a!r} is not in the mesh's axes {names}")
     for a in self.axis:
       if a not in used:
-        raise ValueError(f"WeightGather: the kernel spec {self.kernel_spec} does not shard "
-                         f"over axis {a!r}: there is nothing to gather over it")
-    for dim, entry in zip("KN", self.kernel_spec):
+        raise ValueError(
+          f"WeightGather: the kernel spec {self.kernel_spec} does not shard "
+          f"over axis {a!r}: there is nothing to gather over it"
+        )
+    for dim, entry in zip("KN", self.kernel_spec, strict=False):
       axes = entry_axes(entry)
       if set(axes) & set(self.axis) and not set(axes) <= set(self.axis):
-        raise ValueError(f"WeightGather: kernel dim {dim} is split over {axes}, mixing "
-                         f"gathered axes {self.axis} with others; a dim is gathered whole or not")
+        raise ValueError(
+          f"WeightGather: kernel dim {dim} is split over {axes}, mixing "
+          f"gathered axes {self.axis} with others; a dim is gathered whole or not"
+        )
 
   def kernel_axes(self) -> tuple[Axes, Axes]:
     """The mesh axes splitting K and N."""
@@ -106,38 +112,51 @@ class WeightGather:
     return (n_axes, k_axes) if usage == "rowwise" else (k_axes, n_axes)
 
 
-def unshardable_reason(gather: WeightGather, quantizer: Optional[Quantizer], usages,
-                       kernel_shape: tuple[int, int]) -> Optional[str]:
+def unshardable_reason(
+  gather: WeightGather, quantizer: Optional[Quantizer], usages, kernel_shape: tuple[int, int]
+) -> Optional[str]:
   """Why the weight's shards cannot be quantized alone, or None."""
   k, n = kernel_shape
-  for dim, size, axes in zip("KN", (k, n), gather.kernel_axes()):
+  for dim, size, axes in zip("KN", (k, n), gather.kernel_axes(), strict=False):
     if size % axes_size(gather.mesh, axes):
-      return (f"kernel dim {dim}={size} does not split evenly over mesh axes {axes} "
-              f"({axes_size(gather.mesh, axes)} shards)")
+      return (
+        f"kernel dim {dim}={size} does not split evenly over mesh axes {axes} "
+        f"({axes_size(gather.mesh, axes)} shards)"
+      )
   for usage in usages:
     q = for_usage(quantizer, usage)
     if q is None:
       continue
     if getattr(q, "stochastic_rounding", False):
-      return (f"the {usage} usage rounds stochastically ({q!r}): its random bits are one "
-              "stream over the whole weight, which a shard cannot draw its part of")
+      return (
+        f"the {usage} usage rounds stochastically ({q!r}): its random bits are one "
+        "stream over the whole weight, which a shard cannot draw its part of"
+      )
     fmt = q.format(usage)
     if fmt.family is Family.FP8_TENSOR:
       continue
     rows, cols = (n, k) if usage == "rowwise" else (k, n)
-    for name, size, axes, block in zip(("rows", "cols"), (rows, cols),
-                                       gather.stored_axes(usage), fmt.block):
+    for name, size, axes, block in zip(
+      ("rows", "cols"), (rows, cols), gather.stored_axes(usage), fmt.block, strict=False
+    ):
       shards = axes_size(gather.mesh, axes)
       if shards > 1 and (size // shards) % block:
-        return (f"the {usage} usage ({fmt.family.value}, block {fmt.block[0]}x{fmt.block[1]}) "
-                f"is stored {[rows, cols]}; split over {axes} each shard holds "
-                f"{size // shards} {name}, not a multiple of the block's {block}: a shard "
-                "must hold whole scaling blocks")
+        return (
+          f"the {usage} usage ({fmt.family.value}, block {fmt.block[0]}x{fmt.block[1]}) "
+          f"is stored {[rows, cols]}; split over {axes} each shard holds "
+          f"{size // shards} {name}, not a multiple of the block's {block}: a shard "
+          "must hold whole scaling blocks"
+        )
   return None
 
 
-def resolve(gather: Optional[WeightGather], quantizer: Optional[Quantizer], usages,
-            kernel_shape: tuple[int, int], what: str) -> Optional[WeightGather]:
+def resolve(
+  gather: Optional[WeightGather],
+  quantizer: Optional[Quantizer],
+  usages,
+  kernel_shape: tuple[int, int],
+  what: str,
+) -> Optional[WeightGather]:
   """The gather a call applies: `gather`, or None where nothing of the weight is quantized
   or (with `fallback`) its shards cannot be quantized alone; raises otherwise."""
   if gather is None:
@@ -151,9 +170,11 @@ def resolve(gather: Optional[WeightGather], quantizer: Optional[Quantizer], usag
     return gather
   if gather.fallback:
     return None
-  raise ValueError(f"{what}: weight_gather over {gather.axis}: {reason}. Shard the weight "
-                   "so that it does, or pass WeightGather(..., fallback=True) to gather this "
-                   "weight in high precision and quantize it after the gather")
+  raise ValueError(
+    f"{what}: weight_gather over {gather.axis}: {reason}. Shard the weight "
+    "so that it does, or pass WeightGather(..., fallback=True) to gather this "
+    "weight in high precision and quantize it after the gather"
+  )
 
 
 def _data_specs(gather: WeightGather, usage: Usage, fmt, *, gathered: bool) -> QuantizedData:
@@ -173,12 +194,20 @@ def _leaves(qd: QuantizedData) -> list:
 
 def _rebuild(template: QuantizedData, leaves) -> QuantizedData:
   leaves = list(leaves)
-  return QuantizedData(leaves[0], leaves[1], leaves[2] if template.amax is not None else None,
-                       template.format)
+  return QuantizedData(
+    leaves[0], leaves[1], leaves[2] if template.amax is not None else None, template.format
+  )
 
 
-def quantize_shards(kernel: jax.Array, quantizer: Optional[Quantizer], usages, *,
-                    gather: WeightGather, state=None, implementation: Optional[str] = None):
+def quantize_shards(
+  kernel: jax.Array,
+  quantizer: Optional[Quantizer],
+  usages,
+  *,
+  gather: WeightGather,
+  state=None,
+  implementation: Optional[str] = None,
+):
   """`operands.quantize_transposed_operand(kernel, ...)` with each usage of w = kernelᵀ
   quantized shard by shard: `({usage: operand}, new_state)`, the quantized operands
   sharded as `gather.kernel_spec` shards the weight (`gather_operand` gathers them),
@@ -201,27 +230,46 @@ def quantize_shards(kernel: jax.Array, quantizer: Optional[Quantizer], usages, *
       # The kernel shard [K, N] is the shard of wᵀ: where both usages are alike, its
       # rowwise cast is w's columnwise usage and the other way round (no transposed copy).
       if treats_usages_alike(base):
-        out, amax = cast_shard(shard, base, tuple(_OTHER_USAGE[u] for u in group),
-                               row_axes=k_axes, col_axes=n_axes, scale=scale,
-                               implementation=implementation)
+        out, amax = cast_shard(
+          shard,
+          base,
+          tuple(_OTHER_USAGE[u] for u in group),
+          row_axes=k_axes,
+          col_axes=n_axes,
+          scale=scale,
+          implementation=implementation,
+        )
         results.update({_OTHER_USAGE[u]: qd for u, qd in out.items()})
       else:
-        out, amax = cast_shard(shard.T, base, group, row_axes=n_axes, col_axes=k_axes,
-                               scale=scale, implementation=implementation)
+        out, amax = cast_shard(
+          shard.T,
+          base,
+          group,
+          row_axes=n_axes,
+          col_axes=k_axes,
+          scale=scale,
+          implementation=implementation,
+        )
         results.update(out)
       recorded = amax if amax is not None else recorded  # both usages see one tensor amax
     leaves = [leaf for u in quantized for leaf in _leaves(results[u])]
     return leaves + ([recorded] if recorded is not None else [])
 
-  out_specs = [s for u in quantized
-               for s in _leaves(_data_specs(gather, u, formats[u], gathered=False))]
+  out_specs = [
+    s for u in quantized for s in _leaves(_data_specs(gather, u, formats[u], gathered=False))
+  ]
   scale = state.scale if needs_state(quantizer) else None
   if scale is not None:
     out_specs.append(P())
   # check_vma=False: the jaxquant primitives do not track which axes their results vary
   # over; the scalar outputs (scales, reduced amaxes) are the same on every shard.
-  leaves = jax.shard_map(cast_all, mesh=gather.mesh, in_specs=(gather.kernel_spec, P()),
-                         out_specs=out_specs, check_vma=False)(kernel, scale)
+  leaves = jax.shard_map(
+    cast_all,
+    mesh=gather.mesh,
+    in_specs=(gather.kernel_spec, P()),
+    out_specs=out_specs,
+    check_vma=False,
+  )(kernel, scale)
   leaves = iter(leaves)
   for u in quantized:
     template = _data_specs(gather, u, formats[u], gathered=False)
@@ -253,8 +301,13 @@ def gather_operand(operand, usage: Usage, gather: Optional[WeightGather]):
     return jax.lax.bitcast_convert_type(moved, leaf.dtype) if narrow else moved
 
   def gather_all(*leaves):
-    return [gather_leaf(leaf, spec) for leaf, spec in zip(leaves, _leaves(before))]
+    return [gather_leaf(leaf, spec) for leaf, spec in zip(leaves, _leaves(before), strict=False)]
 
-  leaves = jax.shard_map(gather_all, mesh=gather.mesh, in_specs=tuple(_leaves(before)),
-                         out_specs=_leaves(after), check_vma=False)(*_leaves(operand))
+  leaves = jax.shard_map(
+    gather_all,
+    mesh=gather.mesh,
+    in_specs=tuple(_leaves(before)),
+    out_specs=_leaves(after),
+    check_vma=False,
+  )(*_leaves(operand))
   return _rebuild(operand, leaves)

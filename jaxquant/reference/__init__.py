@@ -14,14 +14,30 @@ import numpy as np
 
 from jaxquant import scaling
 from jaxquant.formats import INPUT_DTYPES, Family
-from jaxquant.quantizers import (QUANTIZER_TYPES, BlockFloat8Quantizer, DelayedFloat8Quantizer,
-                                 Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer,
-                                 for_usage, needs_key, needs_state)
+from jaxquant.quantizers import (
+  QUANTIZER_TYPES,
+  BlockFloat8Quantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+  Quantizer,
+  for_usage,
+  needs_key,
+  needs_state,
+)
 from jaxquant.reference import fp8, fp32, hadamard, mxfp8, nvfp4
 from jaxquant.tensor import QuantizedData, QuantizedTensor, Usage, check_usages
 
-__all__ = ["quantize", "dequantize", "dequantize_data", "split_scales", "outer_scale",
-           "outer_scales", "check_input"]
+__all__ = [
+  "quantize",
+  "dequantize",
+  "dequantize_data",
+  "split_scales",
+  "outer_scale",
+  "outer_scales",
+  "check_input",
+]
 
 
 def check_input(x, quantizer) -> None:
@@ -38,9 +54,14 @@ def _stored_matrix(x2d, usage: Usage):
   return x2d if usage == "rowwise" else x2d.T
 
 
-def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"), *,
-             key: Optional[jax.Array] = None,
-             state: Optional[scaling.DelayedScalingState] = None):
+def quantize(
+  x: jax.Array,
+  quantizer: Quantizer,
+  usages=("rowwise", "columnwise"),
+  *,
+  key: Optional[jax.Array] = None,
+  state: Optional[scaling.DelayedScalingState] = None,
+):
   """Quantizes `x` ([..., K], viewed as [M, K]) for the given usages.
 
   Returns a `QuantizedTensor`; with delayed scaling (which needs `state`) returns
@@ -63,8 +84,11 @@ def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"
       slots["hp_" + usage] = _stored_matrix(x.reshape(-1, shape[-1]), usage)
       continue
     fmt = q.format(usage)
-    fmt.check_dims(*stored.shape, what=f"{usage} usage of a {shape} tensor "
-                   f"(stored {'[M, K]' if usage == 'rowwise' else '[K, M]'} = {list(stored.shape)})")
+    fmt.check_dims(
+      *stored.shape,
+      what=f"{usage} usage of a {shape} tensor "
+      f"(stored {'[M, K]' if usage == 'rowwise' else '[K, M]'} = {list(stored.shape)})",
+    )
     if isinstance(q, Float8Quantizer):
       amax = fp32.abs_max(x2d)
       scale = fp8.scale_from_amax(amax, fmt.fmax, eps=q.eps, pow2=q.pow2_scales, input_dtype=dtype)
@@ -74,7 +98,9 @@ def quantize(x: jax.Array, quantizer: Quantizer, usages=("rowwise", "columnwise"
       if new_state is state:  # both usages share one tensor amax: record it once
         new_state = scaling.record_amax(state, fp32.abs_max(x2d))
     elif isinstance(q, BlockFloat8Quantizer):
-      slots[usage] = fp8.quantize_block(stored, fmt, eps=q.eps, pow2=q.pow2_scales, input_dtype=dtype)
+      slots[usage] = fp8.quantize_block(
+        stored, fmt, eps=q.eps, pow2=q.pow2_scales, input_dtype=dtype
+      )
     elif isinstance(q, MXFP8Quantizer):
       slots[usage] = mxfp8.quantize(stored, fmt)
     elif isinstance(q, NVFP4Quantizer):
@@ -107,17 +133,21 @@ def outer_scales(*operands, s_dec_of: Optional[Callable[[jax.Array], jax.Array]]
   integer emulations on GPUs, and a copy per operand of every GEMM multiplied a step's
   compile time. The arithmetic is elementwise, so each S_dec has the bits `outer_scale`
   gives it."""
-  is_nvfp4 = [isinstance(op, QuantizedData) and op.format.family is Family.NVFP4
-              for op in operands]
-  amaxes = [op.amax for op, nv in zip(operands, is_nvfp4) if nv]
+  is_nvfp4 = [isinstance(op, QuantizedData) and op.format.family is Family.NVFP4 for op in operands]
+  amaxes = [op.amax for op, nv in zip(operands, is_nvfp4, strict=False) if nv]
   s_decs = iter(())
   if amaxes:
     s_dec_of = s_dec_of or (lambda amax: nvfp4.global_scales(amax)[1])
     flat = s_dec_of(jnp.concatenate([jnp.ravel(a) for a in amaxes]))
     s_decs = iter(jnp.split(flat, list(np.cumsum([a.size for a in amaxes[:-1]]))))
-  return tuple(next(s_decs).reshape(op.amax.shape) if nv
-               else outer_scale(op) if isinstance(op, QuantizedData) else None
-               for op, nv in zip(operands, is_nvfp4))
+  return tuple(
+    next(s_decs).reshape(op.amax.shape)
+    if nv
+    else outer_scale(op)
+    if isinstance(op, QuantizedData)
+    else None
+    for op, nv in zip(operands, is_nvfp4, strict=False)
+  )
 
 
 def split_scales(qd: QuantizedData):

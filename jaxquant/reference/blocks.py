@@ -27,4 +27,4 @@ def expand_blocks(scales: jax.Array, block: tuple[int, int], shape: tuple[int, i
   # instead makes jnp.repeat build index arrays with scatters and gathers: dozens of ops
   # per call for XLA to fuse, in every dequantization of a quantized train step.
   full = jnp.repeat(jnp.repeat(scales, br, axis=0), bc, axis=1)
-  return full[:shape[0], :shape[1]]
+  return full[: shape[0], : shape[1]]

@@ -28,13 +28,16 @@ class _Element:
 
 
 _ELEMENTS = {
-    "e4m3": _Element(mbits=3, emin=-6, max_code=0x7E, nan_code=0x7F),
-    "e5m2": _Element(mbits=2, emin=-14, max_code=0x7B, nan_code=0x7E),
-    "e2m1": _Element(mbits=1, emin=0, max_code=0x7, nan_code=0x0),
+  "e4m3": _Element(mbits=3, emin=-6, max_code=0x7E, nan_code=0x7F),
+  "e5m2": _Element(mbits=2, emin=-14, max_code=0x7B, nan_code=0x7E),
+  "e2m1": _Element(mbits=1, emin=0, max_code=0x7, nan_code=0x0),
 }
 _SIGN_SHIFT = {"e4m3": 7, "e5m2": 7, "e2m1": 3}
-_ML_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
-              "e2m1": ml_dtypes.float4_e2m1fn}
+_ML_DTYPES = {
+  "e4m3": ml_dtypes.float8_e4m3fn,
+  "e5m2": ml_dtypes.float8_e5m2,
+  "e2m1": ml_dtypes.float4_e2m1fn,
+}
 
 
 def _magnitude_code(x: jax.Array, element: str) -> jax.Array:

@@ -72,8 +72,7 @@ def decompose(x):
   field = ((u >> 23) & 0xFF).astype(jnp.int32)
   frac = u & np.uint32(0x7FFFFF)
   shift = jnp.where(field == 0, lax.clz(frac).astype(jnp.int32) - 8, 0)
-  sig = jnp.where(field == 0, frac << jnp.clip(shift, 0, 31).astype(jnp.uint32),
-                  frac | _MIN_NORMAL)
+  sig = jnp.where(field == 0, frac << jnp.clip(shift, 0, 31).astype(jnp.uint32), frac | _MIN_NORMAL)
   exp = jnp.where(field == 0, -126 - shift, field - 127)
   return sign, sig, exp
 
@@ -101,8 +100,7 @@ def round_to_grid(mant, lsb_exp, emin: int, mbits: int):
   e = msb + lsb_exp
   e_eff = jnp.maximum(e, emin)
   s = (e_eff - mbits) - lsb_exp
-  n = jnp.where(s >= 1, _rne_shift_right(mant, s),
-                mant << jnp.clip(-s, 0, 31).astype(jnp.uint32))
+  n = jnp.where(s >= 1, _rne_shift_right(mant, s), mant << jnp.clip(-s, 0, 31).astype(jnp.uint32))
   return n + ((e_eff - emin).astype(jnp.uint32) << mbits)
 
 
@@ -180,12 +178,19 @@ def _with_exact_fallback(host_exact, hw_result, a, b, exact_zero=None, device_ex
   full = lambda v: jnp.broadcast_to(v, hw_result.shape)
 
   def patched():
-    exact = jax.pure_callback(host_exact, jax.ShapeDtypeStruct(hw_result.shape, jnp.float32),
-                              full(a), full(b), vmap_method="broadcast_all")
+    exact = jax.pure_callback(
+      host_exact,
+      jax.ShapeDtypeStruct(hw_result.shape, jnp.float32),
+      full(a),
+      full(b),
+      vmap_method="broadcast_all",
+    )
     return jnp.where(ok, hw_result, exact)
 
   cpu = lambda: lax.cond(jnp.all(ok), lambda: hw_result, patched)
-  elsewhere = (lambda: hw_result) if device_exact is None else (lambda: device_exact(full(a), full(b)))
+  elsewhere = (
+    (lambda: hw_result) if device_exact is None else (lambda: device_exact(full(a), full(b)))
+  )
   return lax.platform_dependent(cpu=cpu, default=elsewhere)
 
 
@@ -202,8 +207,9 @@ def add(a, b):
   """fl32(a + b), IEEE round-to-nearest-even including subnormals."""
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
-  return _with_exact_fallback(host_fp32.add, a + b, a, b,
-                              exact_zero=(bits(a) ^ bits(b)) == _HALF_RANGE)
+  return _with_exact_fallback(
+    host_fp32.add, a + b, a, b, exact_zero=(bits(a) ^ bits(b)) == _HALF_RANGE
+  )
 
 
 def neg(x):
@@ -227,7 +233,7 @@ def _normalized(x):
   """
   u = bits(x)
   tiny = _is_tiny(x)
-  lifted = from_bits((u & _ABS) | np.uint32(64 << 23)) - jnp.float32(2.0 ** -63)
+  lifted = from_bits((u & _ABS) | np.uint32(64 << 23)) - jnp.float32(2.0**-63)
   lifted = jnp.where((u >> 31) == 1, -lifted, lifted)
   return jnp.where(tiny, lifted, x), jnp.where(tiny, 63, 0)
 
@@ -248,8 +254,8 @@ def mul_for_encoding(x, s):
   sn, ks = _normalized(s)
   p = xn * sn  # both normal: IEEE-rounded unless the exact product is below 2^-126
   k = kx + ks  # 0, 63 or 126; undo in steps of 2^-63 (a normal number)
-  p = jnp.where(k >= 63, p * jnp.float32(2.0 ** -63), p)
-  return jnp.where(k == 126, p * jnp.float32(2.0 ** -63), p)
+  p = jnp.where(k >= 63, p * jnp.float32(2.0**-63), p)
+  return jnp.where(k == 126, p * jnp.float32(2.0**-63), p)
 
 
 def exp2(n):
@@ -261,8 +267,8 @@ def exp2(n):
 
 
 _NARROW_FLOATS = {  # dtype -> (mantissa bits, min normal exponent, biased-exponent field width)
-    jnp.dtype(jnp.bfloat16): (7, -126, 8),
-    jnp.dtype(jnp.float16): (10, -14, 5),
+  jnp.dtype(jnp.bfloat16): (7, -126, 8),
+  jnp.dtype(jnp.float16): (10, -14, 5),
 }
 
 
@@ -286,8 +292,9 @@ def widen(x: jax.Array) -> jax.Array:
   normal = ((field + jnp.uint32(emin + 127 - 1)) << 23) | (mant << (23 - mbits))
   subnormal = bits(mul(mant.astype(jnp.float32), exp2(emin - mbits)))  # mant < 2^mbits: exact
   special = _EXP | (mant << (23 - mbits))  # inf, or NaN with its payload
-  magnitude = jnp.where(field == 0, subnormal,
-                        jnp.where(field == (1 << ebits) - 1, special, normal))
+  magnitude = jnp.where(
+    field == 0, subnormal, jnp.where(field == (1 << ebits) - 1, special, normal)
+  )
   return from_bits(((code >> (mbits + ebits)) << 31) | magnitude)
 
 
@@ -305,9 +312,10 @@ def round_to_dtype(x: jax.Array, dtype) -> jax.Array:
   field = (code >> mbits).astype(jnp.int32)
   mant = code & jnp.uint32((1 << mbits) - 1)
   value = jnp.where(
-      field == 0,
-      mul(mant.astype(jnp.float32), exp2(emin - mbits)),
-      from_bits(((field - 1 + emin + 127).astype(jnp.uint32) << 23) | (mant << (23 - mbits))))
+    field == 0,
+    mul(mant.astype(jnp.float32), exp2(emin - mbits)),
+    from_bits(((field - 1 + emin + 127).astype(jnp.uint32) << 23) | (mant << (23 - mbits))),
+  )
   value = jnp.where(field == (1 << ebits) - 1, jnp.float32(jnp.inf), value)
   value = jnp.where(sign == 1, -value, value)
   return jnp.where(is_nan(x) | (~is_finite(x)), x, value)

@@ -73,11 +73,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import scaling
-from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer, Quantizer, for_usage)
-from jaxquant.reference import elements, fp8, fp32, hadamard, mxfp8, nvfp4
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+  Quantizer,
+  for_usage,
+)
+from jaxquant.reference import elements, fp8, fp32, hadamard, mxfp8, nvfp4, split_scales
 from jaxquant.reference import quantize as dense_quantize
-from jaxquant.reference import split_scales
+
 # SR is NUMERICS.md's one rounding rule; shared, not copied.
 from jaxquant.reference.nvfp4 import _encode_stochastic
 from jaxquant.tensor import Usage
@@ -91,6 +98,7 @@ RHT_BLOCK = 16
 
 
 # ---- Row layouts ----
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +174,7 @@ def to_layout(values: jax.Array, src: GroupLayout, dst: GroupLayout) -> jax.Arra
 
 # ---- Segment reductions (exact, NaN-propagating like fp32.abs_max) ----
 
+
 def _canonical_amax(mag_bits):
   return fp32.from_bits(jnp.where(mag_bits > _EXP, _QNAN, mag_bits))
 
@@ -179,8 +188,9 @@ def segment_abs_max(x: jax.Array, segment_ids: jax.Array, num_segments: int) -> 
 def group_abs_max(x: jax.Array, layout: GroupLayout) -> jax.Array:
   """The amax of each group's rows: [G]."""
   row_amax = fp32.bits(fp32.abs_max(x, axis=1))
-  return _canonical_amax(jax.ops.segment_max(row_amax, layout.group_ids, layout.num_groups + 1)
-                         [:layout.num_groups])
+  return _canonical_amax(
+    jax.ops.segment_max(row_amax, layout.group_ids, layout.num_groups + 1)[: layout.num_groups]
+  )
 
 
 def column_block_ids(layout: GroupLayout, block: int) -> tuple[jax.Array, int]:
@@ -198,6 +208,7 @@ def column_block_ids(layout: GroupLayout, block: int) -> tuple[jax.Array, int]:
 
 
 # ---- Grouped values ----
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +235,9 @@ def _fp8_tensor_values(x, scale_g, layout, element):
 
 def _block_fp8_columns(x, layout, q: BlockFloat8Quantizer, fmt, input_dtype):
   ids, n = column_block_ids(layout, fmt.block[1])
-  scale = fp8.scale_from_amax(segment_abs_max(x, ids, n), fmt.fmax, eps=q.eps,
-                              pow2=q.pow2_scales, input_dtype=input_dtype)
+  scale = fp8.scale_from_amax(
+    segment_abs_max(x, ids, n), fmt.fmax, eps=q.eps, pow2=q.pow2_scales, input_dtype=input_dtype
+  )
   scale_e = jnp.take(scale, ids, axis=0)
   values = elements.decode(elements.encode(fp32.mul(x, scale_e), fmt.element), fmt.element)
   return fp32.mul(values, jnp.take(fp32.div(jnp.float32(1.0), scale), ids, axis=0))
@@ -233,8 +245,9 @@ def _block_fp8_columns(x, layout, q: BlockFloat8Quantizer, fmt, input_dtype):
 
 def _mxfp8_columns(x, layout, fmt):
   ids, n = column_block_ids(layout, fmt.block[1])
-  e = jnp.take(mxfp8.scale_exponent(segment_abs_max(x, ids, n), fmt.fmax), ids,
-               axis=0).astype(jnp.int32)
+  e = jnp.take(mxfp8.scale_exponent(segment_abs_max(x, ids, n), fmt.fmax), ids, axis=0).astype(
+    jnp.int32
+  )
   codes = elements.encode(fp32.mul(x, fp32.exp2(127 - e)), fmt.element)
   out = fp32.mul(elements.decode(codes, fmt.element), fp32.exp2(jnp.minimum(e, 254) - 127))
   return jnp.where(e == 0xFF, jnp.float32(jnp.nan), out)
@@ -245,8 +258,9 @@ def nvfp4_values(x, block_amax, s_enc, s_dec, random_bits=None):
 
   Returns the block-scaled values q * s (S_dec left out).
   """
-  scale_codes = elements.encode(fp32.mul(block_amax, fp32.mul(s_enc, jnp.float32(_ONE_SIXTH))),
-                                "e4m3")
+  scale_codes = elements.encode(
+    fp32.mul(block_amax, fp32.mul(s_enc, jnp.float32(_ONE_SIXTH))), "e4m3"
+  )
   s = elements.decode(scale_codes, "e4m3")
   enc = jnp.minimum(fp32.div(jnp.float32(1.0), fp32.mul(s, s_dec)), jnp.float32(_FLT_MAX))
   enc = jnp.where(s == 0, jnp.float32(0.0), enc)
@@ -287,14 +301,22 @@ def _check_no_tiles(q, usage, what):
   fmt = q.format(usage)
   if fmt.block[0] > 1:
     raise ValueError(
-        f"grouped {what}: {q!r} uses {fmt.block[0]}x{fmt.block[1]} tiles, which would span "
-        "rows of several groups; 2-D tiles are allowed for grouped weights only")
+      f"grouped {what}: {q!r} uses {fmt.block[0]}x{fmt.block[1]} tiles, which would span "
+      "rows of several groups; 2-D tiles are allowed for grouped weights only"
+    )
 
 
-def quantize_rows(x: jax.Array, layout: GroupLayout, quantizer: Optional[Quantizer],
-                  usage: Usage, *, input_dtype, what: str = "operand",
-                  delayed_scale: Optional[jax.Array] = None,
-                  key: Optional[jax.Array] = None):
+def quantize_rows(
+  x: jax.Array,
+  layout: GroupLayout,
+  quantizer: Optional[Quantizer],
+  usage: Usage,
+  *,
+  input_dtype,
+  what: str = "operand",
+  delayed_scale: Optional[jax.Array] = None,
+  key: Optional[jax.Array] = None,
+):
   """One usage of a grouped activation-like operand `x[rows, C]` (x, dy).
 
   `x` is fp32 with rows outside every group already zero. Delayed scaling takes the
@@ -313,8 +335,9 @@ def quantize_rows(x: jax.Array, layout: GroupLayout, quantizer: Optional[Quantiz
   if isinstance(q, (Float8Quantizer, DelayedFloat8Quantizer)):
     amax = group_abs_max(x, layout)
     if isinstance(q, Float8Quantizer):
-      scale = fp8.scale_from_amax(amax, fmt.fmax, eps=q.eps, pow2=q.pow2_scales,
-                                  input_dtype=input_dtype)
+      scale = fp8.scale_from_amax(
+        amax, fmt.fmax, eps=q.eps, pow2=q.pow2_scales, input_dtype=input_dtype
+      )
     else:
       scale = delayed_scale
     values, outer = _fp8_tensor_values(x, scale, layout, fmt.element)
@@ -324,8 +347,9 @@ def quantize_rows(x: jax.Array, layout: GroupLayout, quantizer: Optional[Quantiz
     return GroupedValues(values, outer, layout), recorded
   if isinstance(q, BlockFloat8Quantizer):
     if rowwise:
-      values = fp8.dequantize_values(fp8.quantize_block(x, fmt, eps=q.eps, pow2=q.pow2_scales,
-                                                        input_dtype=input_dtype))
+      values = fp8.dequantize_values(
+        fp8.quantize_block(x, fmt, eps=q.eps, pow2=q.pow2_scales, input_dtype=input_dtype)
+      )
     else:
       values = _block_fp8_columns(x, layout, q, fmt, input_dtype)
     return GroupedValues(values, None, layout), None
@@ -351,8 +375,14 @@ def quantize_rows(x: jax.Array, layout: GroupLayout, quantizer: Optional[Quantiz
   return GroupedValues(values, outer, layout), None
 
 
-def quantize_experts(w: jax.Array, quantizer: Optional[Quantizer], usage: Usage, *,
-                     delayed_scale: Optional[jax.Array] = None, key: Optional[jax.Array] = None):
+def quantize_experts(
+  w: jax.Array,
+  quantizer: Optional[Quantizer],
+  usage: Usage,
+  *,
+  delayed_scale: Optional[jax.Array] = None,
+  key: Optional[jax.Array] = None,
+):
   """One usage of per-expert weights `w[G, N, K]` (NUMERICS's w, one per expert).
 
   Each expert is quantized by `reference.quantize` on its own. Returns

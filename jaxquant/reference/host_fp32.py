@@ -95,8 +95,15 @@ def div(a, b) -> np.ndarray:
   a_inf, b_inf = (ua & _ABS) == _EXP, (ub & _ABS) == _EXP
   a_nan, b_nan = (ua & _ABS) > _EXP, (ub & _ABS) > _EXP
   a_zero, b_zero = ma == 0, mb == 0
-  return _finish(res, ua, ub, nan=a_nan | b_nan | (a_zero & b_zero) | (a_inf & b_inf),
-                 inf=(a_inf | b_zero) & ~a_nan & ~b_nan, zero=a_zero | b_inf, sign=sign)
+  return _finish(
+    res,
+    ua,
+    ub,
+    nan=a_nan | b_nan | (a_zero & b_zero) | (a_inf & b_inf),
+    inf=(a_inf | b_zero) & ~a_nan & ~b_nan,
+    zero=a_zero | b_inf,
+    sign=sign,
+  )
 
 
 def add(a, b) -> np.ndarray:

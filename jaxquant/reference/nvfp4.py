@@ -57,7 +57,8 @@ def quantize(x: jax.Array, fmt: Format, *, random_bits=None, amax=None) -> Quant
   else:
     s_enc_b, s_dec_b = s_enc, s_dec
   scale_codes = elements.encode(
-      fp32.mul(block_amax, s_enc_b * jnp.float32(_ONE_SIXTH)), "e4m3")  # S_enc / 6 is normal
+    fp32.mul(block_amax, s_enc_b * jnp.float32(_ONE_SIXTH)), "e4m3"
+  )  # S_enc / 6 is normal
   s = elements.decode(scale_codes, "e4m3")
   enc = jnp.minimum(fp32.div(jnp.float32(1.0), fp32.mul(s, s_dec_b)), _FLT_MAX)
   enc = jnp.where(s == 0, jnp.float32(0.0), enc)

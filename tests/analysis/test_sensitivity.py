@@ -9,8 +9,6 @@ range per scale (NVFP4's 16-element blocks, per-tensor FP8 at a larger gain)
 flushes the other channels of `down`'s input, which then ranks first.
 """
 
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -41,8 +39,10 @@ def channel_gains(gain: float) -> np.ndarray:
 
 def compensated_init(gains: np.ndarray):
   """lecun_normal with row k divided by gains[k]: undoes the planted input gains."""
+
   def init(key, shape, dtype=jnp.float32):
     return nn.initializers.lecun_normal()(key, shape, dtype) / jnp.asarray(gains, dtype)[:, None]
+
   return init
 
 
@@ -60,7 +60,6 @@ class LinenNet(nn.Module):
 
 
 class NnxNet(nnx.Module):
-
   def __init__(self, gain: float, rngs: nnx.Rngs):
     self.gains = nnx.Variable(jnp.asarray(channel_gains(gain), jnp.bfloat16))
     linear = lambda **kw: nnx.Linear(WIDTH, WIDTH, dtype=jnp.bfloat16, rngs=rngs, **kw)
@@ -127,9 +126,17 @@ def test_suggested_recipe_keeps_the_top_module_in_bf16(fp8_report):
 
 
 def _module(name: str, worst_sqnr_db: float, loss_change=None) -> analysis.ModuleSensitivity:
-  effect = None if loss_change is None else analysis.ModelEffect(
-      loss=1.0 + loss_change, grad_norm=1.0, loss_change=loss_change, grad_norm_change=0.0,
-      grad_error=0.1)
+  effect = (
+    None
+    if loss_change is None
+    else analysis.ModelEffect(
+      loss=1.0 + loss_change,
+      grad_norm=1.0,
+      loss_change=loss_change,
+      grad_norm_change=0.0,
+      grad_error=0.1,
+    )
+  )
   sqnr = {"fprop": worst_sqnr_db, "dgrad": worst_sqnr_db + 1, "wgrad": worst_sqnr_db + 2}
   return analysis.ModuleSensitivity("linear", name, sqnr, (), effect)
 
@@ -137,35 +144,55 @@ def _module(name: str, worst_sqnr_db: float, loss_change=None) -> analysis.Modul
 def test_suggest_ranks_by_loss_change_when_asked():
   """rank_by="loss_change" keeps the modules whose quantization raises the loss most,
   whatever their GEMM SQNRs; it refuses a report measured without model runs."""
-  report = analysis.SensitivityReport("fp8_current", 1.0, 1.0, (
-      _module("early", 10.0, loss_change=0.001), _module("middle", 15.0, loss_change=-0.002),
-      _module("late", 25.0, loss_change=0.03)))
+  report = analysis.SensitivityReport(
+    "fp8_current",
+    1.0,
+    1.0,
+    (
+      _module("early", 10.0, loss_change=0.001),
+      _module("middle", 15.0, loss_change=-0.002),
+      _module("late", 25.0, loss_change=0.03),
+    ),
+  )
   by_loss = analysis.ranked_modules(report, "loss_change")
   assert [m.name for m in by_loss] == ["late", "early", "middle"]
   assert [m.name for m in analysis.ranked_modules(report)] == ["early", "middle", "late"]
   for rank_by, kept in (("loss_change", {"late", "early"}), ("gemm_sqnr", {"early", "middle"})):
-    suggested = analysis.suggest_recipe(report, recipes.fp8_current, keep_high_precision=2,
-                                        rank_by=rank_by)
+    suggested = analysis.suggest_recipe(
+      report, recipes.fp8_current, keep_high_precision=2, rank_by=rank_by
+    )
     assert {name for _, name in suggested.qfactory.kept} == kept
-  without = analysis.SensitivityReport("fp8_current", 1.0, 1.0, (
-      _module("early", 10.0, loss_change=0.001), _module("late", 25.0)))
+  without = analysis.SensitivityReport(
+    "fp8_current", 1.0, 1.0, (_module("early", 10.0, loss_change=0.001), _module("late", 25.0))
+  )
   with pytest.raises(ValueError, match="late lack: measure with sensitivity"):
-    analysis.suggest_recipe(without, recipes.fp8_current, keep_high_precision=1,
-                            rank_by="loss_change")
+    analysis.suggest_recipe(
+      without, recipes.fp8_current, keep_high_precision=1, rank_by="loss_change"
+    )
   with pytest.raises(ValueError, match="rank_by must be one of"):
     analysis.ranked_modules(report, "grad_error")
 
 
 def test_report_table_ranks_as_asked():
   """The table lists the modules in the order that chose the suggestion."""
-  report = analysis.SensitivityReport("fp8_current", 1.0, 1.0, (
-      _module("early", 10.0, loss_change=0.001), _module("middle", 15.0, loss_change=-0.002),
-      _module("late", 25.0, loss_change=0.03)))
-  for rank_by, order in (("gemm_sqnr", ["early", "middle", "late"]),
-                         ("loss_change", ["late", "early", "middle"])):
+  report = analysis.SensitivityReport(
+    "fp8_current",
+    1.0,
+    1.0,
+    (
+      _module("early", 10.0, loss_change=0.001),
+      _module("middle", 15.0, loss_change=-0.002),
+      _module("late", 25.0, loss_change=0.03),
+    ),
+  )
+  for rank_by, order in (
+    ("gemm_sqnr", ["early", "middle", "late"]),
+    ("loss_change", ["late", "early", "middle"]),
+  ):
     table = report.table(rank_by)
     assert [table.index(f"| {rank} | {name} |") for rank, name in enumerate(order, 1)] == sorted(
-        table.index(f"| {rank} | {name} |") for rank, name in enumerate(order, 1))
+      table.index(f"| {rank} | {name} |") for rank, name in enumerate(order, 1)
+    )
   assert "ranked by the change of the model's loss" in report.table("loss_change")
   assert "ranked by the worst SQNR" in report.table()
 
@@ -202,7 +229,9 @@ def half_sum_of_squares(call, x):
 
 
 def norm(tree) -> float:
-  return float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))))
+  return float(
+    jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)))
+  )
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +251,7 @@ def test_gemm_sqnr_matches_an_independent_fp8_computation(one_dense):
   scale = np.float32(448) / np.float32(np.abs(xb).max())
   xq = (xb * scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / scale
   reference, quantized = xb @ w, xq @ w
-  expected = 10 * np.log10(np.sum(reference ** 2) / np.sum((quantized - reference) ** 2))
+  expected = 10 * np.log10(np.sum(reference**2) / np.sum((quantized - reference) ** 2))
   # The quantized GEMM's output is rounded to bf16 (x's dtype): a little more noise.
   assert expected - 0.3 < input_role.gemm_sqnr_db["fprop"] <= expected + 0.01
   # dy = y (the loss is half the sum of squares): dgrad sees no input quantization.
@@ -234,8 +263,11 @@ def test_linen_model_level_effect_is_the_swap_ins(one_dense):
   model, params, report = one_dense
 
   def loss_and_grads(module):  # jitted, as the analysis: XLA may fuse the bf16 output's cast
-    return jax.jit(jax.value_and_grad(lambda p: half_sum_of_squares(
-        lambda x: module.apply({"params": p}, x), ONE_LAYER_X)))(params)
+    return jax.jit(
+      jax.value_and_grad(
+        lambda p: half_sum_of_squares(lambda x: module.apply({"params": p}, x), ONE_LAYER_X)
+      )
+    )(params)
 
   loss, grads = loss_and_grads(model)
   loss_q, grads_q = loss_and_grads(jqf.quantize_model(model, E4M3))
@@ -267,8 +299,9 @@ def test_nnx_model_level_effect_is_the_swap_ins():
 def test_nnx_nvfp4_ranks_the_module_with_outlier_inputs_first():
   model = NnxNet(GAIN_NVFP4, nnx.Rngs(0))
   before = nnx.state(model)
-  report = analysis.sensitivity(model, None, WINDOWS, recipes.nvfp4, next_token_loss,
-                                model_runs=None)
+  report = analysis.sensitivity(
+    model, None, WINDOWS, recipes.nvfp4, next_token_loss, model_runs=None
+  )
   names = [m.name for m in report.modules]
   assert names[0] == "down" and sorted(names) == sorted(MODULES)
   down, others = report.module("down"), [report.module(n) for n in ("up", "head")]
@@ -312,5 +345,11 @@ def test_layers_under_scan_are_refused_with_the_way_out():
   x = jnp.ones((16, 64), jnp.bfloat16)
   variables = model.init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="unrolled copy"):
-    analysis.sensitivity(model, variables, x, recipes.fp8_current,
-                         lambda call, batch: jnp.sum(call(batch)), model_runs=None)
+    analysis.sensitivity(
+      model,
+      variables,
+      x,
+      recipes.fp8_current,
+      lambda call, batch: jnp.sum(call(batch)),
+      model_runs=None,
+    )

@@ -12,15 +12,25 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
 import records  # noqa: E402
 
 
-@pytest.mark.parametrize("kind, name", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
-                                        ("NVIDIA GH200 480GB", "gh200"), ("cpu", "cpu"),
-                                        ("Some GPU", "some_gpu")])
+@pytest.mark.parametrize(
+  "kind, name",
+  [
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA GH200 480GB", "gh200"),
+    ("cpu", "cpu"),
+    ("Some GPU", "some_gpu"),
+  ],
+)
 def test_gpu_name(kind, name):
   assert records.gpu_name(kind) == name
 
 
 def test_results_path():
-  assert records.results_path(None, "gemm", "NVIDIA H200", smoke=False) == records.RESULTS / "h200" / "gemm.json"
+  assert (
+    records.results_path(None, "gemm", "NVIDIA H200", smoke=False)
+    == records.RESULTS / "h200" / "gemm.json"
+  )
   assert records.results_path(None, "gemm", "NVIDIA H200", smoke=True) is None
   assert records.results_path("x.json", "gemm", "NVIDIA H200", smoke=True) == pathlib.Path("x.json")
 
@@ -35,12 +45,19 @@ def test_invocation_records_the_settings_that_change_a_measurement(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--x=1 --y=2")
   monkeypatch.setenv("JAX_THREEFRY_GPU_KERNEL_LOWERING", "1")
   assert records.invocation([script]) == (
-      "XLA_FLAGS='--x=1 --y=2' JAX_THREEFRY_GPU_KERNEL_LOWERING=1 python3 benchmarks/step.py")
+    "XLA_FLAGS='--x=1 --y=2' JAX_THREEFRY_GPU_KERNEL_LOWERING=1 python3 benchmarks/step.py"
+  )
 
 
 def _file(path, command, **kw):
-  return records.ResultFile(path, benchmark="gemm", device="NVIDIA H100 80GB HBM3", jax_version="0.11.2",
-                            command=command, **kw)
+  return records.ResultFile(
+    path,
+    benchmark="gemm",
+    device="NVIDIA H100 80GB HBM3",
+    jax_version="0.11.2",
+    command=command,
+    **kw,
+  )
 
 
 def test_a_run_replaces_what_it_measured_and_keeps_the_rest(tmp_path):
@@ -54,9 +71,11 @@ def test_a_run_replaces_what_it_measured_and_keeps_the_rest(tmp_path):
   saved = json.loads(path.read_text())
   assert (saved["benchmark"], saved["device"]) == ("gemm", "NVIDIA H100 80GB HBM3")
   got = [(r["op"], r["metric"], r["value"], r["command"]) for r in saved["records"]]
-  assert got == [("gemm_fp8", "speedup_vs_bf16", 1.8, "python3 benchmarks/gemm.py"),
-                 ("mlp_step", "speedup_vs_bf16", 1.45, "python3 benchmarks/gemm.py --only mlp"),
-                 ("mlp_step", "ms", 16.7, "python3 benchmarks/gemm.py --only mlp")]
+  assert got == [
+    ("gemm_fp8", "speedup_vs_bf16", 1.8, "python3 benchmarks/gemm.py"),
+    ("mlp_step", "speedup_vs_bf16", 1.45, "python3 benchmarks/gemm.py --only mlp"),
+    ("mlp_step", "ms", 16.7, "python3 benchmarks/gemm.py --only mlp"),
+  ]
   assert all(r["jax"] == "0.11.2" and r["date"].endswith("Z") for r in saved["records"])
 
 
@@ -64,7 +83,8 @@ def test_shapes_given_as_lists_key_like_strings(tmp_path):
   path = tmp_path / "casts.json"
   for value in (0.8, 0.9):
     records.ResultFile(path, benchmark="casts", device="d", jax_version="j", command="c").add(
-        "mxfp8_row_col", [16384, 8192], "fraction_of_copy", value)
+      "mxfp8_row_col", [16384, 8192], "fraction_of_copy", value
+    )
   assert [r["value"] for r in json.loads(path.read_text())["records"]] == [0.9]
 
 
@@ -97,5 +117,7 @@ def test_the_committed_result_files_have_one_record_per_key_and_their_provenance
     assert path.stem == saved["benchmark"] and path.parent.name == records.gpu_name(saved["device"])
     keys = [(r["op"], json.dumps(r["shape"]), r["metric"]) for r in saved["records"]]
     assert len(keys) == len(set(keys)), path
-    assert all(r["command"].startswith(("python3 benchmarks/", "XLA_FLAGS=")) and r["date"] and r["jax"]
-               for r in saved["records"]), path
+    assert all(
+      r["command"].startswith(("python3 benchmarks/", "XLA_FLAGS=")) and r["date"] and r["jax"]
+      for r in saved["records"]
+    ), path

@@ -37,8 +37,10 @@ def test_every_param_of_the_stack_has_a_sharding_rule():
   stock = DecoderStack(SHAPES["tiny"], 2, attention="xla")
   params = jax.eval_shape(lambda: step.init_variables(stock, stock.shape.d_model))["params"]
   specs = scaling.param_specs(params)
-  flat = {jax.tree_util.keystr(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
-      specs, is_leaf=lambda s: isinstance(s, P))}
+  flat = {
+    jax.tree_util.keystr(path): spec
+    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda s: isinstance(s, P))
+  }
   assert flat["['layer_1_up_proj']['kernel']"] == P("fsdp", "tensor")
   assert flat["['layer_0_o_proj']['kernel']"] == P("tensor", "fsdp")
   assert flat["['layer_0_mlp_norm']['scale']"] == P()
@@ -47,25 +49,44 @@ def test_every_param_of_the_stack_has_a_sharding_rule():
 
 def test_configs_take_the_layouts_each_device_count_allows():
   labels = [c.label("8b") for c in scaling.configs([2, 3, 4], list(scaling.LAYOUTS))]
-  assert labels == ["8b one n=1", "8b fsdp n=2", "8b fsdp n=3", "8b fsdp n=4", "8b fsdp_tp n=2",
-                    "8b fsdp_tp n=4"]
+  assert labels == [
+    "8b one n=1",
+    "8b fsdp n=2",
+    "8b fsdp n=3",
+    "8b fsdp n=4",
+    "8b fsdp_tp n=2",
+    "8b fsdp_tp n=4",
+  ]
 
 
 def test_a_short_run_records_every_layout_and_the_narrower_gather(tmp_path):
   if len(jax.devices()) < 2:
     pytest.skip(f"needs 2 devices, {jax.default_backend()} has {len(jax.devices())}")
   out = tmp_path / "scaling.json"
-  scaling.main(["--quick", "--devices", "2", "--variants", "bf16,fp8_current,fp8_current_gather",
-                "--profile-steps", "1", "--out", str(out)])
-  records = {(r["op"], r["shape"], r["metric"]): r["value"]
-             for r in json.loads(out.read_text())["records"]}
+  scaling.main(
+    [
+      "--quick",
+      "--devices",
+      "2",
+      "--variants",
+      "bf16,fp8_current,fp8_current_gather",
+      "--profile-steps",
+      "1",
+      "--out",
+      str(out),
+    ]
+  )
+  records = {
+    (r["op"], r["shape"], r["metric"]): r["value"] for r in json.loads(out.read_text())["records"]
+  }
   for label in ("tiny one n=1", "tiny fsdp n=2", "tiny fsdp_tp n=2"):
     for variant in ("bf16", "fp8_current"):
       assert records[f"scaling_{variant}", label, "tokens_per_s"] > 0
   # The quantized gather runs where weights are split over fsdp, and only there.
   assert ("scaling_fp8_current_gather", "tiny fsdp n=2", "scaling_efficiency") in records
-  assert not any(op == "scaling_fp8_current_gather" and label != "tiny fsdp n=2"
-                 for op, label, _ in records)
+  assert not any(
+    op == "scaling_fp8_current_gather" and label != "tiny fsdp n=2" for op, label, _ in records
+  )
   gathered = lambda variant: records[f"scaling_{variant}", "tiny fsdp n=2", "all_gather_gib"]
   # FP8 codes of each usage against XLA's gathers of the weights before they are quantized.
   assert 0 < gathered("fp8_current_gather") < gathered("fp8_current")

@@ -29,8 +29,9 @@ def _step_hlo(name, stock, params):
   collections = step.variant_collections(variant, params, stock.shape.d_model)
   tx = optax.adamw(1e-4)
   x = jnp.ones((1, 128, stock.shape.d_model), jnp.bfloat16)
-  lowered = jax.jit(step.train_step(variant, tx)).lower(params, tx.init(params), collections, x,
-                                                        jax.random.key(0))
+  lowered = jax.jit(step.train_step(variant, tx)).lower(
+    params, tx.init(params), collections, x, jax.random.key(0)
+  )
   return lowered.as_text()
 
 
@@ -60,27 +61,51 @@ def test_peers_quantize_every_projection_gemm_and_nothing_else(stock_and_params,
 def test_jaxquant_bf16_preset_is_the_stock_program(stock_and_params):
   import jaxquant.flax as jqf
   from jaxquant import recipes
+
   stock, params = stock_and_params
   swapped = DecoderStack(SHAPES["tiny"], LAYERS, attention="xla")
-  variant = step_variants.Variant("bf16", jqf.quantize_model(swapped, recipes.bf16), jqf.update_quant_state)
+  variant = step_variants.Variant(
+    "bf16", jqf.quantize_model(swapped, recipes.bf16), jqf.update_quant_state
+  )
   tx = optax.adamw(1e-4)
   x = jnp.ones((1, 128, stock.shape.d_model), jnp.bfloat16)
-  lower = lambda v: jax.jit(step.train_step(v, tx)).lower(params, tx.init(params), {}, x, jax.random.key(0))
+  lower = lambda v: jax.jit(step.train_step(v, tx)).lower(
+    params, tx.init(params), {}, x, jax.random.key(0)
+  )
   strip = lambda t: re.sub(r"loc\([^)]*\)|#loc\d*[^\n]*", "", t)
   assert strip(lower(variant).as_text()) == strip(_step_hlo("bf16", stock, params))
 
 
 def test_a_short_run_records_every_metric(tmp_path):
   out = tmp_path / "step.json"
-  step.main(["--quick", "--layers", "1", "--only", "bf16,flax_fp8", "--rounds", "1", "--reps", "1",
-             "--out", str(out)])
+  step.main(
+    [
+      "--quick",
+      "--layers",
+      "1",
+      "--only",
+      "bf16,flax_fp8",
+      "--rounds",
+      "1",
+      "--reps",
+      "1",
+      "--out",
+      str(out),
+    ]
+  )
   records = json.loads(out.read_text())["records"]
   got = {(r["op"], r["metric"]) for r in records}
   assert {r["shape"] for r in records} == {"tiny"}
   for metric in ("step_ms", "compile_s", "peak_gib", "speedup_vs_best_peer"):
     assert ("step_bf16", metric) in got
-  for metric in ("step_ms", "speedup_vs_bf16", "speedup_vs_bf16_lowest_round", "compile_s",
-                 "compile_vs_bf16", "peak_gib"):
+  for metric in (
+    "step_ms",
+    "speedup_vs_bf16",
+    "speedup_vs_bf16_lowest_round",
+    "compile_s",
+    "compile_vs_bf16",
+    "peak_gib",
+  ):
     assert ("step_flax_fp8", metric) in got
   assert ("step_flax_fp8", "speedup_vs_best_peer") not in got  # it is the best peer
   assert all(r["value"] > 0 for r in records)
@@ -97,47 +122,64 @@ def _event(name, start, duration, hlo_op=""):
 
 def test_categories():
   targets = ts.custom_call_targets(
-      'ENTRY %main {\n  %custom-call.3 = bf16[16,16]{1,0} custom-call(%a, %b), '
-      'custom_call_target="jaxquant_fp8_tensor_gemm", api_version=API_VERSION_TYPED_FFI\n'
-      '  ROOT cublas-gemm.1 = (bf16[16,16]{1,0}, s8[0]{0}) custom-call(%a, %b), '
-      'custom_call_target="__cublas$gemm"\n}')
+    "ENTRY %main {\n  %custom-call.3 = bf16[16,16]{1,0} custom-call(%a, %b), "
+    'custom_call_target="jaxquant_fp8_tensor_gemm", api_version=API_VERSION_TYPED_FFI\n'
+    "  ROOT cublas-gemm.1 = (bf16[16,16]{1,0}, s8[0]{0}) custom-call(%a, %b), "
+    'custom_call_target="__cublas$gemm"\n}'
+  )
   assert targets == {"custom-call.3": "jaxquant_fp8_tensor_gemm", "cublas-gemm.1": "__cublas$gemm"}
   expect = {
-      ("void jaxquant::(anonymous namespace)::fp8_tensor_cast_kernel<__nv_bfloat16>(...)", ""):
-          "jaxquant cast, amax, dequantize",
-      ("cutlass::device_kernel<jaxquant::grouped_gemm_detail::Kernel>", ""): "jaxquant GEMM",
-      ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "custom-call.3"): "jaxquant GEMM",
-      ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "cublas-gemm.1"): "XLA GEMM (cuBLAS, cuBLASLt)",
-      ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", ""): "attention (cuDNN)",
-      ("loop_transpose_fusion_2", ""): "copy / transpose",
-      ("MemcpyD2D", ""): "copy / transpose",
-      ("loop_multiply_fusion_4", "multiply_fusion.4"): "XLA fusion",
-      ("loop_convert_fusion", "custom-call.3"): "XLA fusion",  # the op only splits GEMMs
-      ("input_reduce_fusion", ""): "XLA fusion",
-      ("Memset", ""): "other",
+    (
+      "void jaxquant::(anonymous namespace)::fp8_tensor_cast_kernel<__nv_bfloat16>(...)",
+      "",
+    ): "jaxquant cast, amax, dequantize",
+    ("cutlass::device_kernel<jaxquant::grouped_gemm_detail::Kernel>", ""): "jaxquant GEMM",
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "custom-call.3"): "jaxquant GEMM",
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "cublas-gemm.1"): "XLA GEMM (cuBLAS, cuBLASLt)",
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", ""): "attention (cuDNN)",
+    ("loop_transpose_fusion_2", ""): "copy / transpose",
+    ("MemcpyD2D", ""): "copy / transpose",
+    ("loop_multiply_fusion_4", "multiply_fusion.4"): "XLA fusion",
+    ("loop_convert_fusion", "custom-call.3"): "XLA fusion",  # the op only splits GEMMs
+    ("input_reduce_fusion", ""): "XLA fusion",
+    ("Memset", ""): "other",
   }
   for (name, op), want in expect.items():
     assert ts.category(_event(name, 0, 1, op), targets) == want, name
 
 
 def test_busy_idle_and_per_step_times():
-  events = [_event("loop_add_fusion", 0, 10), _event("nvjet_a", 5, 10),  # streams overlap
-            _event("loop_add_fusion", 20, 10), _event("Memset", 40, 0)]  # zero length: dropped
+  events = [
+    _event("loop_add_fusion", 0, 10),
+    _event("nvjet_a", 5, 10),  # streams overlap
+    _event("loop_add_fusion", 20, 10),
+    _event("Memset", 40, 0),
+  ]  # zero length: dropped
   s = ts.summarize(events, steps=2)
   assert s["device_span_ms"] == pytest.approx(15.0)
   assert s["device_busy_ms"] == pytest.approx(12.5)
   assert s["idle_ms"] == pytest.approx(2.5)
   assert s["kernel_time_ms"] == pytest.approx(15.0)
   assert s["library_gemm_unattributed_ms"] == pytest.approx(5.0)  # nvjet_a names no op
-  assert s["categories"]["XLA fusion"] == {"ms": pytest.approx(10.0), "share": pytest.approx(2 / 3),
-                                           "kernels": 1.0}
-  assert s["top_kernels"][0] == {"name": "loop_add_fusion", "category": "XLA fusion",
-                                 "ms": pytest.approx(10.0), "count": 1.0}
+  assert s["categories"]["XLA fusion"] == {
+    "ms": pytest.approx(10.0),
+    "share": pytest.approx(2 / 3),
+    "kernels": 1.0,
+  }
+  assert s["top_kernels"][0] == {
+    "name": "loop_add_fusion",
+    "category": "XLA fusion",
+    "ms": pytest.approx(10.0),
+    "count": 1.0,
+  }
   assert "idle (host gaps) ms | 2.50 |" in ts.markdown({"x": s})
 
 
-@pytest.mark.skipif(not ts.XPLANE_READABLE, reason="jaxlib 0.12's ProfileData.from_file aborts "
-                    "the process on this trace; trace_summary reads the JSON trace there")
+@pytest.mark.skipif(
+  not ts.XPLANE_READABLE,
+  reason="jaxlib 0.12's ProfileData.from_file aborts "
+  "the process on this trace; trace_summary reads the JSON trace there",
+)
 def test_a_real_trace_reads_alike_from_xplane_and_json(tmp_path):
   f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
   x = jnp.ones((64, 64))

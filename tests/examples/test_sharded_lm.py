@@ -50,8 +50,9 @@ from lm.model import ModelConfig, TransformerLM  # noqa: E402
 # Every dim tiles every format's blocks in the shards of the data=2,fsdp=2,tensor=2 mesh:
 # d_model 256 (fsdp: 128), d_ff 512 and qkv 768 (tensor: 256, 384), vocab 256 (tensor:
 # 128), and 2 x 64 = 128 tokens a batch shard (block FP8's 128, MXFP8's 32, NVFP4's 16).
-MODEL = ModelConfig(seq_len=64, d_model=256, n_layers=1, n_heads=2, d_ff=512, dtype=jnp.float32,
-                    scanned_layers=1)
+MODEL = ModelConfig(
+  seq_len=64, d_model=256, n_layers=1, n_heads=2, d_ff=512, dtype=jnp.float32, scanned_layers=1
+)
 BATCH = 8
 STEPS = 4
 # Gradient descent with momentum, not the example's AdamW: an update proportional to the
@@ -104,8 +105,9 @@ def _train(recipe_name: str, batches, mesh_text=None, quantized_gather=False):
     shardings = training.step_shardings(optimizer, placement)
     if quantized_gather:
       model = recipes.with_quantized_gather(model, mesh, placement.params, sharding.FSDP)
-  state = training.init_train_state(model, params, jax.random.key(1), _tokens(config), optimizer,
-                                    shardings)
+  state = training.init_train_state(
+    model, params, jax.random.key(1), _tokens(config), optimizer, shardings
+  )
   step = training.make_train_step(model, optimizer, shardings)
   hlo = step.lower(state, batches[0]).as_text()
   losses = []
@@ -120,17 +122,23 @@ def _train(recipe_name: str, batches, mesh_text=None, quantized_gather=False):
 # would be subnormal) deadlocks against the program's all-reduce across the fake devices
 # (XLA aborts the process after 40 s), as docs/sharding.md notes for RHT.
 _HOST_CALLBACK_DEADLOCK = pytest.mark.skip(
-    reason="the reference's fp32 host callback deadlocks in a sharded CPU program")
-SHARDED_RECIPES = [pytest.param(name, marks=_HOST_CALLBACK_DEADLOCK)
-                   if name in ("mxfp8", "hybrid") else name for name in recipes.RECIPE_NAMES]
+  reason="the reference's fp32 host callback deadlocks in a sharded CPU program"
+)
+SHARDED_RECIPES = [
+  pytest.param(name, marks=_HOST_CALLBACK_DEADLOCK) if name in ("mxfp8", "hybrid") else name
+  for name in recipes.RECIPE_NAMES
+]
 
 
 @pytest.mark.parametrize("recipe_name", SHARDED_RECIPES)
 def test_sharded_losses_match_one_device(recipe_name, batches, eight_devices):
   single, _, _ = _train(recipe_name, batches)
   assert max(single[1:]) < single[0] - 0.5, single  # the updates moved the params
-  runs = [(MESH_3D, False)] + ([(MESH_FSDP, False)] if recipe_name in FSDP_RECIPES else []) + \
-         ([(MESH_3D, True)] if recipe_name in GATHER_RECIPES else [])
+  runs = (
+    [(MESH_3D, False)]
+    + ([(MESH_FSDP, False)] if recipe_name in FSDP_RECIPES else [])
+    + ([(MESH_3D, True)] if recipe_name in GATHER_RECIPES else [])
+  )
   for mesh_text, quantized_gather in runs:
     sharded, state, hlo = _train(recipe_name, batches, mesh_text, quantized_gather)
     what = mesh_text + (" with the quantized gather" if quantized_gather else "")
@@ -158,8 +166,10 @@ def test_logical_axis_rules_place_every_parameter(eight_devices):
   """Traced only: each parameter's spec from its logical names and the rules."""
   config = dataclasses.replace(MODEL, n_layers=2)  # a scanned layer and an unrolled one
   specs = jax.tree.map(lambda s: s.spec, _placement(MESH_3D, config).params)
-  for layer, prefix in ((specs["decoder"]["layers"]["layer"], (None,)),
-                        (specs["decoder"]["layer_1"], ())):
+  for layer, prefix in (
+    (specs["decoder"]["layers"]["layer"], (None,)),
+    (specs["decoder"]["layer_1"], ()),
+  ):
     assert layer["attention"]["qkv"]["kernel"] == P(*prefix, "fsdp", "tensor")
     assert layer["attention"]["qkv"]["bias"] == P(*prefix, "tensor")
     assert layer["attention"]["out"]["kernel"] == P(*prefix, "tensor", "fsdp")
@@ -187,9 +197,13 @@ def test_param_tree_is_unboxed_and_every_parameter_named():
 def test_parse_mesh():
   assert sharding.parse_mesh("fsdp=8") == {"data": 1, "fsdp": 8, "tensor": 1}
   assert sharding.parse_mesh("tensor=2, data=3") == {"data": 3, "fsdp": 1, "tensor": 2}
-  for text, message in (("pipeline=2", "not AXIS=SIZE"), ("data", "not AXIS=SIZE"),
-                        ("data=2,data=2", "given twice"), ("data=two", "must be an integer"),
-                        ("fsdp=0", "must be >= 1")):
+  for text, message in (
+    ("pipeline=2", "not AXIS=SIZE"),
+    ("data", "not AXIS=SIZE"),
+    ("data=2,data=2", "given twice"),
+    ("data=two", "must be an integer"),
+    ("fsdp=0", "must be >= 1"),
+  ):
     with pytest.raises(ValueError, match=message):
       sharding.parse_mesh(text)
 
@@ -200,23 +214,50 @@ def test_mesh_and_shapes_are_checked(eight_devices):
   with pytest.raises(ValueError, match="batch of 6 windows does not split over data x fsdp = 4"):
     sharding.check_batch(6, sharding.make_mesh(sharding.parse_mesh(MESH_3D), eight_devices))
   odd = dataclasses.replace(MODEL, d_ff=100)
-  with pytest.raises(ValueError, match=r"\['mlp'\]\['wi'\]\['bias'\] \(1, 100\) has dim 1 of 100, "
-                     "which does not split over tensor = 8 devices"):
+  with pytest.raises(
+    ValueError,
+    match=r"\['mlp'\]\['wi'\]\['bias'\] \(1, 100\) has dim 1 of 100, "
+    "which does not split over tensor = 8 devices",
+  ):
     _placement("tensor=8", odd)
 
 
 def test_quantized_gather_needs_an_fsdp_mesh(tmp_path):
   for extra in ([], ["--mesh", "data=8"]):
     with pytest.raises(ValueError, match="--quantized-gather .* needs --mesh with fsdp > 1"):
-      train_lm.main(["--preset", "tiny", "--recipes", "fp8_current", "--steps", "1",
-                     "--quantized-gather", "--out", str(tmp_path)] + extra)
+      train_lm.main(
+        [
+          "--preset",
+          "tiny",
+          "--recipes",
+          "fp8_current",
+          "--steps",
+          "1",
+          "--quantized-gather",
+          "--out",
+          str(tmp_path),
+        ]
+        + extra
+      )
 
 
 def test_script_trains_on_a_mesh(tmp_path, eight_devices):
   """train_lm.py --mesh end to end (bf16, the tiny preset): the steps and evaluations run
   sharded and the outputs say on which mesh."""
-  results = train_lm.main(["--preset", "tiny", "--recipes", "bf16", "--steps", "2",
-                           "--mesh", MESH_3D, "--out", str(tmp_path)])
+  results = train_lm.main(
+    [
+      "--preset",
+      "tiny",
+      "--recipes",
+      "bf16",
+      "--steps",
+      "2",
+      "--mesh",
+      MESH_3D,
+      "--out",
+      str(tmp_path),
+    ]
+  )
   assert [r.recipe for r in results] == ["bf16"] and len(results[0].val_losses) == 2
   info = json.loads((tmp_path / "curves.json").read_text())["run"]
   assert info["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}

@@ -19,11 +19,12 @@ sys.path.insert(0, str(EXAMPLES))
 
 import flax.linen as nn  # noqa: E402
 import train_lm  # noqa: E402  (needs examples/ on the path)
+from lm import data, layout, presets, recipes, report, stats, suggested, training  # noqa: E402
+from lm.model import AUX_LOSSES, TransformerLM  # noqa: E402
+
 from jaxquant import kernels as jq_kernels  # noqa: E402
 from jaxquant.flax import weight_roles  # noqa: E402
 from jaxquant.quantizers import NVFP4Quantizer  # noqa: E402
-from lm import data, layout, presets, recipes, report, stats, suggested, training  # noqa: E402
-from lm.model import AUX_LOSSES, TransformerLM  # noqa: E402
 
 TINY = presets.PRESETS["tiny"]
 
@@ -37,11 +38,32 @@ TINY = presets.PRESETS["tiny"]
 def tiny_run(tmp_path_factory) -> tuple[pathlib.Path, str]:
   """The script as a user runs it (tiny preset, bf16, two seeds)."""
   out = tmp_path_factory.mktemp("train_lm")
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+  }
   completed = subprocess.run(
-      [sys.executable, str(EXAMPLES / "train_lm.py"), "--preset", "tiny", "--recipes", "bf16",
-       "--noise-floor", "--seeds", "2", "--seed", "3", "--out", str(out)],
-      capture_output=True, text=True, timeout=300, check=False, env=env)
+    [
+      sys.executable,
+      str(EXAMPLES / "train_lm.py"),
+      "--preset",
+      "tiny",
+      "--recipes",
+      "bf16",
+      "--noise-floor",
+      "--seeds",
+      "2",
+      "--seed",
+      "3",
+      "--out",
+      str(out),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+    env=env,
+  )
   assert completed.returncode == 0, completed.stdout + completed.stderr
   return out, completed.stdout
 
@@ -91,12 +113,15 @@ def test_seeds_start_apart_and_are_summarized(tiny_run):
   assert bf16["final_val_loss"]["std"] == pytest.approx(np.std(finals, ddof=1))
   # The noise floor's gap: per seed against bf16 of the same seed, with its interval.
   perturbed = recipes_json[report.NOISE_FLOOR]
-  gaps = [perturbed["seeds"][s]["final_val_loss"] / bf16["seeds"][s]["final_val_loss"] - 1
-          for s in ("3", "4")]
+  gaps = [
+    perturbed["seeds"][s]["final_val_loss"] / bf16["seeds"][s]["final_val_loss"] - 1
+    for s in ("3", "4")
+  ]
   low, high = perturbed["gap_to_bf16"]["interval"]
   half_width = 12.706 * np.std(gaps, ddof=1) / np.sqrt(2)  # t(0.975, 1)
-  assert (low, high) == pytest.approx((np.mean(gaps) - half_width, np.mean(gaps) + half_width),
-                                      rel=1e-3)
+  assert (low, high) == pytest.approx(
+    (np.mean(gaps) - half_width, np.mean(gaps) + half_width), rel=1e-3
+  )
   table = (out / "results.md").read_text()
   assert "| bf16 | 2 of 2 |" in table and "paired t-interval" in table
   assert "| seed 3 | seed 4 |" in table
@@ -118,8 +143,9 @@ def _train(recipe_name: str, steps: int, deterministic: bool = False):
   # Copies: the step donates its input state.
   before = (jax.tree.map(np.asarray, state.collections), np.asarray(jax.random.key_data(state.rng)))
   step = training.make_train_step(model, optimizer, deterministic=deterministic)
-  batches = data.train_batches(data.load_corpus().train, 0, TINY.train.batch_size,
-                               ONE_LAYER.seq_len)
+  batches = data.train_batches(
+    data.load_corpus().train, 0, TINY.train.batch_size, ONE_LAYER.seq_len
+  )
   for _ in range(steps):
     state, _ = step(state, next(batches))
   return before, state
@@ -148,8 +174,9 @@ def test_moe_block_is_wired_in_with_the_recipe_and_its_aux_loss():
   assert len(grouped) == 3 * TINY.model.n_layers  # gate, up, down of every block
   assert all(type(q).__name__ == "Float8Quantizer" for q in grouped.values())
   _, sown = jax.eval_shape(
-      lambda v: model.apply(v, tokens, rngs={"quant": jax.random.key(2)}, mutable=[AUX_LOSSES]),
-      {"params": nn.unbox(variables["params"])})
+    lambda v: model.apply(v, tokens, rngs={"quant": jax.random.key(2)}, mutable=[AUX_LOSSES]),
+    {"params": nn.unbox(variables["params"])},
+  )
   assert len(jax.tree.leaves(sown[AUX_LOSSES])) == TINY.model.n_layers
 
 
@@ -175,8 +202,9 @@ def test_package_sources_join_the_corpus_split_by_their_package_paths():
   assert corpus.n_validation_files == stdlib.n_validation_files + sum(in_validation)
   assert corpus.n_train_files == stdlib.n_train_files + len(files) - sum(in_validation)
   assert corpus.validation.size == stdlib.validation.size + sum(
-      size for size, v in zip(sizes, in_validation) if v)
-  np.testing.assert_array_equal(corpus.train[:stdlib.train.size], stdlib.train)
+    size for size, v in zip(sizes, in_validation, strict=False) if v
+  )
+  np.testing.assert_array_equal(corpus.train[: stdlib.train.size], stdlib.train)
   assert len(corpus.packages) == 1 and corpus.packages[0].startswith("optax ")
   with pytest.raises(RuntimeError, match="no_such_package_xyz"):
     data.load_corpus(("no_such_package_xyz",))
@@ -226,31 +254,47 @@ def test_recipe_names():
 
 
 def _finished(recipe: str, seed: int, final_loss: float, steps: int = 10) -> report.RecipeResult:
-  return report.RecipeResult(recipe, planned_steps=steps, eval_steps=[0, steps],
-                             val_losses=[5.0, final_loss], train_losses=[], window_step_seconds=[0.01],
-                             compile_seconds=1.0, seed=seed)
+  return report.RecipeResult(
+    recipe,
+    planned_steps=steps,
+    eval_steps=[0, steps],
+    val_losses=[5.0, final_loss],
+    train_losses=[],
+    window_step_seconds=[0.01],
+    compile_seconds=1.0,
+    seed=seed,
+  )
 
 
 def test_suggested_policy_is_compared_with_custom_seed_by_seed(tmp_path):
   """results.md and curves.json give suggested_nvfp4's gap to custom, taken per seed (a seed
   that one of them did not finish is left out) with its paired t-interval."""
-  finals = {"bf16": [0.80, 0.82, 0.81], "custom": [0.81, 0.83, 0.80],
-            "suggested_nvfp4": [0.82, 0.82, 0.85]}
-  results = [_finished(recipe, seed, loss) for recipe, losses in finals.items()
-             for seed, loss in enumerate(losses)]
+  finals = {
+    "bf16": [0.80, 0.82, 0.81],
+    "custom": [0.81, 0.83, 0.80],
+    "suggested_nvfp4": [0.82, 0.82, 0.85],
+  }
+  results = [
+    _finished(recipe, seed, loss)
+    for recipe, losses in finals.items()
+    for seed, loss in enumerate(losses)
+  ]
   results.append(dataclasses.replace(_finished("suggested_nvfp4", 3, 0.5), eval_steps=[0, 5]))
   results.append(_finished("custom", 3, 0.9))
-  gaps = [s / c - 1 for s, c in zip(finals["suggested_nvfp4"], finals["custom"])]
+  gaps = [s / c - 1 for s, c in zip(finals["suggested_nvfp4"], finals["custom"], strict=False)]
   got = report.paired_gap(results, "suggested_nvfp4", "custom")
   assert got.n == 3 and got.mean == pytest.approx(np.mean(gaps))
   half_width = 4.303 * np.std(gaps, ddof=1) / np.sqrt(3)  # t(0.975, 2)
-  assert got.interval == pytest.approx((np.mean(gaps) - half_width, np.mean(gaps) + half_width),
-                                       rel=1e-3)
+  assert got.interval == pytest.approx(
+    (np.mean(gaps) - half_width, np.mean(gaps) + half_width), rel=1e-3
+  )
   table = report.results_table(results, [], 3.0)
   low, high = got.interval
-  assert (f"suggested_nvfp4 against custom (the same number of modules in bf16, chosen by the "
-          f"sensitivity analysis instead of by layer), per seed then averaged: {got.mean:+.2%} "
-          f"[{low:+.2%}, {high:+.2%}] (95% paired t-interval).") in table
+  assert (
+    f"suggested_nvfp4 against custom (the same number of modules in bf16, chosen by the "
+    f"sensitivity analysis instead of by layer), per seed then averaged: {got.mean:+.2%} "
+    f"[{low:+.2%}, {high:+.2%}] (95% paired t-interval)."
+  ) in table
   report.write_curves_json(tmp_path / "curves.json", results, {})
   saved = json.loads((tmp_path / "curves.json").read_text())["suggested_nvfp4_vs_custom"]
   assert saved["n"] == 3 and saved["mean"] == pytest.approx(got.mean)
@@ -280,18 +324,24 @@ def test_whole_split_batches_tile_the_split():
     data.whole_split_batches(tokens[:30], batch_size=4, seq_len=10)
 
 
-KERNELS_ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu" or not jq_kernels.available(),
-                                    reason="needs a GPU and jaxquant's CUDA library")
+KERNELS_ON_GPU = pytest.mark.skipif(
+  jax.default_backend() != "gpu" or not jq_kernels.available(),
+  reason="needs a GPU and jaxquant's CUDA library",
+)
 
 
 # bf16 holds the step's own atomics (the embedding's scatter-add gradient, attention's
 # backward); fp8_current adds the FP8 GEMMs and the amax kernels, nvfp4 stochastic rounding
 # keyed by the step's RNG. Each compiles twice, so compiling the quantized recipes with the
 # exact pure-JAX reference is left to the GPU, where the kernels run.
-@pytest.mark.parametrize("recipe_name", [
+@pytest.mark.parametrize(
+  "recipe_name",
+  [
     "bf16",
     pytest.param("fp8_current", marks=[pytest.mark.gpu, KERNELS_ON_GPU]),
-    pytest.param("nvfp4", marks=[pytest.mark.gpu, KERNELS_ON_GPU])])
+    pytest.param("nvfp4", marks=[pytest.mark.gpu, KERNELS_ON_GPU]),
+  ],
+)
 def test_deterministic_steps_train_a_seed_to_the_same_bits(recipe_name):
   # XLA's attention, as train_lm.py takes with deterministic steps (presets.py says why).
   # Each training compiles its own step (autotuning included).
@@ -300,18 +350,32 @@ def test_deterministic_steps_train_a_seed_to_the_same_bits(recipe_name):
     jax.clear_caches()
     finals.append(jax.tree.map(np.asarray, _train(recipe_name, 20, deterministic=True)[1].params))
   first, second = finals
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(second)):
-    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32),
-                                  err_msg=jax.tree_util.keystr(path))
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(second), strict=False
+  ):
+    np.testing.assert_array_equal(
+      a.view(np.uint32), b.view(np.uint32), err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def test_set_overrides_training_fields():
-  train = train_lm.with_overrides(TINY.train, ["final_learning_rate_fraction=0",
-                                               "eval_batches=all", "eval_every=5",
-                                               "deterministic=true",
-                                               "corpus_packages=optax,numpy"])
-  assert (train.final_learning_rate_fraction, train.eval_batches, train.eval_every,
-          train.deterministic, train.corpus_packages) == (0.0, None, 5, True, ("optax", "numpy"))
+  train = train_lm.with_overrides(
+    TINY.train,
+    [
+      "final_learning_rate_fraction=0",
+      "eval_batches=all",
+      "eval_every=5",
+      "deterministic=true",
+      "corpus_packages=optax,numpy",
+    ],
+  )
+  assert (
+    train.final_learning_rate_fraction,
+    train.eval_batches,
+    train.eval_every,
+    train.deterministic,
+    train.corpus_packages,
+  ) == (0.0, None, 5, True, ("optax", "numpy"))
   for bad in ("lr=1", "steps=1.5", "steps=all", "deterministic=1"):
     with pytest.raises(ValueError, match="--set"):
       train_lm.with_overrides(TINY.train, [bad])
@@ -320,8 +384,11 @@ def test_set_overrides_training_fields():
 def test_validation_seed_draws_the_sampled_validation_batches():
   corpus = data.load_corpus()
   batches = lambda *argv: train_lm.validation_set(
-      corpus, TINY.train, TINY.model.seq_len,
-      train_lm.validation_seed_of(train_lm.parse_args(["--preset", "tiny", *argv])))
+    corpus,
+    TINY.train,
+    TINY.model.seq_len,
+    train_lm.validation_seed_of(train_lm.parse_args(["--preset", "tiny", *argv])),
+  )
   shared = batches("--seed", "6", "--validation-seed", "5")
   np.testing.assert_array_equal(shared, batches("--seed", "5"))
   assert not np.array_equal(shared, batches("--seed", "6"))
@@ -333,28 +400,48 @@ def test_relayout_moves_the_parameters_between_scan_layouts():
   params = training.init_variables(TransformerLM(config), jax.random.key(0), tokens)["params"]
   unrolled = layout.relayout(params, config, 0)
   assert set(unrolled["decoder"]) == {"layer_0", "layer_1", "layer_2", "final_norm"}
-  np.testing.assert_array_equal(unrolled["decoder"]["layer_1"]["mlp"]["wi"]["kernel"],
-                                params["decoder"]["layers"]["layer"]["mlp"]["wi"]["kernel"][1])
+  np.testing.assert_array_equal(
+    unrolled["decoder"]["layer_1"]["mlp"]["wi"]["kernel"],
+    params["decoder"]["layers"]["layer"]["mlp"]["wi"]["kernel"][1],
+  )
   back = layout.relayout(unrolled, dataclasses.replace(config, scanned_layers=0), 2)
   jax.tree.map(np.testing.assert_array_equal, back, params)
   one_scanned = layout.relayout(params, config, 1)
-  expected = nn.unbox(jax.eval_shape(TransformerLM(dataclasses.replace(config, scanned_layers=1)).init,
-                                    jax.random.key(0), tokens)["params"])
+  expected = nn.unbox(
+    jax.eval_shape(
+      TransformerLM(dataclasses.replace(config, scanned_layers=1)).init, jax.random.key(0), tokens
+    )["params"]
+  )
   assert jax.tree.map(jnp.shape, one_scanned) == jax.tree.map(jnp.shape, expected)
-  np.testing.assert_array_equal(one_scanned["decoder"]["layer_1"]["attention"]["qkv"]["kernel"],
-                                params["decoder"]["layers"]["layer"]["attention"]["qkv"]["kernel"][1])
+  np.testing.assert_array_equal(
+    one_scanned["decoder"]["layer_1"]["attention"]["qkv"]["kernel"],
+    params["decoder"]["layers"]["layer"]["attention"]["qkv"]["kernel"][1],
+  )
 
 
 def test_suggested_policy_keeps_as_many_modules_as_custom():
   """suggested.kept_by_custom on a report of the unrolled tiny model's module names."""
   from jaxquant.analysis import ModuleSensitivity, RoleSensitivity, SensitivityReport
   from jaxquant.roles import gemm_roles
+
   config = dataclasses.replace(TINY.model, scanned_layers=0)
-  names = [f"decoder/layer_{i}/{m}" for i in range(config.n_layers)
-           for m in ("attention/qkv", "attention/out", "mlp/wi", "mlp/wo")]
-  modules = tuple(ModuleSensitivity("linear", name, {"fprop": 20.0, "dgrad": 20.0, "wgrad": 20.0},
-                                    tuple(RoleSensitivity(role, NVFP4Quantizer(), {}, None, None)
-                                          for role in gemm_roles("linear", name).values()), None)
-                  for name in names)
+  names = [
+    f"decoder/layer_{i}/{m}"
+    for i in range(config.n_layers)
+    for m in ("attention/qkv", "attention/out", "mlp/wi", "mlp/wo")
+  ]
+  modules = tuple(
+    ModuleSensitivity(
+      "linear",
+      name,
+      {"fprop": 20.0, "dgrad": 20.0, "wgrad": 20.0},
+      tuple(
+        RoleSensitivity(role, NVFP4Quantizer(), {}, None, None)
+        for role in gemm_roles("linear", name).values()
+      ),
+      None,
+    )
+    for name in names
+  )
   report_ = SensitivityReport("nvfp4", 1.0, 1.0, modules)
   assert suggested.kept_by_custom(report_, config) == 4  # the last of two layers: 4 GEMMs

@@ -30,6 +30,7 @@ def _init(names):
 
 # ---- (a) gemma style ----
 
+
 class Einsum(nn.Module):
   """The model's own GEMM layer: a weight of `shape`, contracted by `jnp.einsum`."""
 
@@ -67,24 +68,27 @@ def attend(q, k, v):
 
 def rms_norm(x):
   x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-6)).astype(x.dtype)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32**2, -1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
 # The weights' shapes, equations and logical axes, shared by the custom and stock layers.
 ATTENTION = {
-    "q_einsum": ((HEADS, D, HEAD_DIM), "BTD,NDH->BTNH", ("heads", "embed", "kv")),
-    "k_einsum": ((HEADS, D, HEAD_DIM), "BSD,NDH->BSNH", ("heads", "embed", "kv")),
-    "v_einsum": ((HEADS, D, HEAD_DIM), "BSD,NDH->BSNH", ("heads", "embed", "kv")),
-    "attn_vec_einsum": ((HEADS, HEAD_DIM, D), "BTNH,NHD->BTD", ("heads", "kv", "embed")),
+  "q_einsum": ((HEADS, D, HEAD_DIM), "BTD,NDH->BTNH", ("heads", "embed", "kv")),
+  "k_einsum": ((HEADS, D, HEAD_DIM), "BSD,NDH->BSNH", ("heads", "embed", "kv")),
+  "v_einsum": ((HEADS, D, HEAD_DIM), "BSD,NDH->BSNH", ("heads", "embed", "kv")),
+  "attn_vec_einsum": ((HEADS, HEAD_DIM, D), "BTNH,NHD->BTD", ("heads", "kv", "embed")),
 }
 MLP = {
-    "gating_einsum": ((2, D, FF), "...F,NFH->...NH", ("gate", "embed", "mlp")),
-    "linear": ((FF, D), "...H,HF->...F", ("mlp", "embed")),
+  "gating_einsum": ((2, D, FF), "...F,NFH->...NH", ("gate", "embed", "mlp")),
+  "linear": ((FF, D), "...H,HF->...F", ("mlp", "embed")),
 }
 # The roles the recipe sees: every weight GEMM, named by its module path (each module
 # holds one weight); the head is the embedder's table.
-GEMMA_ROLES = tuple(f"layer_0/attn/{n}" for n in ATTENTION) + \
-    tuple(f"layer_0/mlp/{n}" for n in MLP) + ("embedder",)
+GEMMA_ROLES = (
+  tuple(f"layer_0/attn/{n}" for n in ATTENTION)
+  + tuple(f"layer_0/mlp/{n}" for n in MLP)
+  + ("embedder",)
+)
 HEAD_ROLE = "embedder"
 
 
@@ -96,8 +100,9 @@ class Block(nn.Module):
     shape, equation, axes = spec
     if self.layer is Einsum:
       return Einsum(shape, axes, self.dtype, name=name)(equation, x)
-    return nn.Einsum(shape, equation, use_bias=False, dtype=self.dtype, name=name,
-                     kernel_init=_init(axes))(x)
+    return nn.Einsum(
+      shape, equation, use_bias=False, dtype=self.dtype, name=name, kernel_init=_init(axes)
+    )(x)
 
   @nn.compact
   def __call__(self, x):
@@ -108,7 +113,6 @@ class Block(nn.Module):
 
 
 class AttentionBlock(Block):
-
   @nn.compact
   def __call__(self, x):
     q, k, v = (self._project(n, ATTENTION[n], x) for n in ("q_einsum", "k_einsum", "v_einsum"))
@@ -116,7 +120,6 @@ class AttentionBlock(Block):
 
 
 class MlpBlock(Block):
-
   @nn.compact
   def __call__(self, x):
     gate = self._project("gating_einsum", MLP["gating_einsum"], x)
@@ -152,6 +155,7 @@ def as_custom_params(stock_tree):
 
 # ---- (b) MaxText style ----
 
+
 class DenseGeneral(nn.Module):
   """MaxText's dense layer: casts its kernel, then `lax.dot_general`, or the
   quantization's `dot_general_cls(mesh_axes)()` when `quant` is given."""
@@ -186,18 +190,21 @@ class MaxTextStyleLM(nn.Module):
   def __call__(self, tokens):
     def dense(features, axes, name, axis=(-1,)):
       if self.stock:
-        return nn.DenseGeneral(features, axis, use_bias=False, dtype=DTYPE, name=name,
-                               kernel_init=_init(axes))
+        return nn.DenseGeneral(
+          features, axis, use_bias=False, dtype=DTYPE, name=name, kernel_init=_init(axes)
+        )
       return DenseGeneral(features, axis, axes, self.quant, name=name)
 
     x = nn.Embed(VOCAB, D, dtype=DTYPE, name="token_embedder")(tokens)
     h = rms_norm(x)
-    q, k, v = (dense((HEADS, HEAD_DIM), ("embed", "heads", "kv"), n)(h)
-               for n in ("query", "key", "value"))
+    q, k, v = (
+      dense((HEADS, HEAD_DIM), ("embed", "heads", "kv"), n)(h) for n in ("query", "key", "value")
+    )
     x = x + dense((D,), ("heads", "kv", "embed"), "out", axis=(-2, -1))(attend(q, k, v))
     h = rms_norm(x)
-    hidden = jax.nn.silu(dense((FF,), ("embed", "mlp"), "wi_0")(h)) * \
-        dense((FF,), ("embed", "mlp"), "wi_1")(h)
+    hidden = jax.nn.silu(dense((FF,), ("embed", "mlp"), "wi_0")(h)) * dense(
+      (FF,), ("embed", "mlp"), "wi_1"
+    )(h)
     x = x + dense((D,), ("mlp", "embed"), "wo")(hidden)
     return dense((VOCAB,), ("embed", "vocab"), "logits_dense")(rms_norm(x)).astype(jnp.float32)
 
@@ -207,6 +214,7 @@ MAXTEXT_HEAD_ROLE = "logits_dense"
 
 
 # ---- (c) NNX ----
+
 
 class NnxDense(nnx.Module):
   """The model's own NNX GEMM layer: `x @ self.w[...]`, or `x @ self.w.value` as code
@@ -224,8 +232,11 @@ class NnxCustomLM(nnx.Module):
   """tokens -> logits fp32; an MLP block and a head, each an `NnxDense` (or nnx.Linear)."""
 
   def __init__(self, rngs, stock=False, read_value=False):
-    dense = ((lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)) if stock
-             else (lambda i, o: NnxDense(i, o, rngs, read_value)))
+    dense = (
+      (lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs))
+      if stock
+      else (lambda i, o: NnxDense(i, o, rngs, read_value))
+    )
     self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
     self.wi = dense(D, FF)
     self.wo = dense(FF, D)

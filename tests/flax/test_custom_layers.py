@@ -4,17 +4,16 @@ the style of gemma (jnp.einsum, a tied head through jnp.dot) and of MaxText
 
 import re
 
+import custom_layers as cl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_transformers as tt
 
 import jaxquant.flax as jqf
 from jaxquant import ops, recipes
-
-import custom_layers as cl
-import tiny_transformers as tt
 
 STEPS = 20
 
@@ -25,8 +24,10 @@ def windows(seed=0):
 
 
 def head_in_bf16(factory, head):
-  return recipes.CustomRecipe(lambda role: None if role.name == head else factory(role),
-                              name=factory.__name__.replace("_factory", ""))
+  return recipes.CustomRecipe(
+    lambda role: None if role.name == head else factory(role),
+    name=factory.__name__.replace("_factory", ""),
+  )
 
 
 TRAINED = [recipes.fp8_current_factory, recipes.mxfp8_factory, recipes.nvfp4_factory]
@@ -52,24 +53,25 @@ def gemma():
 
 # ---- (a) gemma style ----
 
+
 def test_gemma_roles_are_every_weight_once():
   seen = roles_seen(cl.GemmaStyleLM(), windows()[:, :-1])
   # init runs the model once as written, then once quantized: each role is asked once.
   assert len(seen) == 3 * len(cl.GEMMA_ROLES)
   assert {(r.name, r.tensor_type) for r in seen} == {
-      (n, t) for n in cl.GEMMA_ROLES for t in ("input", "weight", "grad_output")}
+    (n, t) for n in cl.GEMMA_ROLES for t in ("input", "weight", "grad_output")
+  }
   assert {r.module_type for r in seen} == {"linear"}
 
 
 def test_gemma_bf16_is_the_plain_model_and_compiles_to_its_hlo(gemma):
   params, data = gemma
   plain = tt.linen_train_step(cl.GemmaStyleLM(), tt.optimizer())
-  swapped = tt.linen_train_step(jqf.quantize_model(cl.GemmaStyleLM(), recipes.bf16),
-                                tt.optimizer())
+  swapped = tt.linen_train_step(jqf.quantize_model(cl.GemmaStyleLM(), recipes.bf16), tt.optimizer())
   args = (params, tt.optimizer().init(params), {}, data, jax.random.key(0))
   hlo = [strip_locations(jax.jit(step).lower(*args).as_text()) for step in (plain, swapped)]
   assert hlo[0] == hlo[1]
-  for a, b in zip(jax.jit(plain)(*args), jax.jit(swapped)(*args)):
+  for a, b in zip(jax.jit(plain)(*args), jax.jit(swapped)(*args), strict=False):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
@@ -92,13 +94,13 @@ def test_gemma_fp8_grads_equal_stock_layers(gemma):
     return jax.jit(jax.grad(loss))(params)
 
   stock = grads(jqf.quantize_model(cl.StockGemmaLM(), recipe), stock_params)
-  custom = grads(jqf.quantize_model(cl.GemmaStyleLM(), recipe),
-                 cl.as_custom_params(stock_params))
+  custom = grads(jqf.quantize_model(cl.GemmaStyleLM(), recipe), cl.as_custom_params(stock_params))
   plain = grads(cl.GemmaStyleLM(), cl.as_custom_params(stock_params))
   jax.tree.map(np.testing.assert_array_equal, custom, cl.as_custom_params(stock))
   # ...and they are FP8's, not the unquantized model's.
-  assert not np.array_equal(custom["layer_0"]["mlp"]["linear"]["w"],
-                            plain["layer_0"]["mlp"]["linear"]["w"])
+  assert not np.array_equal(
+    custom["layer_0"]["mlp"]["linear"]["w"], plain["layer_0"]["mlp"]["linear"]["w"]
+  )
 
 
 def test_gemma_report_lists_attention_in_high_precision(gemma):
@@ -107,12 +109,11 @@ def test_gemma_report_lists_attention_in_high_precision(gemma):
   report = jqf.swap_report(model, {"params": params}, data[:, :-1])
   assert {r.role for r in report.quantized} == set(cl.GEMMA_ROLES) - {"embedder"}
   assert all(r.quantizers["weight"] == recipes.mxfp8_factory(None) for r in report.quantized)
-  head, = [r for r in report.rows if r.role == "embedder"]
+  (head,) = [r for r in report.rows if r.role == "embedder"]
   assert head.status == "high precision: the recipe maps it to None"
   assert head.call == "dot 'abc,cd->abd'" and head.shapes == ((4, 16, 64), (64, 64))
   activations = [r for r in report.rows if r.role is None]
-  assert [r.call for r in activations] == ["einsum 'BTNH,BSNH->BNTS'",
-                                           "einsum 'BNTS,BSNH->BTNH'"]
+  assert [r.call for r in activations] == ["einsum 'BTNH,BSNH->BNTS'", "einsum 'BNTS,BSNH->BTNH'"]
   assert all(r.status == "high precision: not a weight GEMM" for r in activations)
   assert all(r.path == "" for r in activations)
   text = str(report)
@@ -120,6 +121,7 @@ def test_gemma_report_lists_attention_in_high_precision(gemma):
 
 
 # ---- No silent no-op; shapes that do not fit ----
+
 
 class NoWeightGemm(nn.Module):
   @nn.compact
@@ -133,8 +135,9 @@ def test_a_quantizing_recipe_with_no_reachable_gemm_raises():
   with pytest.raises(ValueError, match=r"'mxfp8' quantizes.*no GEMM.*require_gemm=False"):
     jax.eval_shape(jqf.quantize_model(NoWeightGemm(), recipes.mxfp8).init, jax.random.key(0), x)
   jax.eval_shape(jqf.quantize_model(NoWeightGemm(), recipes.bf16).init, jax.random.key(0), x)
-  jax.eval_shape(jqf.quantize_model(NoWeightGemm(), recipes.mxfp8, require_gemm=False).init,
-                 jax.random.key(0), x)
+  jax.eval_shape(
+    jqf.quantize_model(NoWeightGemm(), recipes.mxfp8, require_gemm=False).init, jax.random.key(0), x
+  )
 
 
 class NarrowHead(nn.Module):
@@ -156,18 +159,22 @@ def test_unfit_shape_raises_or_runs_in_high_precision():
   variables = jax.jit(model.init)(jax.random.key(0), x)
   report = jqf.swap_report(model, variables, x)
   assert [r.role for r in report.quantized] == ["proj"]
-  head, = report.high_precision
+  (head,) = report.high_precision
   assert head.role == "head" and head.status.startswith("high precision: the shape does not fit")
   plain = cl.Einsum((64, 10), ("mlp", "vocab")).apply(
-      {"params": variables["params"]["head"]}, "bf,fv->bv",
-      cl.Einsum((64, 64), ("embed", "mlp"), name="proj").apply(
-          {"params": variables["params"]["proj"]}, "bd,df->bf", x))
+    {"params": variables["params"]["head"]},
+    "bf,fv->bv",
+    cl.Einsum((64, 64), ("embed", "mlp"), name="proj").apply(
+      {"params": variables["params"]["proj"]}, "bd,df->bf", x
+    ),
+  )
   assert not np.array_equal(jax.jit(model.apply)(variables, x), plain)  # proj is quantized
   with pytest.raises(ValueError, match="on_unfit"):
     jqf.quantize_model(NarrowHead(), recipes.mxfp8, on_unfit="ignore")
 
 
 # ---- Batched (per-expert) weights: grouped GEMMs ----
+
 
 class Experts(nn.Module):
   @nn.compact
@@ -179,22 +186,29 @@ class Experts(nn.Module):
 def test_per_expert_weights_run_as_grouped_gemm():
   x = jax.random.normal(jax.random.key(1), (4, 32, 64), jnp.bfloat16)
   seen = []
-  recipe = recipes.CustomRecipe(lambda role: seen.append(role) or
-                                recipes.fp8_current_factory(role))
+  recipe = recipes.CustomRecipe(lambda role: seen.append(role) or recipes.fp8_current_factory(role))
   model = jqf.quantize_model(Experts(), recipe)
   variables = model.init(jax.random.key(0), x)  # eagerly: the param matched by its values
   assert {r.module_type for r in seen} == {"grouped_linear"}
 
   @jax.jit
   def each_expert_alone(x, w):  # the einsum promotes x to w's fp32
-    return jnp.stack([ops.grouped_dense(x[e].astype(w.dtype), w[e][None], jnp.array([32]),
-                                        recipe=recipes.fp8_current) for e in range(4)])
+    return jnp.stack(
+      [
+        ops.grouped_dense(
+          x[e].astype(w.dtype), w[e][None], jnp.array([32]), recipe=recipes.fp8_current
+        )
+        for e in range(4)
+      ]
+    )
 
-  np.testing.assert_array_equal(jax.jit(model.apply)(variables, x),
-                                each_expert_alone(x, variables["params"]["experts"]))
+  np.testing.assert_array_equal(
+    jax.jit(model.apply)(variables, x), each_expert_alone(x, variables["params"]["experts"])
+  )
 
 
 # ---- (b) MaxText style: lax.dot_general routed, and through MaxText's hook ----
+
 
 @pytest.fixture(scope="module")
 def maxtext():
@@ -217,7 +231,8 @@ def test_maxtext_roles(route):
   jax.eval_shape(maxtext_model(route, recording).init, jax.random.key(0), windows()[:, :-1])
   assert len(seen) == 3 * len(cl.MAXTEXT_ROLES)
   assert {(r.name, r.tensor_type) for r in seen} == {
-      (n, t) for n in cl.MAXTEXT_ROLES for t in ("input", "weight", "grad_output")}
+    (n, t) for n in cl.MAXTEXT_ROLES for t in ("input", "weight", "grad_output")
+  }
 
 
 @pytest.mark.parametrize("route", ["swap", "hook"])
@@ -230,9 +245,11 @@ def test_maxtext_bf16_is_the_plain_model(maxtext, route):
 
 # The hook's GEMMs are the swap's, bit for bit (the grads test below): it trains under one
 # recipe here, the swap under all three (each NVFP4 step costs a minute to compile on CI).
-@pytest.mark.parametrize("route, factory",
-                         [("swap", f) for f in TRAINED] + [("hook", TRAINED[0])],
-                         ids=lambda v: getattr(v, "__name__", v))
+@pytest.mark.parametrize(
+  "route, factory",
+  [("swap", f) for f in TRAINED] + [("hook", TRAINED[0])],
+  ids=lambda v: getattr(v, "__name__", v),
+)
 def test_maxtext_trains(maxtext, route, factory):
   params, data = maxtext
   model = maxtext_model(route, head_in_bf16(factory, cl.MAXTEXT_HEAD_ROLE))

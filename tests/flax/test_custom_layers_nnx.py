@@ -1,17 +1,16 @@
 """Swap-in of an NNX model whose GEMMs are its own modules (`x @ self.w[...]`, and
 `x @ self.w.value`)."""
 
+import custom_layers as cl
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_transformers as tt
 from flax import nnx
 
 import jaxquant.flax as jqf
 from jaxquant import recipes
-
-import custom_layers as cl
-import tiny_transformers as tt
 
 STEPS = 20
 TRAINED = [recipes.fp8_current_factory, recipes.mxfp8_factory, recipes.nvfp4_factory]
@@ -23,8 +22,9 @@ def windows():
 
 
 def head_in_bf16(factory):
-  return recipes.CustomRecipe(lambda role: None if role.name == cl.NNX_HEAD_ROLE else factory(role),
-                              name=factory.__name__)
+  return recipes.CustomRecipe(
+    lambda role: None if role.name == cl.NNX_HEAD_ROLE else factory(role), name=factory.__name__
+  )
 
 
 def loss_and_grads(model, data):
@@ -35,28 +35,35 @@ def loss_and_grads(model, data):
 def test_roles_bf16_identity_and_report():
   data = windows()
   seen = []
-  model = jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(0)),
-                             recipes.CustomRecipe(lambda role: seen.append(role)))
+  model = jqf.quantize_model(
+    cl.NnxCustomLM(nnx.Rngs(0)), recipes.CustomRecipe(lambda role: seen.append(role))
+  )
   plain = cl.NnxCustomLM(nnx.Rngs(0))
   loss, grads = loss_and_grads(model, data)
   assert len(seen) == 3 * len(cl.NNX_ROLES)
   assert {(r.name, r.tensor_type) for r in seen} == {
-      (n, t) for n in cl.NNX_ROLES for t in ("input", "weight", "grad_output")}
+    (n, t) for n in cl.NNX_ROLES for t in ("input", "weight", "grad_output")
+  }
   plain_loss, plain_grads = loss_and_grads(plain, data)
   assert loss == plain_loss
-  jax.tree.map(np.testing.assert_array_equal, nnx.state(grads, nnx.Param),
-               nnx.state(plain_grads, nnx.Param))
-  report = jqf.swap_report(jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(0)), head_in_bf16(
-      recipes.mxfp8_factory)), data[:, :-1])
+  jax.tree.map(
+    np.testing.assert_array_equal, nnx.state(grads, nnx.Param), nnx.state(plain_grads, nnx.Param)
+  )
+  report = jqf.swap_report(
+    jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(0)), head_in_bf16(recipes.mxfp8_factory)),
+    data[:, :-1],
+  )
   assert [r.role for r in report.quantized] == ["wi", "wo"]
   assert [(r.role, r.call, r.status) for r in report.high_precision] == [
-      ("head", "matmul 'abc,cd->abd'", "high precision: the recipe maps it to None")]
+    ("head", "matmul 'abc,cd->abd'", "high precision: the recipe maps it to None")
+  ]
 
 
 @pytest.mark.parametrize("factory", TRAINED, ids=lambda f: f.__name__)
 def test_trains(factory):
-  model = jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(0)), head_in_bf16(factory),
-                             rngs=nnx.Rngs(quant=1))
+  model = jqf.quantize_model(
+    cl.NnxCustomLM(nnx.Rngs(0)), head_in_bf16(factory), rngs=nnx.Rngs(quant=1)
+  )
   opt = nnx.Optimizer(model, tt.optimizer(), wrt=nnx.Param)
   step = nnx.jit(lambda m, o, d: _step(m, o, d))
   losses = [float(step(model, opt, windows())) for _ in range(STEPS)]
@@ -72,11 +79,13 @@ def _step(model, optimizer, data):
 
 # `.value`, deprecated by Flax 0.12 but still in users' models, must reach the GEMM too.
 _VALUE_DEPRECATION = pytest.mark.filterwarnings(
-    "ignore:'.value' access is now deprecated:DeprecationWarning")
+  "ignore:'.value' access is now deprecated:DeprecationWarning"
+)
 
 
-@pytest.mark.parametrize("read_value", [False, pytest.param(True, marks=_VALUE_DEPRECATION)],
-                         ids=["w[...]", "w.value"])
+@pytest.mark.parametrize(
+  "read_value", [False, pytest.param(True, marks=_VALUE_DEPRECATION)], ids=["w[...]", "w.value"]
+)
 def test_fp8_grads_equal_stock_layers(read_value):
   data = windows()
   recipe = head_in_bf16(recipes.fp8_current_factory)
@@ -88,8 +97,9 @@ def test_fp8_grads_equal_stock_layers(read_value):
   _, stock_grads = loss_and_grads(stock, data)
   _, custom_grads = loss_and_grads(custom, data)
   for name in cl.NNX_ROLES:
-    np.testing.assert_array_equal(getattr(custom_grads, name).w.get_value(),
-                                  getattr(stock_grads, name).kernel.get_value())
+    np.testing.assert_array_equal(
+      getattr(custom_grads, name).w.get_value(), getattr(stock_grads, name).kernel.get_value()
+    )
   _, plain_grads = loss_and_grads(cl.NnxCustomLM(nnx.Rngs(1)), data)
   assert not np.array_equal(custom_grads.wi.w.get_value(), plain_grads.wi.w.get_value())
 

@@ -43,15 +43,18 @@ def test_linen_dot_general_cls_is_the_swap_in():
   seen = []
   recipe = recipes.CustomRecipe(lambda r: seen.append(r.name) or recipes.fp8_current_factory(r))
   params = Proj().init(jax.random.key(0), X)["params"]
-  hooked = forward_and_grads(lambda p: Proj(jqf.dot_general_cls(recipe)).apply(
-      {"params": p}, X), params)
-  swapped = forward_and_grads(lambda p: jqf.quantize_model(Proj(), recipes.fp8_current).apply(
-      {"params": p}, X), params)
+  hooked = forward_and_grads(
+    lambda p: Proj(jqf.dot_general_cls(recipe)).apply({"params": p}, X), params
+  )
+  swapped = forward_and_grads(
+    lambda p: jqf.quantize_model(Proj(), recipes.fp8_current).apply({"params": p}, X), params
+  )
   jax.tree.map(np.testing.assert_array_equal, hooked, swapped)
   assert set(seen) == {"proj"}
   plain = forward_and_grads(lambda p: Proj().apply({"params": p}, X), params)
-  bf16 = forward_and_grads(lambda p: Proj(jqf.dot_general_cls(recipes.bf16)).apply(
-      {"params": p}, X), params)
+  bf16 = forward_and_grads(
+    lambda p: Proj(jqf.dot_general_cls(recipes.bf16)).apply({"params": p}, X), params
+  )
   jax.tree.map(np.testing.assert_array_equal, bf16, plain)
 
 
@@ -59,18 +62,30 @@ def test_maxtext_einsum_is_the_swap_in():
   params = MoeLikeEinsum().init(jax.random.key(0), X)["params"]
   quant = jqf.MaxTextQuantization(recipes.mxfp8)
   hooked = forward_and_grads(lambda p: MoeLikeEinsum(quant).apply({"params": p}, X), params)
-  swapped = forward_and_grads(lambda p: jqf.quantize_model(MoeLikeEinsum(), recipes.mxfp8).apply(
-      {"params": p}, X), params)
+  swapped = forward_and_grads(
+    lambda p: jqf.quantize_model(MoeLikeEinsum(), recipes.mxfp8).apply({"params": p}, X), params
+  )
   jax.tree.map(np.testing.assert_array_equal, hooked, swapped)
 
 
 def test_nnx_hooks_are_jaxquant_layers():
-  native = jqnnx.Linear(64, 64, use_bias=False, recipe=recipes.fp8_current, name="proj",
-                        rngs=nnx.Rngs(0))
-  hooked = nnx.Linear(64, 64, use_bias=False, rngs=nnx.Rngs(0),
-                      dot_general=jqf.dot_general("proj", recipes.fp8_current))
-  einsum = nnx.Einsum("td,df->tf", (64, 64), rngs=nnx.Rngs(0), bias_shape=None,
-                      einsum_op=jqf.einsum_op("proj", recipes.fp8_current))
+  native = jqnnx.Linear(
+    64, 64, use_bias=False, recipe=recipes.fp8_current, name="proj", rngs=nnx.Rngs(0)
+  )
+  hooked = nnx.Linear(
+    64,
+    64,
+    use_bias=False,
+    rngs=nnx.Rngs(0),
+    dot_general=jqf.dot_general("proj", recipes.fp8_current),
+  )
+  einsum = nnx.Einsum(
+    "td,df->tf",
+    (64, 64),
+    rngs=nnx.Rngs(0),
+    bias_shape=None,
+    einsum_op=jqf.einsum_op("proj", recipes.fp8_current),
+  )
   einsum.kernel.set_value(native.kernel.get_value())
 
   def value_and_grad(layer):

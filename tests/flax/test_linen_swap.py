@@ -5,12 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_transformers as tt
 
 import jaxquant.flax as jqf
 from jaxquant import recipes
 from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer
-
-import tiny_transformers as tt
 
 STEPS = 30
 
@@ -57,12 +56,14 @@ def test_trains_under_recipe(plain, recipe):
 def test_recipe_sees_every_role_once_per_trace():
   seen = []
   recording = recipes.CustomRecipe(lambda role: seen.append(role))
-  jax.eval_shape(jqf.quantize_model(tt.LinenLM(), recording).init, jax.random.key(0),
-                 tt.batch()[:, :-1])
+  jax.eval_shape(
+    jqf.quantize_model(tt.LinenLM(), recording).init, jax.random.key(0), tt.batch()[:, :-1]
+  )
   assert len(seen) == 3 * len(tt.GEMM_PATHS)
   assert {r.name for r in seen} == set(tt.GEMM_PATHS)
   assert {(r.name, r.tensor_type) for r in seen} == {
-      (p, t) for p in tt.GEMM_PATHS for t in ("input", "weight", "grad_output")}
+    (p, t) for p in tt.GEMM_PATHS for t in ("input", "weight", "grad_output")
+  }
   assert {r.module_type for r in seen} == {"linear"}
 
 
@@ -81,8 +82,10 @@ def test_params_interchange_both_ways():
   # annotate=True: every GEMM weight names its role; bf16 quantizes none of them.
   roles = jqf.weight_roles(boxed)
   assert sorted(roles) == sorted(f"{p}/kernel" for p in tt.GEMM_PATHS)
-  assert all(r.tensor_type == "weight" and f"{r.name}/kernel" == path and q is None
-             for path, (r, q) in roles.items())
+  assert all(
+    r.tensor_type == "weight" and f"{r.name}/kernel" == path and q is None
+    for path, (r, q) in roles.items()
+  )
 
 
 def test_model_recipe_module_recipe_and_autocast():
@@ -93,6 +96,7 @@ def test_model_recipe_module_recipe_and_autocast():
       return jqf.linen.Dense(32, name="own", recipe=recipes.mxfp8)(x)
 
   x = jnp.ones((32, 32))
+
   def weight_quantizers(model):
     boxed = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
     return {path: q for path, (_, q) in jqf.weight_roles(boxed).items()}
@@ -100,16 +104,21 @@ def test_model_recipe_module_recipe_and_autocast():
   model = Model()
   with recipes.autocast(recipes.fp8_current):
     assert weight_quantizers(jqf.quantize_model(model, annotate=True)) == {
-        "plain/kernel": Float8Quantizer("e4m3"), "own/kernel": MXFP8Quantizer("e4m3")}
+      "plain/kernel": Float8Quantizer("e4m3"),
+      "own/kernel": MXFP8Quantizer("e4m3"),
+    }
     assert weight_quantizers(jqf.quantize_model(model, recipes.bf16, annotate=True)) == {
-        "plain/kernel": None, "own/kernel": MXFP8Quantizer("e4m3")}
+      "plain/kernel": None,
+      "own/kernel": MXFP8Quantizer("e4m3"),
+    }
 
 
 def test_invalid_quantizer_names_the_module_path():
   bad = recipes.CustomRecipe(lambda role: "e4m3" if role.name == "layer_1/mlp/wo" else None)
   with pytest.raises(TypeError, match="layer_1/mlp/wo"):
-    jax.eval_shape(jqf.quantize_model(tt.LinenLM(), bad).init, jax.random.key(0),
-                   tt.batch()[:, :-1])
+    jax.eval_shape(
+      jqf.quantize_model(tt.LinenLM(), bad).init, jax.random.key(0), tt.batch()[:, :-1]
+    )
 
 
 def test_quantizer_that_does_not_fit_a_dim_names_module_and_dim():
@@ -119,13 +128,15 @@ def test_quantizer_that_does_not_fit_a_dim_names_module_and_dim():
       return nn.Dense(32, name="proj")(x)
 
   with pytest.raises(ValueError, match=r"'proj'.*input.*K \(contraction\) = 40.*32"):
-    jax.eval_shape(jqf.quantize_model(Model(), recipes.mxfp8).init, jax.random.key(0),
-                   jnp.ones((32, 40)))
+    jax.eval_shape(
+      jqf.quantize_model(Model(), recipes.mxfp8).init, jax.random.key(0), jnp.ones((32, 40))
+    )
 
 
 def test_few_tokens_run_forward_and_are_refused_for_training():
   """Inference of 8 tokens under MXFP8 needs no columnwise blocks along the tokens; a
   gradient does, and its error names the layer and the rule."""
+
   class Model(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -136,7 +147,9 @@ def test_few_tokens_run_forward_and_are_refused_for_training():
   params = model.init(jax.random.key(0), x)
   assert model.apply(params, x).shape == (8, 32)
   loss = lambda p: jnp.sum(model.apply(p, x))
-  with pytest.raises(ValueError, match=r"'proj'.*input: columnwise usage.*divisible by its block 32"):
+  with pytest.raises(
+    ValueError, match=r"'proj'.*input: columnwise usage.*divisible by its block 32"
+  ):
     jax.grad(loss)(params)
 
 

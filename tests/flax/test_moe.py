@@ -21,7 +21,7 @@ def test_linen_grouped_dense_one_param_with_role():
   m = GroupedDense(3, 4, use_bias=True)
   variables = m.init(jax.random.key(0), x, SIZES)
   roles = weight_roles(variables)
-  (path, (role, _)), = roles.items()
+  ((path, (role, _)),) = roles.items()
   assert path.endswith("kernel") and role.module_type == "grouped_linear"
   y = m.apply(variables, x, SIZES)
   assert y.shape == (8, 4)
@@ -55,7 +55,7 @@ def test_moe_trains():
   @jax.jit
   def loss(p):
     y, aux = moe.apply({"params": p}, x)
-    return jnp.mean(y ** 2) + 0.01 * aux
+    return jnp.mean(y**2) + 0.01 * aux
 
   val, grads = jax.value_and_grad(loss)(params)
   assert np.isfinite(val)
@@ -68,17 +68,21 @@ def test_quantize_model_gives_grouped_dense_the_model_recipe():
     @nn.compact
     def __call__(self, x):
       x = nn.Dense(16, name="proj")(x)
-      return (GroupedDense(3, 4, name="experts")(x, SIZES) +
-              GroupedDense(3, 4, name="own", recipe=recipes.bf16)(x, SIZES))
+      return GroupedDense(3, 4, name="experts")(x, SIZES) + GroupedDense(
+        3, 4, name="own", recipe=recipes.bf16
+      )(x, SIZES)
 
   seen = []
   recording = recipes.CustomRecipe(lambda role: seen.append(role))
   x = jnp.ones((8, 16))
   jax.eval_shape(jqf.quantize_model(Model(), recording).init, jax.random.key(0), x)
-  assert {(r.module_type, r.name) for r in seen} == {("linear", "proj"),
-                                                     ("grouped_linear", "experts")}
-  boxed = jax.eval_shape(jqf.quantize_model(Model(), recipes.fp8_current).init,
-                         jax.random.key(0), x)["params"]
+  assert {(r.module_type, r.name) for r in seen} == {
+    ("linear", "proj"),
+    ("grouped_linear", "experts"),
+  }
+  boxed = jax.eval_shape(
+    jqf.quantize_model(Model(), recipes.fp8_current).init, jax.random.key(0), x
+  )["params"]
   quantizers = {path: q for path, (_, q) in weight_roles(boxed).items()}
   assert quantizers == {"experts/kernel": Float8Quantizer("e4m3"), "own/kernel": None}
 
@@ -89,7 +93,7 @@ def test_nnx_quantize_model_binds_grouped_dense_to_path_and_recipe():
       self.experts = NnxGroupedDense(16, 4, 3, rngs=rngs)
 
   model = jqf.quantize_model(Model(nnx.Rngs(0)), recipes.fp8_current)
-  (path, (role, quantizer)), = weight_roles(model).items()
+  ((path, (role, quantizer)),) = weight_roles(model).items()
   assert path == "experts/kernel" and role.name == "experts"
   assert quantizer == Float8Quantizer("e4m3")
   y = model.experts(jax.random.normal(jax.random.key(1), (8, 16)), SIZES)

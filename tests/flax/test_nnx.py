@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_transformers as tt
 from flax import nnx
 
 import jaxquant.flax as jqf
 import jaxquant.flax.nnx as jqnnx
 from jaxquant import recipes
-
-import tiny_transformers as tt
 
 STEPS = 30
 
@@ -33,8 +32,9 @@ def plain_losses():
 # own paths: none (bf16, equal to the plain model), quantization state (fp8_delayed), the
 # rngs of stochastic rounding (nvfp4) and a per-role callback. Each case costs 10-50 s of
 # compilation on a CPU, and CI runs on two cores.
-@pytest.mark.parametrize("recipe", [recipes.bf16, recipes.fp8_delayed, recipes.nvfp4, CUSTOM],
-                         ids=lambda r: r.name)
+@pytest.mark.parametrize(
+  "recipe", [recipes.bf16, recipes.fp8_delayed, recipes.nvfp4, CUSTOM], ids=lambda r: r.name
+)
 def test_trains_under_recipe(plain_losses, recipe):
   plain = tt.NnxLM(nnx.Rngs(0))
   params = nnx.state(plain, nnx.Param)
@@ -63,8 +63,9 @@ def test_scanned_remat_state_is_per_layer_and_advances_once_per_step():
   assert scanned["input"].role.name == "layers/mlp/wi"
   losses = tt.train_nnx(model, 2, tt.batch())
   assert np.all(np.isfinite(losses))
-  for state in jax.tree.leaves(nnx.state(model.layers, jqf.QuantState),
-                               is_leaf=jqf.state.is_role_state):
+  for state in jax.tree.leaves(
+    nnx.state(model.layers, jqf.QuantState), is_leaf=jqf.state.is_role_state
+  ):
     hist = state.scaling.amax_history
     # Two updates: the two recorded amaxes rolled to the end, slot 0 cleared, per layer.
     assert np.all(hist[:, -2:] > 0) and np.all(hist[:, :-2] == 0), state.role
@@ -87,22 +88,27 @@ def test_swap_shares_the_param_variables_and_sees_every_role():
 def test_params_interchange_and_annotations():
   tokens = tt.batch()[:, :-1]
   plain = tt.NnxLM(nnx.Rngs(0))
-  model = jqf.quantize_model(tt.NnxLM(nnx.Rngs(5)), CUSTOM, annotate=True,
-                             rngs=nnx.Rngs(quant=0))
+  model = jqf.quantize_model(tt.NnxLM(nnx.Rngs(5)), CUSTOM, annotate=True, rngs=nnx.Rngs(quant=0))
   roles = jqf.weight_roles(model)  # (nnx.update with a plain state replaces metadata too)
   bf16_model = jqf.quantize_model(tt.NnxLM(nnx.Rngs(5)), recipes.bf16)
   nnx.update(bf16_model, nnx.state(plain, nnx.Param))
   np.testing.assert_array_equal(bf16_model(tokens), plain(tokens))
   assert sorted(roles) == sorted(f"{p}/kernel" for p in tt.NNX_GEMM_PATHS)
   assert roles["head/kernel"][1] is None and roles["layers/0/mlp/wi/kernel"][1] is None
-  assert roles["layers/1/mlp/wi/kernel"][1] == recipes.fp8_current_factory(roles["layers/1/mlp/wi/kernel"][0])
+  assert roles["layers/1/mlp/wi/kernel"][1] == recipes.fp8_current_factory(
+    roles["layers/1/mlp/wi/kernel"][0]
+  )
 
 
 def test_native_layers_bf16_bit_identical_to_flax():
   x = jax.random.normal(jax.random.key(1), (4, 8, 32), jnp.bfloat16)
-  pairs = [(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), jqnnx.Linear(32, 16, rngs=nnx.Rngs(0))),
-           (nnx.Einsum("bsk,kn->bsn", (32, 16), (16,), rngs=nnx.Rngs(0)),
-            jqnnx.Einsum("bsk,kn->bsn", (32, 16), (16,), rngs=nnx.Rngs(0)))]
+  pairs = [
+    (nnx.Linear(32, 16, rngs=nnx.Rngs(0)), jqnnx.Linear(32, 16, rngs=nnx.Rngs(0))),
+    (
+      nnx.Einsum("bsk,kn->bsn", (32, 16), (16,), rngs=nnx.Rngs(0)),
+      jqnnx.Einsum("bsk,kn->bsn", (32, 16), (16,), rngs=nnx.Rngs(0)),
+    ),
+  ]
   for flax_layer, layer in pairs:
     grad = lambda m: nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m)
     np.testing.assert_array_equal(layer(x), flax_layer(x))

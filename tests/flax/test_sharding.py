@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+import tiny_transformers as tt
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxquant.flax as jqf
 from jaxquant import recipes, scaling
@@ -27,13 +29,17 @@ from jaxquant.ops.quantize import quantize
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import TENSOR_TYPES, QuantizerRole
 
-import tiny_transformers as tt
-
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake CPU) devices")
 
 # FSDP: every 'embed' axis of a kernel is split over the data axis.
-RULES = (("embed", "data"), ("vocab", None), ("mlp", None), ("qkv", None), ("heads", None),
-         ("kv", None))
+RULES = (
+  ("embed", "data"),
+  ("vocab", None),
+  ("mlp", None),
+  ("qkv", None),
+  ("heads", None),
+  ("kv", None),
+)
 # fp32 noise (~1e-7 per op) through a few dozen ops of forward and backward: 1e-5 leaves
 # two orders of magnitude below anything a wrong reduction or scale would give.
 RTOL = 1e-5
@@ -79,9 +85,11 @@ def _fsdp(model, params, collections, windows):
   boxed = jax.eval_shape(model.init, jax.random.key(0), windows[:, :-1])["params"]
   param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
   assert param_shardings["layer_0"]["mlp"]["wi"]["kernel"].spec == P("data", None)
-  return (jax.device_put(params, param_shardings),
-          jax.device_put(collections, NamedSharding(mesh, P())),
-          jax.device_put(windows, NamedSharding(mesh, P("data"))))
+  return (
+    jax.device_put(params, param_shardings),
+    jax.device_put(collections, NamedSharding(mesh, P())),
+    jax.device_put(windows, NamedSharding(mesh, P("data"))),
+  )
 
 
 # Trained with plain gradient descent (tt.SGD), so fp32 noise stays fp32 noise; Adam
@@ -91,16 +99,18 @@ def _fsdp(model, params, collections, windows):
 # than fp32 noise (the amplification described above). The quantizers of the other
 # presets are covered bit for bit by the test above; their train steps cost minutes more
 # to compile.
-@pytest.mark.parametrize("recipe, steps", [(recipes.bf16, 8), (recipes.fp8_current, 4)],
-                         ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize(
+  "recipe, steps",
+  [(recipes.bf16, 8), (recipes.fp8_current, 4)],
+  ids=lambda v: getattr(v, "name", str(v)),
+)
 def test_fsdp_losses_match_one_device(recipe, steps):
   windows = tt.batch(batch_size=8)
   model = jqf.quantize_model(tt.LinenLM(dtype=jnp.float32), recipe)
   params, collections = tt.linen_init(model, windows)
   single, _ = tt.train_linen(model, params, collections, steps, windows, tt.SGD)
   params, collections, windows = _fsdp(model, params, collections, windows)
-  sharded, (final_params, _, _) = tt.train_linen(model, params, collections, steps, windows,
-                                                 tt.SGD)
+  sharded, (final_params, _, _) = tt.train_linen(model, params, collections, steps, windows, tt.SGD)
   assert final_params["layer_0"]["mlp"]["wi"]["kernel"].sharding.spec[0] == "data"
   assert single[-1] < 0.9 * single[0], single  # it trains: the params did move
   np.testing.assert_allclose(sharded, single, rtol=RTOL)

@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import tiny_transformers as tt
 
 import jaxquant.flax as jqf
 from jaxquant import recipes, scaling
 from jaxquant.quantizers import DelayedFloat8Quantizer
 from jaxquant.roles import QuantizerRole
-
-import tiny_transformers as tt
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -46,26 +45,32 @@ def test_gradient_accumulation_combines_by_max():
   big, small = tt.batch(1), tt.batch(2)
   model = jqf.quantize_model(tt.LinenLM(), recipes.fp8_delayed)
   params, collections = tt.linen_init(model, big)
+
   @jax.jit
   def records(windows, scale):
     def loss_fn(params, collections):
-      logits, updated = model.apply({"params": params, **collections}, windows[:, :-1],
-                                    mutable=["quant_state"])
+      logits, updated = model.apply(
+        {"params": params, **collections}, windows[:, :-1], mutable=["quant_state"]
+      )
       return scale * tt.xent(logits, windows), updated
-    (_, updated), (_, state_grads) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(params, collections)
+
+    (_, updated), (_, state_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+      params, collections
+    )
     return updated, state_grads
 
   a, b = records(big, 1.0), records(small, 3.0)
   forward = jqf.combine_quant_state(a[0], b[0])
   grads = jqf.combine_quant_state(a[1], b[1])
-  for s, sa, sb in zip(*map(_role_states, (forward, a[0], b[0]))):
-    np.testing.assert_array_equal(s.scaling.amax_history,
-                                  np.maximum(sa.scaling.amax_history, sb.scaling.amax_history))
-  for g, ga, gb in zip(*map(_role_states, (grads, a[1], b[1]))):
+  for s, sa, sb in zip(*map(_role_states, (forward, a[0], b[0])), strict=False):
+    np.testing.assert_array_equal(
+      s.scaling.amax_history, np.maximum(sa.scaling.amax_history, sb.scaling.amax_history)
+    )
+  for g, ga, gb in zip(*map(_role_states, (grads, a[1], b[1])), strict=False):
     if g.role.tensor_type == "grad_output":
-      assert g.scaling.amax_history[0] == max(ga.scaling.amax_history[0],
-                                              gb.scaling.amax_history[0]) > 0
+      assert (
+        g.scaling.amax_history[0] == max(ga.scaling.amax_history[0], gb.scaling.amax_history[0]) > 0
+      )
   advanced = jqf.update_quant_state(forward, grads)
   for s in _role_states(advanced):
     assert s.scaling.amax_history[-1] > 0 and s.scaling.amax_history[0] == 0
@@ -98,11 +103,14 @@ def _per_role_update(state, grad):
   for layer in np.ndindex(*s.amax_history.shape[:-1]):
     one = scaling.DelayedScalingState(s.amax_history[layer], s.scale[layer])
     if grad is not None and state.role.tensor_type == "grad_output":
-      one = scaling.record_grad_amax(one, scaling.DelayedScalingState(
-          grad.scaling.amax_history[layer], grad.scaling.scale[layer]))
+      one = scaling.record_grad_amax(
+        one,
+        scaling.DelayedScalingState(grad.scaling.amax_history[layer], grad.scaling.scale[layer]),
+      )
     one = scaling.update(one, jqf.state._delayed(state.quantizer))
-    s = scaling.DelayedScalingState(s.amax_history.at[layer].set(one.amax_history),
-                                    s.scale.at[layer].set(one.scale))
+    s = scaling.DelayedScalingState(
+      s.amax_history.at[layer].set(one.amax_history), s.scale.at[layer].set(one.scale)
+    )
   return s
 
 
@@ -111,8 +119,11 @@ def test_update_advances_each_role_as_it_would_alone():
   its own update: quantizers of other margins and history lengths, scanned and single
   layers, grad_output amaxes, and amaxes that are subnormal, zero, inf or NaN."""
   rng = np.random.default_rng(5)
-  quantizers = [DelayedFloat8Quantizer(), DelayedFloat8Quantizer(margin=2, history_len=16),
-                DelayedFloat8Quantizer("e5m2", history_len=16, amax_algo="most_recent")]
+  quantizers = [
+    DelayedFloat8Quantizer(),
+    DelayedFloat8Quantizer(margin=2, history_len=16),
+    DelayedFloat8Quantizer("e5m2", history_len=16, amax_algo="most_recent"),
+  ]
   special = np.array([1e-40, 0.0, np.inf, np.nan, 3e-39, 448.0], np.float32)
   tree, grads = {}, {}
   for i, q in enumerate(quantizers):
@@ -123,12 +134,17 @@ def test_update_advances_each_role_as_it_would_alone():
         hist.flat[rng.integers(0, hist.size, 4)] = rng.choice(special, 4)
         scale = rng.uniform(0.5, 2, layers).astype(np.float32)
         role = QuantizerRole("linear", t, f"m{i}{len(layers)}")
-        state = jqf.state.RoleState(scaling.DelayedScalingState(jnp.asarray(hist), jnp.asarray(scale)),
-                                    role, q)
+        state = jqf.state.RoleState(
+          scaling.DelayedScalingState(jnp.asarray(hist), jnp.asarray(scale)), role, q
+        )
         grad_hist = np.zeros(shape, np.float32)
         grad_hist[..., 0] = rng.choice(np.concatenate([special, [7.0, 0.25]]), layers)
-        grad = dataclasses.replace(state, scaling=scaling.DelayedScalingState(
-            jnp.asarray(grad_hist), jnp.zeros(layers, jnp.float32)))
+        grad = dataclasses.replace(
+          state,
+          scaling=scaling.DelayedScalingState(
+            jnp.asarray(grad_hist), jnp.zeros(layers, jnp.float32)
+          ),
+        )
         key = f"m{i}_{len(layers)}_{t}"
         tree[key], grads[key] = state, grad
   tree["not_a_state"] = jnp.ones(2)
@@ -141,6 +157,8 @@ def test_update_advances_each_role_as_it_would_alone():
         continue
       want = _per_role_update(state, grads[key] if with_grads else None)
       bits = lambda a: np.asarray(a).view(np.uint32)
-      np.testing.assert_array_equal(bits(got[key].scaling.amax_history), bits(want.amax_history), key)
+      np.testing.assert_array_equal(
+        bits(got[key].scaling.amax_history), bits(want.amax_history), key
+      )
       np.testing.assert_array_equal(bits(got[key].scaling.scale), bits(want.scale), key)
       assert got[key].role == state.role and got[key].quantizer == state.quantizer

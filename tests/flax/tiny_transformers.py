@@ -36,13 +36,22 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    qkv = nn.DenseGeneral((3, HEADS, HEAD_DIM), dtype=self.dtype, name="qkv",
-                          kernel_init=_init(("embed", "qkv", "heads", "kv")))(x)
+    qkv = nn.DenseGeneral(
+      (3, HEADS, HEAD_DIM),
+      dtype=self.dtype,
+      name="qkv",
+      kernel_init=_init(("embed", "qkv", "heads", "kv")),
+    )(x)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
     attended = nn.dot_product_attention(q, k, v, mask=mask, dtype=self.dtype)
-    return nn.Einsum((HEADS, HEAD_DIM, D_MODEL), "bshd,hdm->bsm", dtype=self.dtype, name="out",
-                     kernel_init=_init(("heads", "kv", "embed")))(attended)
+    return nn.Einsum(
+      (HEADS, HEAD_DIM, D_MODEL),
+      "bshd,hdm->bsm",
+      dtype=self.dtype,
+      name="out",
+      kernel_init=_init(("heads", "kv", "embed")),
+    )(attended)
 
 
 class Mlp(nn.Module):
@@ -51,8 +60,9 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(D_FF, dtype=self.dtype, name="wi", kernel_init=_init(("embed", "mlp")))(x)
-    return nn.Dense(D_MODEL, dtype=self.dtype, name="wo",
-                    kernel_init=_init(("mlp", "embed")))(nn.gelu(h))
+    return nn.Dense(D_MODEL, dtype=self.dtype, name="wo", kernel_init=_init(("mlp", "embed")))(
+      nn.gelu(h)
+    )
 
 
 class Block(nn.Module):
@@ -71,17 +81,18 @@ class LinenLM(nn.Module):
 
   @nn.compact
   def __call__(self, tokens):
-    x = nn.Embed(VOCAB, D_MODEL, dtype=self.dtype, name="embed",
-                 embedding_init=_init(("vocab", "embed")))(tokens)
+    x = nn.Embed(
+      VOCAB, D_MODEL, dtype=self.dtype, name="embed", embedding_init=_init(("vocab", "embed"))
+    )(tokens)
     for i in range(LAYERS):
       x = Block(self.dtype, name=f"layer_{i}")(x)
     x = nn.RMSNorm(dtype=self.dtype)(x)
-    return nn.Dense(VOCAB, dtype=self.dtype, name="head",
-                    kernel_init=_init(("embed", "vocab")))(x).astype(jnp.float32)
+    return nn.Dense(VOCAB, dtype=self.dtype, name="head", kernel_init=_init(("embed", "vocab")))(
+      x
+    ).astype(jnp.float32)
 
 
 class ScanBlock(nn.Module):
-
   @nn.compact
   def __call__(self, x, _):
     return Block(name="block")(x), None
@@ -93,21 +104,26 @@ class ScannedLinenLM(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(VOCAB, D_MODEL, dtype=DTYPE, name="embed")(tokens)
-    layers = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0, "quant_state": 0},
-                     split_rngs={"params": True}, length=LAYERS,
-                     metadata_params={nn.PARTITION_NAME: "layers"})
+    layers = nn.scan(
+      nn.remat(ScanBlock),
+      variable_axes={"params": 0, "quant_state": 0},
+      split_rngs={"params": True},
+      length=LAYERS,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     x, _ = layers(name="layers")(x, None)
     return nn.Dense(VOCAB, dtype=DTYPE, name="head")(x).astype(jnp.float32)
 
 
 # ---- NNX ----
 
-class NnxAttention(nnx.Module):
 
+class NnxAttention(nnx.Module):
   def __init__(self, rngs):
     self.qkv = nnx.Linear(D_MODEL, 3 * D_MODEL, dtype=DTYPE, rngs=rngs)
-    self.out = nnx.Einsum("bshd,hdm->bsm", (HEADS, HEAD_DIM, D_MODEL), (D_MODEL,),
-                          dtype=DTYPE, rngs=rngs)
+    self.out = nnx.Einsum(
+      "bshd,hdm->bsm", (HEADS, HEAD_DIM, D_MODEL), (D_MODEL,), dtype=DTYPE, rngs=rngs
+    )
 
   def __call__(self, x):
     qkv = self.qkv(x).reshape(*x.shape[:2], 3, HEADS, HEAD_DIM)
@@ -117,7 +133,6 @@ class NnxAttention(nnx.Module):
 
 
 class NnxMlp(nnx.Module):
-
   def __init__(self, rngs):
     self.wi = nnx.Linear(D_MODEL, D_FF, dtype=DTYPE, rngs=rngs)
     self.wo = nnx.Linear(D_FF, D_MODEL, dtype=DTYPE, rngs=rngs)
@@ -127,7 +142,6 @@ class NnxMlp(nnx.Module):
 
 
 class NnxBlock(nnx.Module):
-
   def __init__(self, rngs):
     self.attention_norm = nnx.RMSNorm(D_MODEL, dtype=DTYPE, rngs=rngs)
     self.attention = NnxAttention(rngs)
@@ -140,7 +154,6 @@ class NnxBlock(nnx.Module):
 
 
 class NnxLM(nnx.Module):
-
   def __init__(self, rngs):
     self.embed = nnx.Embed(VOCAB, D_MODEL, dtype=DTYPE, rngs=rngs)
     self.layers = nnx.List([NnxBlock(rngs) for _ in range(LAYERS)])
@@ -179,6 +192,7 @@ class NnxScannedLM(nnx.Module):
 
 # ---- Data and train steps ----
 
+
 def batch(seed=0, batch_size=BATCH):
   """A learnable batch: each row counts up from a random start (mod VOCAB)."""
   starts = jax.random.randint(jax.random.key(seed), (batch_size, 1), 0, VOCAB)
@@ -204,13 +218,18 @@ def linen_train_step(model, tx):
   gradient carries the grad_output amaxes into `update_quant_state`."""
 
   def loss_fn(params, collections, windows, key):
-    logits, updated = model.apply({"params": params, **collections}, windows[:, :-1],
-                                  rngs={"quant": key}, mutable=list(collections))
+    logits, updated = model.apply(
+      {"params": params, **collections},
+      windows[:, :-1],
+      rngs={"quant": key},
+      mutable=list(collections),
+    )
     return xent(logits, windows), updated
 
   def step(params, opt_state, collections, windows, key):
     (loss, updated), (grads, state_grads) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(params, collections, windows, key)
+      loss_fn, argnums=(0, 1), has_aux=True
+    )(params, collections, windows, key)
     collections = jqf.update_quant_state(updated, state_grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, collections, loss
@@ -237,8 +256,9 @@ def train_linen(model, params, collections, steps, windows, tx=None):
   step = jitted_linen_step(model, tx)
   losses = []
   for i in range(steps):
-    params, opt_state, collections, loss = step(params, opt_state, collections, windows,
-                                                jax.random.key(i))
+    params, opt_state, collections, loss = step(
+      params, opt_state, collections, windows, jax.random.key(i)
+    )
     losses.append(float(loss))
   return losses, (params, opt_state, collections)
 

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_cases import BF16_MMA_TOLERANCE, relative_error
 
 from jaxquant import kernels, reference
 from jaxquant.kernels import bf16_gemm as sg
 from jaxquant.ops import gemm as gemm_ops
 from jaxquant.quantizers import MXFP8Quantizer, NVFP4Quantizer
-from kernel_cases import BF16_MMA_TOLERANCE, relative_error
 
 on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
 OUT_DTYPES = [jnp.float32, jnp.bfloat16]
@@ -25,7 +25,7 @@ dtype_id = lambda d: jnp.dtype(d).name
 # Scales at NUMERICS.md's edges: signed zeros, infinities, NaN, one that overflows the
 # product; and ordinary ones across fp32's range.
 EDGE_SCALES = [0.0, -0.0, np.inf, -np.inf, np.nan, -3.0e38]
-SCALES = EDGE_SCALES + [1.0, 0.37, -2.0 ** 40 * 1.3, 2.0 ** -40 * 1.7]
+SCALES = EDGE_SCALES + [1.0, 0.37, -(2.0**40) * 1.3, 2.0**-40 * 1.7]
 
 
 def integer_operands(seed, m, n, k):
@@ -71,7 +71,9 @@ def test_reference_lowering_matches_oracle(m, n, k, out_dtype):
   a, b = jax.device_put(integer_operands(m + n + k, m, n, k), cpu)
   run = jax.jit(lambda *x: sg.scaled_bf16_gemm(*x, out_dtype=out_dtype))
   for scale in SCALES:
-    assert_same_bits(run(a, b, jax.device_put(jnp.float32(scale), cpu)), oracle(a, b, scale, out_dtype))
+    assert_same_bits(
+      run(a, b, jax.device_put(jnp.float32(scale), cpu)), oracle(a, b, scale, out_dtype)
+    )
 
 
 def test_rejects_bad_input():
@@ -93,24 +95,31 @@ def test_rejects_bad_input():
 
 def _mesh(devices):
   from jax.sharding import Mesh
+
   return Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
 
 
 # (A spec, B spec): tokens split, output features split, both, K split alike in both (a
 # weight gradient under data parallelism), K split in A only (gathered).
-SHARDED = [(("data", None), (None, None)), ((None, None), ("model", None)),
-           (("data", None), ("model", None)), ((None, "data"), (None, "data")),
-           ((None, "model"), (None, None))]
+SHARDED = [
+  (("data", None), (None, None)),
+  ((None, None), ("model", None)),
+  (("data", None), ("model", None)),
+  ((None, "data"), (None, "data")),
+  ((None, "model"), (None, None)),
+]
 
 
 @pytest.mark.parametrize("a_spec,b_spec", SHARDED, ids=str)
 def test_sharded_operands_give_the_unsharded_result(eight_devices, a_spec, b_spec):
   """fp32 output, exact sums and a power-of-two scale: a split K's scaled partial products
   add up exactly, so every layout gives the one-device bits."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   mesh = _mesh(eight_devices)
   a, b = integer_operands(9, 256, 128, 384)
-  scale = jnp.float32(2.0 ** -13)
+  scale = jnp.float32(2.0**-13)
   run = jax.jit(lambda *x: sg.scaled_bf16_gemm(*x, out_dtype=jnp.float32))
   want = run(a, b, scale)
   shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
@@ -120,18 +129,32 @@ def test_sharded_operands_give_the_unsharded_result(eight_devices, a_spec, b_spe
 def test_partition_keeps_rows_and_a_shared_k_split(eight_devices):
   """Each device gets its rows of A and of B, its part of a K split alike in both, and the
   scale."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   mesh = _mesh(eight_devices)
-  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(mesh, P(*spec)))
+  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(
+    dims, dtype, sharding=NamedSharding(mesh, P(*spec))
+  )
   config = sg.ScaledGemmConfig(out_dtype="float32")
   alpha_beta = shape((2,), jnp.float32, ())
-  args = [shape((256, 384), jnp.bfloat16, ("data", None)), shape((128, 384), jnp.bfloat16, ("model", None)),
-          alpha_beta]
+  args = [
+    shape((256, 384), jnp.bfloat16, ("data", None)),
+    shape((128, 384), jnp.bfloat16, ("model", None)),
+    alpha_beta,
+  ]
   (a_got, b_got, s_got), (out,), _ = sg._partition(config, mesh, args, None)
-  assert (tuple(a_got), tuple(b_got), tuple(s_got), tuple(out)) == (("data", None), ("model", None),
-                                                                     (), ("data", "model"))
-  args = [shape((256, 384), jnp.bfloat16, (None, "data")), shape((128, 384), jnp.bfloat16, (None, "data")),
-          alpha_beta]
+  assert (tuple(a_got), tuple(b_got), tuple(s_got), tuple(out)) == (
+    ("data", None),
+    ("model", None),
+    (),
+    ("data", "model"),
+  )
+  args = [
+    shape((256, 384), jnp.bfloat16, (None, "data")),
+    shape((128, 384), jnp.bfloat16, (None, "data")),
+    alpha_beta,
+  ]
   (a_got, b_got, _), _, _ = sg._partition(config, mesh, args, None)
   assert (tuple(a_got), tuple(b_got)) == ((None, "data"), (None, "data"))
 
@@ -150,9 +173,14 @@ def test_dequantize_first_gemm_lowers_per_tensor_outer_scales_to_the_kernel(monk
   with per-token rows (a scale per output row) or with no outer scale (MXFP8) keeps
   XLA's dot. Lowered without a GPU: the library's load is stood in for."""
   from jaxquant.kernels import library
+
   monkeypatch.setattr(library, "load_error", lambda: None)
-  lowered = lambda a, b: jax.jit(gemm_ops._dequantize_first_gemm).trace(
-      *jax.eval_shape(lambda: (a, b))).lower(lowering_platforms=("cuda",)).as_text()
+  lowered = lambda a, b: (
+    jax.jit(gemm_ops._dequantize_first_gemm)
+    .trace(*jax.eval_shape(lambda: (a, b)))
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
   assert "@jaxquant_scaled_bf16_gemm(" in lowered(*_nvfp4_pair(1))
   assert "@jaxquant_scaled_bf16_gemm(" not in lowered(*_nvfp4_pair(1, per_token=True))
   q = MXFP8Quantizer()
@@ -161,6 +189,7 @@ def test_dequantize_first_gemm_lowers_per_tensor_outer_scales_to_the_kernel(monk
 
 
 # ---- The cuBLASLt call (Hopper only) ----
+
 
 @pytest.mark.gpu
 @on_gpu
@@ -176,7 +205,7 @@ def test_kernel_matches_the_reference_bit_for_bit(m, n, k, out_dtype):
   a, b = integer_operands(7 * m + k, m, n, k)
   run = jax.jit(lambda *x: sg.scaled_bf16_gemm(*x, out_dtype=out_dtype))
   assert "jaxquant_scaled_bf16_gemm" in run.lower(a, b, jnp.float32(1.0)).as_text()
-  for scale in SCALES + [2.0 ** -149, -2.0 ** -140]:
+  for scale in SCALES + [2.0**-149, -(2.0**-140)]:
     want = oracle(a, b, scale, out_dtype)
     got = run(a, b, jnp.float32(scale))
     assert_same_bits(got, want, unsigned_zeros=True)
@@ -194,5 +223,5 @@ def test_nvfp4_gemm_takes_the_kernel_within_bf16_accumulation(out_dtype):
   run = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=out_dtype))
   assert "jaxquant_scaled_bf16_gemm" in run.lower(a, b).as_text()
   want = np.asarray(jax.jit(lambda a, b: gemm_ops.reference_gemm(a, b))(a, b), np.float64)
-  bf16_rounding = 2.0 ** -9 if out_dtype == jnp.bfloat16 else 0.0
+  bf16_rounding = 2.0**-9 if out_dtype == jnp.bfloat16 else 0.0
   assert relative_error(run(a, b), want) <= BF16_MMA_TOLERANCE + bf16_rounding

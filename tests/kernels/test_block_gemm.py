@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import FP8_MMA_TOLERANCE, relative_error
 
 from jaxquant import kernels, reference
 from jaxquant.kernels import block_gemm as bg
 from jaxquant.ops import gemm as gemm_ops
 from jaxquant.quantizers import BlockFloat8Quantizer
-from kernel_cases import FP8_MMA_TOLERANCE, relative_error
 
 on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
 E4M3 = jnp.float8_e4m3fn
@@ -32,7 +32,10 @@ def codes_and_scales(seed, m, n, k, b_block_rows):
 
 def oracle(a, b, sa, sb, b_block_rows):
   """Element by element: each code times its block's scale, then a float64 product."""
-  a64, b64 = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+  a64, b64 = (
+    np.asarray(a.astype(jnp.float32), np.float64),
+    np.asarray(b.astype(jnp.float32), np.float64),
+  )
   k, n = a64.shape[1], b64.shape[0]
   ka = np.arange(k) // 128
   va = a64 * np.asarray(sa, np.float64)[:, ka]
@@ -74,18 +77,30 @@ def test_gemm_dispatch_leaves_unaligned_rows_to_the_emulation(monkeypatch, m, ke
   """ops.gemm asks the kernel only for problems it takes: 18 rows go to the emulation."""
   calls = []
   monkeypatch.setattr(kernels, "available", lambda: True)
-  monkeypatch.setattr(bg, "block_fp8_gemm", lambda *a, **kw: calls.append(a[0].shape) or jnp.zeros(
-      (a[0].shape[0], a[1].shape[0]), kw["out_dtype"]))
+  monkeypatch.setattr(
+    bg,
+    "block_fp8_gemm",
+    lambda *a, **kw: (
+      calls.append(a[0].shape) or jnp.zeros((a[0].shape[0], a[1].shape[0]), kw["out_dtype"])
+    ),
+  )
   rng = np.random.default_rng(4)
-  a = reference.quantize(jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16),
-                         BlockFloat8Quantizer(block="1x128"), ("rowwise",)).rowwise
-  b = reference.quantize(jnp.asarray(rng.standard_normal((128, 256)), jnp.bfloat16),
-                         BlockFloat8Quantizer(block="128x128"), ("rowwise",)).rowwise
+  a = reference.quantize(
+    jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16),
+    BlockFloat8Quantizer(block="1x128"),
+    ("rowwise",),
+  ).rowwise
+  b = reference.quantize(
+    jnp.asarray(rng.standard_normal((128, 256)), jnp.bfloat16),
+    BlockFloat8Quantizer(block="128x128"),
+    ("rowwise",),
+  ).rowwise
   gemm_ops._block_fp8_gemm(a, b)
   assert bool(calls) == kernel_called
 
 
 # ---- The CUDA kernel (Hopper only) ----
+
 
 @pytest.mark.gpu
 @on_gpu
@@ -94,8 +109,10 @@ def test_gemm_dispatch_leaves_unaligned_rows_to_the_emulation(monkeypatch, m, ke
 @pytest.mark.parametrize("m,n,k", SHAPES + [(2048, 1024, 4096)])
 def test_kernel_matches_oracle(m, n, k, b_block_rows, out_dtype):
   args = codes_and_scales(7 * m + k, m, n, k, b_block_rows)
-  got = jax.jit(lambda *a: bg.block_fp8_gemm(*a, b_block_rows=b_block_rows, out_dtype=out_dtype))(*args)
-  bf16_rounding = 2.0 ** -9 if out_dtype == jnp.bfloat16 else 0.0
+  got = jax.jit(lambda *a: bg.block_fp8_gemm(*a, b_block_rows=b_block_rows, out_dtype=out_dtype))(
+    *args
+  )
+  bf16_rounding = 2.0**-9 if out_dtype == jnp.bfloat16 else 0.0
   assert relative_error(got, oracle(*args, b_block_rows)) <= FP8_MMA_TOLERANCE + bf16_rounding
 
 
@@ -120,26 +137,30 @@ def test_gemm_dispatch_uses_kernel(b_block):
 # or into partial blocks (K = 384 here), a split inside a tile, and one mesh axis on both
 # operands' rows are resharded (None: either).
 SHARDED_CASES = [
-    (("data", None), ("model", None), 512, 128, True, True),
-    (("data", None), (None, None), 512, 128, True, None),
-    (("data", None), ("model", None), 64, 1, True, True),
-    ((None, "model"), (None, None), 512, 128, None, None),
-    (("data", None), ("model", None), 384, 128, True, False),
-    (("data", None), ("data", None), 512, 128, None, None),
+  (("data", None), ("model", None), 512, 128, True, True),
+  (("data", None), (None, None), 512, 128, True, None),
+  (("data", None), ("model", None), 64, 1, True, True),
+  ((None, "model"), (None, None), 512, 128, None, None),
+  (("data", None), ("model", None), 384, 128, True, False),
+  (("data", None), ("data", None), 512, 128, None, None),
 ]
 
 
 def _mesh(devices):
   from jax.sharding import Mesh
+
   return Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
 
 
 @pytest.mark.parametrize("a_spec,b_spec,n,b_block_rows,a_kept,b_kept", SHARDED_CASES, ids=str)
-def test_sharded_operands_give_the_unsharded_result(eight_devices, a_spec, b_spec, n,
-                                                     b_block_rows, a_kept, b_kept):
+def test_sharded_operands_give_the_unsharded_result(
+  eight_devices, a_spec, b_spec, n, b_block_rows, a_kept, b_kept
+):
   """The same numbers as one device, up to the fp32 summation order (the reference dot's
   blocking follows the shard's shape)."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   mesh = _mesh(eight_devices)
   a, b, sa, sb = codes_and_scales(9, 256, n, 384, b_block_rows)
   run = jax.jit(lambda *args: bg.block_fp8_gemm(*args, b_block_rows=b_block_rows))
@@ -150,18 +171,27 @@ def test_sharded_operands_give_the_unsharded_result(eight_devices, a_spec, b_spe
 
 
 @pytest.mark.parametrize("a_spec,b_spec,n,b_block_rows,a_kept,b_kept", SHARDED_CASES, ids=str)
-def test_partition_keeps_whole_block_rows_sharded(eight_devices, a_spec, b_spec, n,
-                                                  b_block_rows, a_kept, b_kept):
+def test_partition_keeps_whole_block_rows_sharded(
+  eight_devices, a_spec, b_spec, n, b_block_rows, a_kept, b_kept
+):
   """What each device gets: its rows of A and of B when they split into whole blocks, and
   the whole of K (which no case splits into whole blocks alike). (Checked on the partitioner itself: on the CPU, XLA may optimise a
   gather of the reference lowering away, which it cannot do around the CUDA kernel.)"""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   mesh = _mesh(eight_devices)
   m, k = 256, 384
   kb, nb = -(-k // 128), -(-n // b_block_rows)
-  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(mesh, P(*spec)))
-  arg_shapes = [shape((m, k), E4M3, a_spec), shape((n, k), E4M3, b_spec),
-                shape((kb, m), jnp.float32, (None, a_spec[0])), shape((kb, nb), jnp.float32, (None, None))]
+  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(
+    dims, dtype, sharding=NamedSharding(mesh, P(*spec))
+  )
+  arg_shapes = [
+    shape((m, k), E4M3, a_spec),
+    shape((n, k), E4M3, b_spec),
+    shape((kb, m), jnp.float32, (None, a_spec[0])),
+    shape((kb, nb), jnp.float32, (None, None)),
+  ]
   config = bg.BlockGemmConfig(b_block_rows=b_block_rows, out_dtype="float32")
   (a_got, b_got, sa_got, sb_got), (out,), _ = bg._partition(config, mesh, arg_shapes, None)
   rows = lambda spec: (tuple(spec) + (None,))[0]
@@ -170,44 +200,52 @@ def test_partition_keeps_whole_block_rows_sharded(eight_devices, a_spec, b_spec,
     if kept is not None:
       assert rows(got) == (want_spec[0] if kept else None), f"{what}: {got}"
   assert rows(tuple(sa_got)[1:]) == rows(a_got) and rows(tuple(sb_got)[1:]) == rows(b_got)
-  assert tuple(out) == (rows(a_got), rows(b_got))[:len(tuple(out))]
+  assert tuple(out) == (rows(a_got), rows(b_got))[: len(tuple(out))]
 
 
 # (A spec, B spec, B's block rows): K = 1024 split alike into whole 128-deep blocks.
 SPLIT_K_CASES = [
-    ((None, "data"), (None, "data"), 1),
-    ((None, "model"), (None, "model"), 128),
-    (("data", "model"), (None, "model"), 1),
+  ((None, "data"), (None, "data"), 1),
+  ((None, "model"), (None, "model"), 128),
+  (("data", "model"), (None, "model"), 1),
 ]
 
 
 @pytest.mark.parametrize("a_spec,b_spec,b_block_rows", SPLIT_K_CASES, ids=str)
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_split_k_stays_split_and_gives_the_unsharded_result(eight_devices, a_spec, b_spec,
-                                                            b_block_rows, out_dtype):
+def test_split_k_stays_split_and_gives_the_unsharded_result(
+  eight_devices, a_spec, b_spec, b_block_rows, out_dtype
+):
   """Each device takes its k-blocks of both operands and of their scales; the partial
   products are added (in the output dtype: within a bf16 ulp, normwise, where it is bf16)."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   mesh = _mesh(eight_devices)
   m, n, k = 256, 512, 1024
   a, b, sa, sb = codes_and_scales(11, m, n, k, b_block_rows)
-  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(dims, dtype,
-                                                         sharding=NamedSharding(mesh, P(*spec)))
+  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(
+    dims, dtype, sharding=NamedSharding(mesh, P(*spec))
+  )
   config = bg.BlockGemmConfig(b_block_rows=b_block_rows, out_dtype=jnp.dtype(out_dtype).name)
   # The primitive takes the scales MN-major: [K / 128, M] and [K / 128, N / block rows].
-  arg_shapes = [shape(a.shape, a.dtype, a_spec), shape(b.shape, b.dtype, b_spec),
-                shape(sa.T.shape, jnp.float32, (a_spec[1], a_spec[0])),
-                shape(sb.T.shape, jnp.float32, (b_spec[1], None))]
+  arg_shapes = [
+    shape(a.shape, a.dtype, a_spec),
+    shape(b.shape, b.dtype, b_spec),
+    shape(sa.T.shape, jnp.float32, (a_spec[1], a_spec[0])),
+    shape(sb.T.shape, jnp.float32, (b_spec[1], None)),
+  ]
   (a_got, b_got, sa_got, sb_got), _, _ = bg._partition(config, mesh, arg_shapes, None)
   k_of = lambda spec: (tuple(spec) + (None, None))[1]
   assert k_of(a_got) == k_of(b_got) == a_spec[1]
   assert tuple(sa_got)[0] == tuple(sb_got)[0] == a_spec[1]
-  run = jax.jit(lambda *args: bg.block_fp8_gemm(*args, b_block_rows=b_block_rows,
-                                                out_dtype=out_dtype))
+  run = jax.jit(
+    lambda *args: bg.block_fp8_gemm(*args, b_block_rows=b_block_rows, out_dtype=out_dtype)
+  )
   want = np.asarray(run(a, b, sa, sb), np.float64)
   shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
   args = (shard(a, a_spec), shard(b, b_spec), shard(sa, a_spec), shard(sb, (None, b_spec[1])))
   hlo = run.lower(*args).compile().as_text()
   assert "all-gather" not in hlo and "all-reduce" in hlo
   got = np.asarray(run(*args), np.float64)
-  assert relative_error(got, want) <= (1e-6 if out_dtype == jnp.float32 else 2.0 ** -8)
+  assert relative_error(got, want) <= (1e-6 if out_dtype == jnp.float32 else 2.0**-8)

@@ -24,8 +24,8 @@ import pytest
 from jaxquant import kernels
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
+  pytest.mark.gpu,
+  pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
 ]
 
 HERE = pathlib.Path(__file__).parent
@@ -167,18 +167,38 @@ print("nvfp4_values ok", flush=True)
 # Every cast family (amax, dequantize and the RHT, 16x16 and per-token variants included).
 # Stochastic rounding is left out: its bits are not the reference's (test_kernels_gpu
 # checks it statistically).
-NAMES = ["fp8_e4m3", "block_1x128", "block_128x128", "mxfp8_e4m3", "nvfp4", "nvfp4_16x16",
-         "nvfp4_rht", "nvfp4_per_token_rht", "hybrid_mxfp8_nvfp4"]
+NAMES = [
+  "fp8_e4m3",
+  "block_1x128",
+  "block_128x128",
+  "mxfp8_e4m3",
+  "nvfp4",
+  "nvfp4_16x16",
+  "nvfp4_rht",
+  "nvfp4_per_token_rht",
+  "hybrid_mxfp8_nvfp4",
+]
 
 
 def test_kernels_replay_from_command_buffers():
-  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAGS}".strip(),
-             PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+  env = dict(
+    os.environ,
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAGS}".strip(),
+    PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+  )
   child = f"NAMES = {NAMES!r}\n{CHILD}"
-  run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
-                       timeout=600)
+  run = subprocess.run(
+    [sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600
+  )
   assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
-  done = NAMES + ["fp8_tensor_gemm", "block_fp8_gemm_block_128x128", "block_fp8_gemm_block_1x128",
-                  "grouped_gemm_bfloat16", "grouped_gemm_float8_e4m3fn", "dequant_gemm",
-                  "mxfp8_values", "nvfp4_values"]
+  done = NAMES + [
+    "fp8_tensor_gemm",
+    "block_fp8_gemm_block_128x128",
+    "block_fp8_gemm_block_1x128",
+    "grouped_gemm_bfloat16",
+    "grouped_gemm_float8_e4m3fn",
+    "dequant_gemm",
+    "mxfp8_values",
+    "nvfp4_values",
+  ]
   assert run.stdout.split() == [w for name in done for w in (name, "ok")]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_cases import BF16_MMA_TOLERANCE, edge_input, random_input, relative_error
 
 import jaxquant
 from jaxquant import kernels, reference
@@ -20,16 +21,15 @@ from jaxquant.ops import gemm as gemm_ops
 from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 from jaxquant.roles import QuantizerRole
 from jaxquant.tensor import QuantizedData
-from kernel_cases import BF16_MMA_TOLERANCE, edge_input, random_input, relative_error
 
 on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
 
 FORMATS = {
-    "mxfp8_e4m3": MXFP8Quantizer(),
-    "mxfp8_e5m2": MXFP8Quantizer("e5m2"),
-    "nvfp4": NVFP4Quantizer(),
-    "nvfp4_16x16": NVFP4Quantizer(tile_2d=True),
-    "nvfp4_per_token": NVFP4Quantizer(per_token=True),
+  "mxfp8_e4m3": MXFP8Quantizer(),
+  "mxfp8_e5m2": MXFP8Quantizer("e5m2"),
+  "nvfp4": NVFP4Quantizer(),
+  "nvfp4_16x16": NVFP4Quantizer(tile_2d=True),
+  "nvfp4_per_token": NVFP4Quantizer(per_token=True),
 }
 PAIRS = list(itertools.product(FORMATS, FORMATS))
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
@@ -69,7 +69,11 @@ def oracle(a, b) -> np.ndarray:
 
 
 def operands(seed, m, n, k, a_name, b_name, *, edges=False):
-  x = edge_input((m, k), jnp.float32, nan=True, inf=False) if edges else random_input(seed, (m, k), jnp.float32)
+  x = (
+    edge_input((m, k), jnp.float32, nan=True, inf=False)
+    if edges
+    else random_input(seed, (m, k), jnp.float32)
+  )
   w = random_input(seed + 1, (n, k), jnp.float32)
   return quantize(x, a_name), quantize(w, b_name)
 
@@ -82,6 +86,7 @@ def assert_close(got, want, tolerance):
 
 
 # ---- The reference lowering and the checks (every platform) ----
+
 
 @pytest.mark.parametrize("a_name,b_name", PAIRS)
 def test_reference_lowering_matches_oracle(a_name, b_name):
@@ -111,24 +116,37 @@ def test_rejects_bad_input():
 
 def _mesh(devices):
   from jax.sharding import Mesh
+
   return Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
 
 
-@pytest.mark.parametrize("b_name,kept", [("nvfp4", True), ("mxfp8_e4m3", True), ("nvfp4_16x16", False)])
+@pytest.mark.parametrize(
+  "b_name,kept", [("nvfp4", True), ("mxfp8_e4m3", True), ("nvfp4_16x16", False)]
+)
 def test_sharded_weight_rows(eight_devices, b_name, kept):
   """B's rows stay on their devices when its scales are per row; the numbers are those of
   one device (A is whole either way)."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   mesh = _mesh(eight_devices)
   a, b = operands(5, 8, 256, 256, "nvfp4_per_token", b_name)
   run = jax.jit(lambda a, b: fd.dequant_gemm(a, b))
   want = np.asarray(run(a, b), np.float64)
-  b_sharded = jax.tree.map(lambda t: jax.device_put(t, NamedSharding(mesh, P("model"))) if t.ndim else t, b)
+  b_sharded = jax.tree.map(
+    lambda t: jax.device_put(t, NamedSharding(mesh, P("model"))) if t.ndim else t, b
+  )
   assert relative_error(run(a, b_sharded), want) <= 1e-6
   config = fd.DequantGemmConfig(a.format, b.format, "float32")
   shape = lambda t, spec: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=NamedSharding(mesh, spec))
-  args = [shape(a.data, P()), shape(a.scale_inv, P()), shape(jnp.ones((8,)), P()),
-          shape(b.data, P("model")), shape(b.scale_inv, P("model")), shape(jnp.ones(()), P())]
+  args = [
+    shape(a.data, P()),
+    shape(a.scale_inv, P()),
+    shape(jnp.ones((8,)), P()),
+    shape(b.data, P("model")),
+    shape(b.scale_inv, P("model")),
+    shape(jnp.ones(()), P()),
+  ]
   arg_specs, (out,), _ = fd._partition(config, mesh, args, None)
   dims = lambda spec: (tuple(spec) + (None, None))[:2]
   assert dims(arg_specs[3]) == ("model" if kept else None, None)
@@ -137,7 +155,11 @@ def test_sharded_weight_rows(eight_devices, b_name, kept):
 
 # ---- The CUDA kernel (Hopper only) ----
 
-CODE_FORMATS = {"mxfp8_e4m3": ml_dtypes.float8_e4m3fn, "mxfp8_e5m2": ml_dtypes.float8_e5m2, "nvfp4": None}
+CODE_FORMATS = {
+  "mxfp8_e4m3": ml_dtypes.float8_e4m3fn,
+  "mxfp8_e5m2": ml_dtypes.float8_e5m2,
+  "nvfp4": None,
+}
 
 
 def coded(name, codes, scale_codes):
@@ -193,7 +215,9 @@ def test_kernel_decodes_every_code_exactly(name, other, codes_on, large_scales):
     scale_codes = rng.choice(np.uint8(options), (rows, k // block))
   one = 2 if other == "nvfp4" else 0x38  # the code of 1.0 in E2M1 / E4M3
   one_hot_rows = n if codes_on == "A" else m
-  one_hot = np.where(np.arange(one_hot_rows)[:, None] == np.arange(k)[None, :], one, 0).astype(np.uint8)
+  one_hot = np.where(np.arange(one_hot_rows)[:, None] == np.arange(k)[None, :], one, 0).astype(
+    np.uint8
+  )
   coded_op = coded(name, codes, scale_codes)
   one_hot_op = coded(other, one_hot, unit_scales(other, one_hot_rows, k))
   a, b = (coded_op, one_hot_op) if codes_on == "A" else (one_hot_op, coded_op)
@@ -201,9 +225,16 @@ def test_kernel_decodes_every_code_exactly(name, other, codes_on, large_scales):
   want = oracle(a, b).astype(np.float32)
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
+
 # (M, N, K): one row, partial m16 / n8 / 128-row tiles, one chunk, split K, 32 rows.
-SHAPES = [(1, 8, 128), (5, 200, 384), (16, 1000, 2048), (16, 1024, 1024), (17, 136, 4096),
-          (32, 256, 256)]
+SHAPES = [
+  (1, 8, 128),
+  (5, 200, 384),
+  (16, 1000, 2048),
+  (16, 1024, 1024),
+  (17, 136, 4096),
+  (32, 256, 256),
+]
 
 
 def _tiles_fit(m, n, a_name, b_name):
@@ -213,8 +244,10 @@ def _tiles_fit(m, n, a_name, b_name):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("m,n,k,a_name,b_name", [
-    (*shape, a, b) for shape in SHAPES for a, b in PAIRS if _tiles_fit(shape[0], shape[1], a, b)])
+@pytest.mark.parametrize(
+  "m,n,k,a_name,b_name",
+  [(*shape, a, b) for shape in SHAPES for a, b in PAIRS if _tiles_fit(shape[0], shape[1], a, b)],
+)
 def test_kernel_matches_oracle(m, n, k, a_name, b_name):
   a, b = operands(m * n + k, m, n, k, a_name, b_name)
   got = jax.jit(lambda a, b: fd.dequant_gemm(a, b))(a, b)
@@ -223,8 +256,15 @@ def test_kernel_matches_oracle(m, n, k, a_name, b_name):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("a_name,b_name", [("mxfp8_e4m3", "nvfp4"), ("nvfp4", "mxfp8_e5m2"),
-                                           ("mxfp8_e5m2", "mxfp8_e4m3"), ("nvfp4_per_token", "nvfp4")])
+@pytest.mark.parametrize(
+  "a_name,b_name",
+  [
+    ("mxfp8_e4m3", "nvfp4"),
+    ("nvfp4", "mxfp8_e5m2"),
+    ("mxfp8_e5m2", "mxfp8_e4m3"),
+    ("nvfp4_per_token", "nvfp4"),
+  ],
+)
 def test_kernel_edge_cases_and_bf16_output(a_name, b_name):
   """NUMERICS.md's edge rows (zeros, subnormals, ties, tiny values, a NaN) in A; a bf16
   output rounds the same sums once more."""
@@ -233,7 +273,7 @@ def test_kernel_edge_cases_and_bf16_output(a_name, b_name):
   assert_close(jax.jit(lambda a, b: fd.dequant_gemm(a, b))(a, b), want, BF16_MMA_TOLERANCE)
   got16 = jax.jit(lambda a, b: fd.dequant_gemm(a, b, out_dtype=jnp.bfloat16))(a, b)
   assert got16.dtype == jnp.bfloat16
-  assert_close(got16.astype(jnp.float32), want, BF16_MMA_TOLERANCE + 2.0 ** -9)
+  assert_close(got16.astype(jnp.float32), want, BF16_MMA_TOLERANCE + 2.0**-9)
 
 
 @pytest.mark.gpu
@@ -265,20 +305,24 @@ def test_dequantize_first_route_matches_oracle(a_name, b_name):
   assert_close(run(a, b, jnp.float32), want, BF16_MMA_TOLERANCE)
   got16 = run(a, b, jnp.bfloat16)
   assert got16.dtype == jnp.bfloat16
-  assert_close(got16.astype(jnp.float32), want, BF16_MMA_TOLERANCE + 2.0 ** -9)
+  assert_close(got16.astype(jnp.float32), want, BF16_MMA_TOLERANCE + 2.0**-9)
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("recipe", [jaxquant.recipes.mxfp8, jaxquant.recipes.nvfp4], ids=lambda r: r.name)
+@pytest.mark.parametrize(
+  "recipe", [jaxquant.recipes.mxfp8, jaxquant.recipes.nvfp4], ids=lambda r: r.name
+)
 def test_dense_decode_reaches_the_kernel(recipe):
   """`dense` of 16 tokens (inference) under MXFP8 / NVFP4 runs this kernel and matches the
   oracle of its two rowwise operands."""
   x = random_input(31, (16, 512), jnp.float32).astype(jnp.bfloat16)
   kernel = (random_input(32, (512, 384), jnp.float32) * 0.05).astype(jnp.bfloat16)
-  f = jax.jit(lambda x, k: jaxquant.dense(x, k, recipe=recipe, name="decode", key=jax.random.key(0)))
+  f = jax.jit(
+    lambda x, k: jaxquant.dense(x, k, recipe=recipe, name="decode", key=jax.random.key(0))
+  )
   assert "jaxquant_dequant_gemm" in f.lower(x, kernel).as_text()
   qs = {t: recipe.qfactory(QuantizerRole("linear", t, "decode")) for t in ("input", "weight")}
   a = reference.quantize(x, qs["input"], ("rowwise",)).rowwise
   b = reference.quantize(kernel.T, qs["weight"], ("rowwise",)).rowwise
-  assert_close(f(x, kernel).astype(jnp.float32), oracle(a, b), BF16_MMA_TOLERANCE + 2.0 ** -9)
+  assert_close(f(x, kernel).astype(jnp.float32), oracle(a, b), BF16_MMA_TOLERANCE + 2.0**-9)

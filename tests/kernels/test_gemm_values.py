@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from kernel_cases import QUANTIZERS, SR_QUANTIZERS, assert_same_bits, edge_input, random_input
 
 from jaxquant import kernels
 from jaxquant.kernels.gemm_values import ScaledValues, mxfp8_values, nvfp4_values
 from jaxquant.quantizers import MXFP8Quantizer, NVFP4Quantizer
-from kernel_cases import QUANTIZERS, SR_QUANTIZERS, assert_same_bits, edge_input, random_input
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "reference"))
 import numpy_oracle as orc  # noqa: E402
@@ -53,8 +54,10 @@ def cpu(x):
 @pytest.mark.parametrize("dt", sorted(DTYPES))
 def test_reference_lowering_matches_oracle(element, dt):
   run = jax.jit(lambda x: mxfp8_values(x, MXFP8Quantizer(element), USAGES))
-  for name, x in (("random", random_input(3, (96, 160), DTYPES[dt])),
-                  ("edges", edge_input((64, 128), DTYPES[dt], nan=True, inf=True))):
+  for name, x in (
+    ("random", random_input(3, (96, 160), DTYPES[dt])),
+    ("edges", edge_input((64, 128), DTYPES[dt], nan=True, inf=True)),
+  ):
     got = run(cpu(x))
     want = oracle(x, element)
     for usage in USAGES:
@@ -92,8 +95,11 @@ def test_rejects_bad_input():
 
 # Every NVFP4 cast the values kernel takes: 1-D blocks and 16x16 tiles, RHT on the
 # columnwise usage, stochastic rounding (per_token is refused).
-NVFP4_CASES = {name: q for name, q in {**QUANTIZERS, **SR_QUANTIZERS}.items()
-               if isinstance(q, NVFP4Quantizer) and not q.per_token}
+NVFP4_CASES = {
+  name: q
+  for name, q in {**QUANTIZERS, **SR_QUANTIZERS}.items()
+  if isinstance(q, NVFP4Quantizer) and not q.per_token
+}
 SR_KEY = jax.random.key(17)
 
 
@@ -122,15 +128,19 @@ def nvfp4_oracle(x, quantizer: NVFP4Quantizer) -> dict:
 def test_nvfp4_reference_lowering_matches_oracle(name, dt):
   quantizer = NVFP4_CASES[name]
   run = jax.jit(lambda x: nvfp4_values(x, quantizer, USAGES, key=SR_KEY))
-  for case, x in (("random", random_input(3, (96, 160), DTYPES[dt])),
-                  ("edges", edge_input((64, 128), DTYPES[dt], nan=True, inf=True))):
+  for case, x in (
+    ("random", random_input(3, (96, 160), DTYPES[dt])),
+    ("edges", edge_input((64, 128), DTYPES[dt], nan=True, inf=True)),
+  ):
     got = run(cpu(x))
     want = nvfp4_oracle(x, quantizer)
     for usage in USAGES:
       values, amax_bits = want[usage]
       assert isinstance(got[usage], ScaledValues)
       assert_same_bits(got[usage].values, values, f"{case} {name} {dt} {usage} values")
-      assert_same_bits(got[usage].amax.view(jnp.uint32), amax_bits, f"{case} {name} {dt} {usage} amax")
+      assert_same_bits(
+        got[usage].amax.view(jnp.uint32), amax_bits, f"{case} {name} {dt} {usage} amax"
+      )
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4_16x16"])
@@ -171,6 +181,7 @@ def test_nvfp4_rejects_bad_input():
 
 # ---- The kernels (Hopper only) ----
 
+
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("element", ["e4m3", "e5m2"])
@@ -179,13 +190,18 @@ def test_kernel_is_the_dequantized_cast(element, dt):
   """Bit for bit the dequantize kernel's bf16 values of the cast kernel's codes, and the
   reference lowering's, on random and edge inputs (one usage alone too)."""
   quantizer = MXFP8Quantizer(element)
-  cast_then_dequantize = jax.jit(lambda x: {
+  cast_then_dequantize = jax.jit(
+    lambda x: {
       u: kernels.dequantize_data(d, jnp.bfloat16, block_scales_only=True)
-      for u, d in kernels.quantize_usages(x, quantizer, USAGES).items()})
+      for u, d in kernels.quantize_usages(x, quantizer, USAGES).items()
+    }
+  )
   values = jax.jit(lambda x: mxfp8_values(x, quantizer, USAGES))
   assert "jaxquant_mxfp8_values" in values.lower(jnp.ones((64, 64), DTYPES[dt])).as_text()
-  for name, x in (("random", random_input(11, (1024, 768), DTYPES[dt])),
-                  ("edges", edge_input((256, 512), DTYPES[dt], nan=True, inf=True))):
+  for name, x in (
+    ("random", random_input(11, (1024, 768), DTYPES[dt])),
+    ("edges", edge_input((256, 512), DTYPES[dt], nan=True, inf=True)),
+  ):
     got = values(x)
     assert_same_bits(got, cast_then_dequantize(x), f"{name} vs cast + dequantize")
     want = jax.jit(lambda x: mxfp8_values(x, quantizer, USAGES))(cpu(x))
@@ -206,14 +222,19 @@ def test_nvfp4_kernel_is_the_dequantized_cast(name, dt):
   and the reference lowering's where the rounding is not stochastic (the kernels' random
   stream is not the reference's)."""
   quantizer = NVFP4_CASES[name]
-  cast_then_dequantize = jax.jit(lambda x: {
+  cast_then_dequantize = jax.jit(
+    lambda x: {
       u: ScaledValues(kernels.dequantize_data(d, jnp.bfloat16, block_scales_only=True), d.amax)
-      for u, d in kernels.quantize_usages(x, quantizer, USAGES, key=SR_KEY).items()})
+      for u, d in kernels.quantize_usages(x, quantizer, USAGES, key=SR_KEY).items()
+    }
+  )
   values = jax.jit(lambda x: nvfp4_values(x, quantizer, USAGES, key=SR_KEY))
   text = values.lower(jnp.ones((64, 64), DTYPES[dt])).as_text()
   assert "jaxquant_nvfp4_values" in text and "jaxquant_nvfp4_cast" not in text
-  for case, x in (("random", random_input(11, (1024, 768), DTYPES[dt])),
-                  ("edges", edge_input((256, 512), DTYPES[dt], nan=True, inf=True))):
+  for case, x in (
+    ("random", random_input(11, (1024, 768), DTYPES[dt])),
+    ("edges", edge_input((256, 512), DTYPES[dt], nan=True, inf=True)),
+  ):
     got = values(x)
     assert_same_bits(got, cast_then_dequantize(x), f"{case} vs cast + dequantize")
     if not quantizer.stochastic_rounding:

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, relative_error
 
 from jaxquant import kernels
 from jaxquant.kernels import grouped as gg
-from kernel_cases import BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, relative_error
 
 E4M3, E5M2, BF16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 PAIRS = [(BF16, BF16), (E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
@@ -27,13 +27,16 @@ def operands(seed, m, n, k, g, a_dtype, b_dtype):
 
 def oracle(a, b, sizes, alpha):
   """Row by row in float64: each group's rows times its matrix, zero rows after."""
-  a64, b64 = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+  a64, b64 = (
+    np.asarray(a.astype(jnp.float32), np.float64),
+    np.asarray(b.astype(jnp.float32), np.float64),
+  )
   m = a64.shape[0]
   out = np.zeros((m, b64.shape[1]))
   start = 0
   for g, size in enumerate(np.asarray(sizes)):
     rows = int(min(max(size, 0), m - start))
-    out[start:start + rows] = a64[start:start + rows] @ b64[g].T * float(alpha[g])
+    out[start : start + rows] = a64[start : start + rows] @ b64[g].T * float(alpha[g])
     start += rows
   return out
 
@@ -41,10 +44,10 @@ def oracle(a, b, sizes, alpha):
 # (M, N, K, sizes): groups that do not fill a tile, empty groups, rows of no group,
 # sizes that overrun M (clipped) and a negative size (treated as empty).
 SHAPES = [
-    (64, 16, 32, [10, 0, 40]),
-    (300, 48, 64, [1, 130, 0, 97]),
-    (256, 32, 128, [200, 100]),
-    (128, 16, 16, [-5, 64, 64]),
+  (64, 16, 32, [10, 0, 40]),
+  (300, 48, 64, [1, 130, 0, 97]),
+  (256, 32, 128, [200, 100]),
+  (128, 16, 16, [-5, 64, 64]),
 ]
 
 
@@ -53,23 +56,27 @@ SHAPES = [
 def test_reference_lowering_matches_oracle(pair, m, n, k, sizes):
   # On the CPU also where a GPU is present: this is the reference lowering's test.
   a, b, alpha, sizes = jax.device_put(
-      (*operands(m + k, m, n, k, len(sizes), *pair), jnp.asarray(sizes, jnp.int32)),
-      jax.devices("cpu")[0])
+    (*operands(m + k, m, n, k, len(sizes), *pair), jnp.asarray(sizes, jnp.int32)),
+    jax.devices("cpu")[0],
+  )
   got = jax.jit(gg.grouped_gemm, static_argnums=4)(a, b, sizes, alpha, jnp.float32)
   want = oracle(a, b, sizes, alpha)
   # fp32 accumulation of exact products: only the summation order differs from float64.
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-  assert not np.asarray(got)[int(np.clip(sizes, 0, None).sum()):].any()
+  assert not np.asarray(got)[int(np.clip(sizes, 0, None).sum()) :].any()
 
 
-@pytest.mark.parametrize("args,match", [
+@pytest.mark.parametrize(
+  "args,match",
+  [
     (((8, 16), BF16, (2, 16, 16), E4M3), "bfloat16 x bfloat16 or an FP8 pair"),
     (((8, 16), E5M2, (2, 16, 16), E5M2), "other than E5M2 x E5M2"),
     (((8, 12), BF16, (2, 16, 12), BF16), "K = 12 must be a multiple of 8"),
     (((8, 24), E4M3, (2, 16, 24), E4M3), "K = 24 must be a multiple of 16"),
     (((8, 16), BF16, (2, 16, 8), BF16), "contraction dims differ"),
     (((8, 16), jnp.float32, (2, 16, 16), jnp.float32), "float32 x float32"),
-])
+  ],
+)
 def test_rejects_bad_input(args, match):
   (ashape, adt, bshape, bdt) = args
   a, b = jnp.zeros(ashape, adt), jnp.zeros(bshape, bdt)
@@ -93,8 +100,12 @@ def test_rejects_bad_sizes_and_output():
 # N = 1408 (the G=64 MoE width): 5.5 of the bf16 kernel's 256-wide tiles, a partial last
 # tile in N. 300 groups of 15 rows: the setup kernel's scan runs two chunks of 256 groups,
 # and group 273 is clipped at m = 4096 in the second (later groups empty).
-GPU_SHAPES = SHAPES + [(4096, 512, 1024, [1000, 0, 17, 2048, 1000]), (8192, 256, 256, [8192]),
-                       (2048, 1408, 256, [700, 0, 900, 300]), (4096, 128, 128, [15] * 300)]
+GPU_SHAPES = SHAPES + [
+  (4096, 512, 1024, [1000, 0, 17, 2048, 1000]),
+  (8192, 256, 256, [8192]),
+  (2048, 1408, 256, [700, 0, 900, 300]),
+  (4096, 128, 128, [15] * 300),
+]
 
 
 TOLERANCE = {"bf16": BF16_MMA_TOLERANCE, "fp8": FP8_MMA_TOLERANCE}
@@ -120,7 +131,7 @@ def test_kernel_matches_reference(pair, m, n, k, sizes):
   if n % 8 == 0:
     got_bf16 = np.asarray(run(a, b, sizes, alpha, BF16).astype(jnp.float32))
     # bf16 output: the fp32 result rounded once (at most 2^-9 relative more).
-    assert relative_error(got_bf16, want) <= tolerance(pair) + 2.0 ** -9
+    assert relative_error(got_bf16, want) <= tolerance(pair) + 2.0**-9
 
 
 @pytest.mark.gpu
@@ -132,9 +143,15 @@ def test_fp8_kernel_as_accurate_as_cublaslt(pair):
   a, b, alpha = operands(11, m, n, k, 1, *pair)
   want = oracle(a, b, jnp.asarray([m], jnp.int32), jnp.ones((1,)))
   ours = gg.grouped_gemm(a, b, jnp.asarray([m], jnp.int32), jnp.ones((1,), jnp.float32))
-  cublaslt = jax.jit(lambda a, b: jax.lax.dot_general(
-      a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))(a, b[0])
-  e_ours, e_cublaslt = relative_error(np.asarray(ours), want), relative_error(np.asarray(cublaslt), want)
+  cublaslt = jax.jit(
+    lambda a, b: jax.lax.dot_general(
+      a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+  )(a, b[0])
+  e_ours, e_cublaslt = (
+    relative_error(np.asarray(ours), want),
+    relative_error(np.asarray(cublaslt), want),
+  )
   print(f"relative error: jaxquant grouped {e_ours:.3g}, cuBLASLt {e_cublaslt:.3g}")
   assert e_ours <= max(2 * e_cublaslt, 1e-5)
 
@@ -161,13 +178,19 @@ def test_kernel_is_repeatable_and_sizes_change_without_recompiling():
 def test_sharded_operands_give_the_unsharded_result(eight_devices):
   """Under a sharded jit the primitive keeps its operands whole (they are gathered), so
   rows sharded over devices give the same numbers as one device."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   mesh = Mesh(np.array(eight_devices).reshape(2, 4), ("data", "model"))
   a, b, alpha = operands(5, 256, 32, 64, 4, BF16, BF16)
   sizes = jnp.asarray([100, 0, 60, 96], jnp.int32)
   run = jax.jit(gg.grouped_gemm, static_argnums=4)
   want = run(a, b, sizes, alpha, jnp.float32)
-  got = run(jax.device_put(a, NamedSharding(mesh, P("data", None))),
-            jax.device_put(b, NamedSharding(mesh, P("model", None, None))), sizes, alpha,
-            jnp.float32)
+  got = run(
+    jax.device_put(a, NamedSharding(mesh, P("data", None))),
+    jax.device_put(b, NamedSharding(mesh, P("model", None, None))),
+    sizes,
+    alpha,
+    jnp.float32,
+  )
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -8,17 +8,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_cases import (
+  DELAYED,
+  QUANTIZERS,
+  SR_QUANTIZERS,
+  assert_same_bits,
+  edge_input,
+  random_input,
+)
 
 from jaxquant import kernels, reference, scaling
 from jaxquant.ops import delayed_state
-from jaxquant.quantizers import DelayedFloat8Quantizer
 from jaxquant.ops import quantize as ops
-from kernel_cases import (DELAYED, QUANTIZERS, SR_QUANTIZERS, assert_same_bits, edge_input,
-                          random_input)
+from jaxquant.quantizers import DelayedFloat8Quantizer
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
+  pytest.mark.gpu,
+  pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
 ]
 
 DTYPES = [jnp.bfloat16, jnp.float32]
@@ -27,9 +33,16 @@ DTYPES = [jnp.bfloat16, jnp.float32]
 # with 7 tiles past K, and rowwise scale rows of 33 bytes (tile.cuh's strips). 11264 x 1056
 # gives the NVFP4 cast (two CTAs an SM) strips of 4 bf16 tiles or 8 fp32 tiles, the last of
 # each band with one tile inside K, and rowwise scale rows of 66 bytes.
-CASES = [((128, 256), jnp.bfloat16), ((256, 1056), jnp.bfloat16), ((4096, 1024), jnp.bfloat16),
-         ((1024, 768), jnp.float32), ((128, 512), jnp.float16), ((16384, 1056), jnp.bfloat16),
-         ((11264, 1056), jnp.bfloat16), ((11264, 1056), jnp.float32)]
+CASES = [
+  ((128, 256), jnp.bfloat16),
+  ((256, 1056), jnp.bfloat16),
+  ((4096, 1024), jnp.bfloat16),
+  ((1024, 768), jnp.float32),
+  ((128, 512), jnp.float16),
+  ((16384, 1056), jnp.bfloat16),
+  ((11264, 1056), jnp.bfloat16),
+  ((11264, 1056), jnp.float32),
+]
 
 
 @functools.partial(jax.jit, static_argnames=("quantizer", "implementation"))
@@ -52,12 +65,17 @@ def reference_on_cpu(fn, *args):
 
 def both(x, quantizer, key=None):
   key = jax.random.key(0) if key is None else key
-  return (quantize_jit(x, key, quantizer=quantizer, implementation="kernel"),
-          reference_on_cpu(functools.partial(quantize_jit, quantizer=quantizer,
-                                             implementation="reference"), x, key))
+  return (
+    quantize_jit(x, key, quantizer=quantizer, implementation="kernel"),
+    reference_on_cpu(
+      functools.partial(quantize_jit, quantizer=quantizer, implementation="reference"), x, key
+    ),
+  )
 
 
-@pytest.mark.parametrize("shape,dtype", CASES, ids=lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name)
+@pytest.mark.parametrize(
+  "shape,dtype", CASES, ids=lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name
+)
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_random_inputs_bit_exact(name, shape, dtype):
   for seed in range(2):
@@ -67,24 +85,32 @@ def test_random_inputs_bit_exact(name, shape, dtype):
 
 # Block FP8 takes any M and K that are multiples of 16 (CASES are whole 128-row tiles):
 # rows past M in the last tile band, 1x128 blocks and 128x128 tiles cut at K and at M.
-BLOCK_PARTIAL_CASES = [((208, 400), jnp.bfloat16), ((144, 272), jnp.float32),
-                       ((48, 1040), jnp.float16)]
+BLOCK_PARTIAL_CASES = [
+  ((208, 400), jnp.bfloat16),
+  ((144, 272), jnp.float32),
+  ((48, 1040), jnp.float16),
+]
 
 
 @pytest.mark.parametrize("usages", [("rowwise", "columnwise"), ("rowwise",)], ids="+".join)
-@pytest.mark.parametrize("shape,dtype", BLOCK_PARTIAL_CASES,
-                         ids=lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name)
+@pytest.mark.parametrize(
+  "shape,dtype",
+  BLOCK_PARTIAL_CASES,
+  ids=lambda c: str(c) if isinstance(c, tuple) else jnp.dtype(c).name,
+)
 @pytest.mark.parametrize("name", ["block_1x128", "block_128x128", "block_1x128_e5m2_nopow2"])
 def test_block_fp8_partial_tiles_bit_exact(name, shape, dtype, usages):
-  f = jax.jit(lambda x, impl: ops.quantize(x, QUANTIZERS[name], usages, implementation=impl),
-              static_argnums=1)
+  f = jax.jit(
+    lambda x, impl: ops.quantize(x, QUANTIZERS[name], usages, implementation=impl), static_argnums=1
+  )
   x = random_input(7 + shape[0], shape, dtype)
   want = reference_on_cpu(lambda x: f(x, "reference"), x)
   assert_same_bits(f(x, "kernel"), want, f"{name} {shape} {usages}")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
-                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize(
+  "dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name
+)
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_edge_cases_bit_exact(name, dtype):
   nvfp4 = "nvfp4" in name
@@ -108,18 +134,24 @@ def test_leading_dims_flattened():
   assert_same_bits(got, want, "mxfp8 3-D input")
 
 
-@pytest.mark.parametrize("usages", [("rowwise", "columnwise"), ("rowwise",), ("columnwise",)],
-                         ids="+".join)
+@pytest.mark.parametrize(
+  "usages", [("rowwise", "columnwise"), ("rowwise",), ("columnwise",)], ids="+".join
+)
 def test_delayed_scaling_bit_exact(usages):
   """The codes, and the amax the cast observes as it reads (recorded in the state's
   history): every kernel path (the tile cast with and without its rowwise pass, the
   streaming rowwise cast), on fresh random inputs and on inputs with inf and NaN."""
   state = scaling.DelayedScalingState(jnp.zeros((16,), jnp.float32), jnp.float32(3.0))
-  f = jax.jit(lambda x, s, impl: ops.quantize(x, DELAYED, usages, state=s, implementation=impl),
-              static_argnums=2)
-  inputs = [random_input(5, (512, 1024), jnp.bfloat16), random_input(15, (272, 1040), jnp.float32),
-            edge_input((256, 512), jnp.bfloat16, nan=False, inf=True),
-            edge_input((256, 512), jnp.float16, nan=True, inf=False)]
+  f = jax.jit(
+    lambda x, s, impl: ops.quantize(x, DELAYED, usages, state=s, implementation=impl),
+    static_argnums=2,
+  )
+  inputs = [
+    random_input(5, (512, 1024), jnp.bfloat16),
+    random_input(15, (272, 1040), jnp.float32),
+    edge_input((256, 512), jnp.bfloat16, nan=False, inf=True),
+    edge_input((256, 512), jnp.float16, nan=True, inf=False),
+  ]
   for i, x in enumerate(inputs):
     want = reference_on_cpu(lambda x, s: f(x, s, "reference"), x, state)
     got = f(x, state, "kernel")
@@ -132,12 +164,17 @@ def test_delayed_scaling_bit_exact(usages):
 def test_one_usage_bit_exact(name, usage):
   """One usage alone takes other kernel paths (the FP8 per-tensor rowwise cast streams
   16-byte vectors without staging a tile)."""
-  f = jax.jit(lambda x, key, impl: ops.quantize(x, QUANTIZERS[name], (usage,), key=key,
-                                                implementation=impl), static_argnums=2)
-  inputs = [random_input(7, (256, 1056), jnp.bfloat16), random_input(8, (1024, 768), jnp.float32),
-            random_input(9, (128, 512), jnp.float16),
-            edge_input((256, 512), jnp.bfloat16, nan=False, inf=True),
-            edge_input((256, 512), jnp.bfloat16, nan=True, inf=False)]
+  f = jax.jit(
+    lambda x, key, impl: ops.quantize(x, QUANTIZERS[name], (usage,), key=key, implementation=impl),
+    static_argnums=2,
+  )
+  inputs = [
+    random_input(7, (256, 1056), jnp.bfloat16),
+    random_input(8, (1024, 768), jnp.float32),
+    random_input(9, (128, 512), jnp.float16),
+    edge_input((256, 512), jnp.bfloat16, nan=False, inf=True),
+    edge_input((256, 512), jnp.bfloat16, nan=True, inf=False),
+  ]
   key = jax.random.key(0)
   for i, x in enumerate(inputs):
     want = reference_on_cpu(lambda x, key: f(x, key, "reference"), x, key)
@@ -182,15 +219,19 @@ def rht_block_input(dtype, seed: int, *, inf: bool = False) -> jax.Array:
     return sign * mantissa * np.exp2(e.astype(np.float64))
 
   e_small = -14 if not bf16 else -40
-  blocks = [values(e_small, e_small + spread), values(e_small, e_small + spread + 1),
-            values(-3, -3 + spread), values(top - spread, top)]
+  blocks = [
+    values(e_small, e_small + spread),
+    values(e_small, e_small + spread + 1),
+    values(-3, -3 + spread),
+    values(top - spread, top),
+  ]
   if bf16:
     # The top block above (largest exponent 122) sums below fp32's overflow; these may reach it.
     blocks += [values(123 - spread, 123), values(127 - spread, 127)]
-    sub = rng.integers(-127, 128, (16, cols)) * 2.0 ** -133  # bf16 subnormals ...
-    sub[::2] = values(-126, -126 + spread - 1)[::2]         # ... with normals
+    sub = rng.integers(-127, 128, (16, cols)) * 2.0**-133  # bf16 subnormals ...
+    sub[::2] = values(-126, -126 + spread - 1)[::2]  # ... with normals
   else:
-    sub = rng.integers(-1023, 1024, (16, cols)) * 2.0 ** -24  # fp16 subnormals ...
+    sub = rng.integers(-1023, 1024, (16, cols)) * 2.0**-24  # fp16 subnormals ...
     sub[::2] = values(-14, -14 + spread - 6)[::2]
   blocks.append(sub)
   signs = reference.hadamard.rht_signs()  # sign(R[i, j]), [i, j]
@@ -212,7 +253,8 @@ def rht_block_input(dtype, seed: int, *, inf: bool = False) -> jax.Array:
     x[16 * 2 + 7, 9] = -np.inf
   want = jnp.asarray(x.astype(np.float32), dtype)
   assert np.array_equal(np.asarray(want, np.float32), x.astype(np.float32), equal_nan=True), (
-      "every generated value is exact in the dtype")
+    "every generated value is exact in the dtype"
+  )
   return want
 
 
@@ -225,7 +267,8 @@ def test_rht_edge_blocks_bit_exact(dtype):
       x = rht_block_input(dtype, seed, inf=inf)
       what = f"{jnp.dtype(dtype).name} seed {seed} inf {inf}"
       rotated = reference_on_cpu(
-          lambda x: reference.hadamard.apply_rht(x.astype(jnp.float32).T, x.dtype), x)
+        lambda x: reference.hadamard.apply_rht(x.astype(jnp.float32).T, x.dtype), x
+      )
       assert_same_bits(amax(x), reference.fp32.abs_max(rotated), f"RHT amax, {what}")
       if not inf:  # an infinite global amax makes every code 0
         got, want = both(x, QUANTIZERS["nvfp4_rht"])
@@ -238,6 +281,7 @@ def test_tensor_amax_fused_into_its_producer_takes_the_rounded_values():
   x's bf16 values, which the cast quantizes, not of the unrounded fp32 products (which
   XLA's excess precision could offer)."""
   from jaxquant.kernels.amax import tensor_amax
+
   a = random_input(21, (4096, 1024), jnp.float32)
   produce = lambda a: (a * jnp.float32(1.1)).astype(jnp.bfloat16)
   x = np.asarray(jax.jit(produce)(a), np.float32)
@@ -267,10 +311,29 @@ def global_amaxes() -> np.ndarray:
   zeros, the least subnormal and the largest finite (S_enc clamped to FLT_MAX, S_dec then
   subnormal), the smallest amax whose S_enc is finite, inf (S_enc 0, so 1), NaN, 2688
   (S_enc 1) and its neighbours."""
-  specials = np.float32([0.0, -0.0, 1e-45, 1.1754942e-38, 1.1754944e-38, 7.899322e-36, 7.899323e-36,
-                         1e-30, 0.5, 1.0, 6.0, 448.0, np.nextafter(np.float32(2688), 0),
-                         2688.0, np.nextafter(np.float32(2688), np.float32(np.inf)), 1e30,
-                         3.4028235e38, np.inf, np.nan])
+  specials = np.float32(
+    [
+      0.0,
+      -0.0,
+      1e-45,
+      1.1754942e-38,
+      1.1754944e-38,
+      7.899322e-36,
+      7.899323e-36,
+      1e-30,
+      0.5,
+      1.0,
+      6.0,
+      448.0,
+      np.nextafter(np.float32(2688), 0),
+      2688.0,
+      np.nextafter(np.float32(2688), np.float32(np.inf)),
+      1e30,
+      3.4028235e38,
+      np.inf,
+      np.nan,
+    ]
+  )
   randoms = np.random.default_rng(11).integers(0, 0x7F800000, 4096, dtype=np.uint32)
   return np.concatenate([specials, randoms.view(np.float32)])
 
@@ -308,11 +371,15 @@ def test_delayed_scale_bit_exact(element, margin):
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_dequantize_bit_exact(name, out_dtype):
   x = edge_input((256, 512), jnp.bfloat16, nan="nvfp4" not in name, inf=True)
-  qt = reference_on_cpu(functools.partial(quantize_jit, quantizer=QUANTIZERS[name],
-                                          implementation="reference"), x, jax.random.key(0))
+  qt = reference_on_cpu(
+    functools.partial(quantize_jit, quantizer=QUANTIZERS[name], implementation="reference"),
+    x,
+    jax.random.key(0),
+  )
   for usage in ("rowwise", "columnwise"):
-    f = jax.jit(lambda qt, impl: ops.dequantize(qt, usage, out_dtype, implementation=impl),
-                static_argnums=1)
+    f = jax.jit(
+      lambda qt, impl: ops.dequantize(qt, usage, out_dtype, implementation=impl), static_argnums=1
+    )
     kernel = f(jax.device_put(qt, jax.devices()[0]), "kernel")
     want = reference_on_cpu(lambda qt: f(qt, "reference"), qt)
     assert_same_bits(kernel, want, f"dequantize {name} {usage}")
@@ -322,8 +389,11 @@ def test_dequantize_bit_exact(name, out_dtype):
     # Block scales only: the values a GEMM multiplies (NVFP4 without S_dec).
     g = jax.jit(lambda qd: kernels.dequantize_data(qd, out_dtype, block_scales_only=True))
     want = reference_on_cpu(lambda qd: reference.split_scales(qd)[0].astype(out_dtype), stored)
-    assert_same_bits(g(jax.device_put(stored, jax.devices()[0])), want,
-                     f"dequantize {name} {usage} block scales only")
+    assert_same_bits(
+      g(jax.device_put(stored, jax.devices()[0])),
+      want,
+      f"dequantize {name} {usage} block scales only",
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SR_QUANTIZERS))
@@ -337,11 +407,14 @@ def test_stochastic_rounding(name):
   b = quantize_jit(x, k2, quantizer=q, implementation="kernel")
   assert not np.array_equal(np.asarray(a.rowwise.data), np.asarray(b.rowwise.data))
   # Scales and global amaxes do not depend on the random bits: bit-exact.
-  ref = reference_on_cpu(functools.partial(quantize_jit, quantizer=q, implementation="reference"),
-                         x, k1)
+  ref = reference_on_cpu(
+    functools.partial(quantize_jit, quantizer=q, implementation="reference"), x, k1
+  )
   for usage in ("rowwise", "columnwise"):
     got, want = a.usage(usage), ref.usage(usage)
-    assert_same_bits((got.scale_inv, got.amax), (want.scale_inv, want.amax), f"{name} {usage} scales")
+    assert_same_bits(
+      (got.scale_inv, got.amax), (want.scale_inv, want.amax), f"{name} {usage} scales"
+    )
   # Same distribution as the reference: the gap between a kernel mean and a reference
   # mean (32 keys each) is no larger than the gap between two reference means, and the
   # rowwise means converge to the input (SR is unbiased).
@@ -351,8 +424,13 @@ def test_stochastic_rounding(name):
   def mean_dequant(keys, impl):
     def one(key):
       qt = ops.quantize(x, q, key=key, implementation=impl)
-      return jnp.stack([ops.dequantize(qt, u, jnp.float32, implementation="reference").reshape(-1)
-                        for u in ("rowwise", "columnwise")])
+      return jnp.stack(
+        [
+          ops.dequantize(qt, u, jnp.float32, implementation="reference").reshape(-1)
+          for u in ("rowwise", "columnwise")
+        ]
+      )
+
     return jax.lax.map(one, keys).mean(axis=0)
 
   kernel = np.asarray(mean_dequant(keys[:32], "kernel"))

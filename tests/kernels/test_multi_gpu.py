@@ -17,18 +17,28 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from kernel_cases import (
+  BF16_MMA_TOLERANCE,
+  FP8_MMA_TOLERANCE,
+  assert_same_bits,
+  random_input,
+  relative_error,
+)
 
 import jaxquant
 from jaxquant import kernels, reference
-from jaxquant.ops import gemm as gemm_ops
 from jaxquant.kernels import gemm_values, grouped
-from jaxquant.quantizers import BlockFloat8Quantizer, Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
-from kernel_cases import (BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, assert_same_bits, random_input,
-                          relative_error)
+from jaxquant.ops import gemm as gemm_ops
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  Float8Quantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+)
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
+  pytest.mark.gpu,
+  pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
 ]
 
 BOTH = ("rowwise", "columnwise")
@@ -46,8 +56,12 @@ def _gathers(hlo: str, dtype: str, shape) -> bool:
   return bool(re.search(rf"{dtype}\[{','.join(map(str, shape))}\][^ ]* all-gather", hlo))
 
 
-QUANTIZERS = {"fp8_current": Float8Quantizer(), "mxfp8": MXFP8Quantizer(),
-              "nvfp4_per_token": NVFP4Quantizer(per_token=True), "nvfp4_rht": NVFP4Quantizer(rht=True)}
+QUANTIZERS = {
+  "fp8_current": Float8Quantizer(),
+  "mxfp8": MXFP8Quantizer(),
+  "nvfp4_per_token": NVFP4Quantizer(per_token=True),
+  "nvfp4_rht": NVFP4Quantizer(rht=True),
+}
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
@@ -80,16 +94,21 @@ def test_dequantize_takes_shards(mesh, spec):
   stored = reference.quantize(random_input(2, (1024, 2048), jnp.bfloat16), NVFP4Quantizer()).rowwise
   f = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.bfloat16, block_scales_only=True))
   want = f(stored)
-  placed = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec if a.ndim == 2 else P())),
-                        stored)
+  placed = jax.tree.map(
+    lambda a: jax.device_put(a, NamedSharding(mesh, spec if a.ndim == 2 else P())), stored
+  )
   assert_same_bits(f(placed), want, f"dequantize sharded {spec}")
-  assert not _gathers(f.lower(placed).compile().as_text(), "u8", stored.data.shape), "codes gathered"
+  assert not _gathers(f.lower(placed).compile().as_text(), "u8", stored.data.shape), (
+    "codes gathered"
+  )
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
-@pytest.mark.parametrize("spec_a,spec_b", [(P("d", None), P()), (P(), P("d", None)),
-                                           (P(None, "d"), P(None, "d"))],
-                         ids=["data_parallel", "weight_rows", "split_k"])
+@pytest.mark.parametrize(
+  "spec_a,spec_b",
+  [(P("d", None), P()), (P(), P("d", None)), (P(None, "d"), P(None, "d"))],
+  ids=["data_parallel", "weight_rows", "split_k"],
+)
 def test_dequantize_first_gemm_takes_shards(mesh, name, spec_a, spec_b):
   """The MXFP8 / NVFP4 GEMM of more than 32 rows (dequantize kernel, then XLA's bf16 GEMM,
   or for NVFP4's S_dec the scaled bf16 GEMM) with A's rows (tokens), B's rows (a
@@ -101,37 +120,50 @@ def test_dequantize_first_gemm_takes_shards(mesh, name, spec_a, spec_b):
   f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
   want = np.asarray(f(a, b), np.float64)
   place = lambda qd, spec: jax.tree.map(  # NVFP4's global amax stays whole
-      lambda t: jax.device_put(t, NamedSharding(mesh, spec if t.ndim == 2 else P())), qd)
+    lambda t: jax.device_put(t, NamedSharding(mesh, spec if t.ndim == 2 else P())), qd
+  )
   got = np.asarray(f(place(a, spec_a), place(b, spec_b)), np.float64)
   assert relative_error(got, want) <= 1e-5
 
 
 def _quantized(seed, shape, quantizer):
-  return reference.quantize(random_input(seed, shape, jnp.bfloat16), quantizer, ("rowwise",)).rowwise
+  return reference.quantize(
+    random_input(seed, shape, jnp.bfloat16), quantizer, ("rowwise",)
+  ).rowwise
 
 
 # The GEMMs whose workspace is a result buffer sized when the call is lowered: under a
 # sharded jit it is sized for each device's shard.
 WORKSPACE_GEMMS = {
-    "block_fp8": (lambda: (_quantized(7, (1024, 2048), BlockFloat8Quantizer(block="1x128")),
-                           _quantized(8, (512, 2048), BlockFloat8Quantizer(block="128x128"))),
-                  FP8_MMA_TOLERANCE),
-    "fused_dequant_m32": (lambda: (_quantized(9, (32, 2048), MXFP8Quantizer()),
-                                   _quantized(10, (1024, 2048), NVFP4Quantizer())),
-                          BF16_MMA_TOLERANCE),
+  "block_fp8": (
+    lambda: (
+      _quantized(7, (1024, 2048), BlockFloat8Quantizer(block="1x128")),
+      _quantized(8, (512, 2048), BlockFloat8Quantizer(block="128x128")),
+    ),
+    FP8_MMA_TOLERANCE,
+  ),
+  "fused_dequant_m32": (
+    lambda: (
+      _quantized(9, (32, 2048), MXFP8Quantizer()),
+      _quantized(10, (1024, 2048), NVFP4Quantizer()),
+    ),
+    BF16_MMA_TOLERANCE,
+  ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(WORKSPACE_GEMMS))
-@pytest.mark.parametrize("spec_a,spec_b", [(P("d", None), P()), (P(), P("d", None))],
-                         ids=["data_parallel", "weight_rows"])
+@pytest.mark.parametrize(
+  "spec_a,spec_b", [(P("d", None), P()), (P(), P("d", None))], ids=["data_parallel", "weight_rows"]
+)
 def test_gemm_with_workspace_takes_shards(mesh, name, spec_a, spec_b):
   make, tolerance = WORKSPACE_GEMMS[name]
   a, b = make()
   f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
   want = np.asarray(f(a, b), np.float64)
   place = lambda qd, spec: jax.tree.map(
-      lambda t: jax.device_put(t, NamedSharding(mesh, spec if t.ndim == 2 else P())), qd)
+    lambda t: jax.device_put(t, NamedSharding(mesh, spec if t.ndim == 2 else P())), qd
+  )
   got = np.asarray(f(place(a, spec_a), place(b, spec_b)), np.float64)
   assert relative_error(got, want) <= tolerance
 
@@ -154,10 +186,15 @@ def _nvfp4_rounding_to_nearest(role):
   return dataclasses.replace(q, stochastic_rounding=False)
 
 
-@pytest.mark.parametrize("recipe", [
-    jaxquant.recipes.fp8_current, jaxquant.recipes.mxfp8,
-    jaxquant.recipes.CustomRecipe(_nvfp4_rounding_to_nearest, name="nvfp4_rne")],
-    ids=lambda r: r.name)
+@pytest.mark.parametrize(
+  "recipe",
+  [
+    jaxquant.recipes.fp8_current,
+    jaxquant.recipes.mxfp8,
+    jaxquant.recipes.CustomRecipe(_nvfp4_rounding_to_nearest, name="nvfp4_rne"),
+  ],
+  ids=lambda r: r.name,
+)
 def test_dense_training_step_data_parallel(mesh, recipe):
   """Forward and backward of `dense` with the tokens sharded: per-tensor amaxes are global
   (pmax in the cast's partition), so every quantized value is one device's, and the
@@ -177,4 +214,4 @@ def test_dense_training_step_data_parallel(mesh, recipe):
   for name, got, want in (("y", y2, y1), ("dx", dx2, dx1), ("dkernel", dk2, dk1)):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     # One bf16 rounding of sums that differ only in order: within a bf16 ulp each.
-    assert relative_error(got, want) <= 2.0 ** -8, name
+    assert relative_error(got, want) <= 2.0**-8, name

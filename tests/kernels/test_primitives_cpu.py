@@ -16,17 +16,25 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from kernel_cases import DELAYED, QUANTIZERS, SR_QUANTIZERS, assert_same_bits, random_input
 
 from jaxquant import kernels, reference, scaling
 from jaxquant.kernels.config import KernelConfig, cast_config
 from jaxquant.ops import quantize as ops
 from jaxquant.quantizers import BlockFloat8Quantizer, MXFP8Quantizer, NVFP4Quantizer
-from kernel_cases import DELAYED, QUANTIZERS, SR_QUANTIZERS, assert_same_bits, random_input
 
 # One per code path; compiling the reference dominates on the CPU.
-CPU_CASES = {name: dict(QUANTIZERS, **SR_QUANTIZERS)[name] for name in (
-    "fp8_e4m3", "block_128x128", "mxfp8_e5m2", "nvfp4_per_token_rht", "nvfp4_16x16_sr",
-    "hybrid_mxfp8_nvfp4")}
+CPU_CASES = {
+  name: dict(QUANTIZERS, **SR_QUANTIZERS)[name]
+  for name in (
+    "fp8_e4m3",
+    "block_128x128",
+    "mxfp8_e5m2",
+    "nvfp4_per_token_rht",
+    "nvfp4_16x16_sr",
+    "hybrid_mxfp8_nvfp4",
+  )
+}
 
 
 @functools.partial(jax.jit, static_argnames=("quantizer", "implementation"))
@@ -42,15 +50,20 @@ def test_reference_lowering_matches_reference(name):
     pytest.skip("the CUDA kernels run here; they are compared in test_kernels_gpu.py")
   x = random_input(1, (64, 128), jnp.bfloat16)
   key = jax.random.key(4)
-  assert_same_bits(quantize_jit(x, key, quantizer=CPU_CASES[name], implementation="kernel"),
-                   quantize_jit(x, key, quantizer=CPU_CASES[name], implementation="reference"), name)
+  assert_same_bits(
+    quantize_jit(x, key, quantizer=CPU_CASES[name], implementation="kernel"),
+    quantize_jit(x, key, quantizer=CPU_CASES[name], implementation="reference"),
+    name,
+  )
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "mxfp8_e4m3"])
 def test_vmap_quantizes_each_element_separately(name):
   q = QUANTIZERS[name]
   xs = jnp.stack([random_input(s, (32, 64), jnp.float32) * (s + 1) for s in range(3)])
-  batched = jax.jit(jax.vmap(lambda x: kernels.quantize_usages(x, q, ("rowwise", "columnwise"))))(xs)
+  batched = jax.jit(jax.vmap(lambda x: kernels.quantize_usages(x, q, ("rowwise", "columnwise"))))(
+    xs
+  )
   for i in range(3):
     one = kernels.quantize_usages(xs[i], q, ("rowwise", "columnwise"))
     assert_same_bits(jax.tree.map(lambda a: a[i], batched), one, f"{name} vmap element {i}")
@@ -63,9 +76,17 @@ def _mesh(devices):
 # Not RHT here: on the CPU the reference's exact-arithmetic host callback (which RHT sums
 # of small values reach) deadlocks against the amax pmax across 8 fake devices (XLA
 # rendezvous timeout), a reference/XLA:CPU limit; the GPU kernels have no callback.
-@pytest.mark.parametrize("name,spec", [
-    ("fp8_e4m3", P("a", "b")), ("mxfp8_e4m3", P(None, "b")), ("mxfp8_e4m3", P(("a", "b"), None)),
-    ("nvfp4_per_token", P("a", "b")), ("nvfp4_16x16", P("a", "b"))], ids=str)
+@pytest.mark.parametrize(
+  "name,spec",
+  [
+    ("fp8_e4m3", P("a", "b")),
+    ("mxfp8_e4m3", P(None, "b")),
+    ("mxfp8_e4m3", P(("a", "b"), None)),
+    ("nvfp4_per_token", P("a", "b")),
+    ("nvfp4_16x16", P("a", "b")),
+  ],
+  ids=str,
+)
 def test_sharded_matches_unsharded(name, spec, eight_devices):
   q = QUANTIZERS[name]
   x = random_input(2, (512, 1024), jnp.bfloat16)
@@ -82,8 +103,9 @@ def test_sharded_matches_unsharded(name, spec, eight_devices):
   assert padded(got["rowwise"].data.sharding.spec) == padded(spec)
 
 
-@pytest.mark.parametrize("usages", [("rowwise", "columnwise"), ("rowwise",), ("columnwise",)],
-                         ids="+".join)
+@pytest.mark.parametrize(
+  "usages", [("rowwise", "columnwise"), ("rowwise",), ("columnwise",)], ids="+".join
+)
 def test_delayed_cast_observes_the_global_amax(usages, eight_devices):
   """Delayed scaling's cast also returns the amax it read (the step records it): the
   reference's abs_max of the whole matrix, one device or sharded (each shard's, pmax-ed)."""
@@ -115,29 +137,34 @@ def _abs_max_oracle(x: np.ndarray) -> np.float32:
   return np.float32(np.nan) if np.isnan(values).any() else np.float32(values.max(initial=0.0))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
-                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize(
+  "dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: jnp.dtype(d).name
+)
 def test_tensor_amax_against_an_oracle(dtype, eight_devices):
   """kernels.amax.tensor_amax (XLA's reduction of x's own bits) on random values, signed
   zeros, subnormals of the dtype, infinities, NaNs of any payload (the canonical NaN
   out), an empty matrix, and sharded over eight devices."""
   from jaxquant.kernels.amax import tensor_amax
+
   rng = np.random.default_rng(4)
   tiny = float(jnp.finfo(dtype).smallest_subnormal)
   cases = {
-      "random": random_input(5, (64, 96), dtype),
-      "zeros": jnp.asarray(np.where(rng.random((16, 32)) < 0.5, -0.0, 0.0), dtype),
-      "subnormals": jnp.asarray(rng.integers(-9, 10, (16, 32)) * tiny, dtype),
-      "inf": random_input(6, (16, 32), dtype).at[3, 4].set(-jnp.inf),
-      "empty": jnp.zeros((0, 32), dtype),
+    "random": random_input(5, (64, 96), dtype),
+    "zeros": jnp.asarray(np.where(rng.random((16, 32)) < 0.5, -0.0, 0.0), dtype),
+    "subnormals": jnp.asarray(rng.integers(-9, 10, (16, 32)) * tiny, dtype),
+    "inf": random_input(6, (16, 32), dtype).at[3, 4].set(-jnp.inf),
+    "empty": jnp.zeros((0, 32), dtype),
   }
   for name, x in cases.items():
     want = _abs_max_oracle(np.asarray(x, np.float32))
     assert_same_bits(jax.jit(tensor_amax)(x), jnp.float32(want), f"tensor_amax {name}")
   # A NaN with a payload and the sign bit set: the canonical NaN comes out.
   width = {2: np.uint16, 4: np.uint32}[jnp.dtype(dtype).itemsize]
-  nan_bits = {jnp.dtype(jnp.bfloat16): 0xFFA1, jnp.dtype(jnp.float16): 0xFE01,
-              jnp.dtype(jnp.float32): 0xFFA00001}[jnp.dtype(dtype)]
+  nan_bits = {
+    jnp.dtype(jnp.bfloat16): 0xFFA1,
+    jnp.dtype(jnp.float16): 0xFE01,
+    jnp.dtype(jnp.float32): 0xFFA00001,
+  }[jnp.dtype(dtype)]
   x = np.asarray(random_input(7, (16, 32), dtype)).view(width).copy()
   x[5, 6] = nan_bits
   got = jax.jit(tensor_amax)(jnp.asarray(x.view(jnp.dtype(dtype))))
@@ -155,18 +182,23 @@ def test_decode_scale_primitive_one_device_sharded_and_batched(eight_devices):
   Subnormal amaxes and S_decs only on one device: there the reference's exact arithmetic
   takes a host callback, which crashes XLA:CPU across eight fake devices."""
   edges = jnp.float32([0.0, -0.0, np.inf, 1e-45, 3.4028235e38, 2688.0])
-  assert_same_bits(jax.jit(kernels.decode_scale)(edges), reference.nvfp4.global_scales(edges)[1],
-                   "edge amaxes")
-  amaxes = jnp.float32(np.random.default_rng(4).lognormal(0.0, 10.0, 64)).at[:2].set(
-      jnp.float32([0.0, np.inf]))
+  assert_same_bits(
+    jax.jit(kernels.decode_scale)(edges), reference.nvfp4.global_scales(edges)[1], "edge amaxes"
+  )
+  amaxes = (
+    jnp.float32(np.random.default_rng(4).lognormal(0.0, 10.0, 64))
+    .at[:2]
+    .set(jnp.float32([0.0, np.inf]))
+  )
   want = reference.nvfp4.global_scales(amaxes)[1]
   assert_same_bits(jax.jit(kernels.decode_scale)(amaxes), want, "one device")
   sharded = jax.device_put(amaxes, NamedSharding(_mesh(eight_devices), P(("a", "b"))))
   got = jax.jit(kernels.decode_scale)(sharded)
   assert_same_bits(got, want, "sharded")
   assert got.sharding.spec == P(("a", "b"))
-  assert_same_bits(jax.vmap(kernels.decode_scale)(amaxes.reshape(4, 16)), want.reshape(4, 16),
-                   "vmap")
+  assert_same_bits(
+    jax.vmap(kernels.decode_scale)(amaxes.reshape(4, 16)), want.reshape(4, 16), "vmap"
+  )
   assert_same_bits(kernels.decode_scale(amaxes[5]), want[5], "scalar")
   with pytest.raises(ValueError, match="NVFP4 global amax"):
     kernels.decode_scale(amaxes.astype(jnp.bfloat16))
@@ -181,13 +213,21 @@ def test_nvfp4_gemm_lowers_both_decode_scales_to_one_kernel_call(monkeypatch):
   Lowered without a GPU: the library's load is stood in for."""
   from jaxquant.kernels import library
   from jaxquant.ops import gemm as gemm_ops
+
   monkeypatch.setattr(library, "load_error", lambda: None)
   operand = lambda rows, name: jax.eval_shape(
-      lambda: reference.quantize(jnp.zeros((rows, 256), jnp.bfloat16), QUANTIZERS[name]).rowwise)
-  for a, b in ((operand(128, "nvfp4"), operand(64, "nvfp4")),
-               (operand(128, "nvfp4_per_token"), operand(64, "nvfp4"))):
-    text = jax.jit(gemm_ops._dequantize_first_gemm).trace(a, b).lower(
-        lowering_platforms=("cuda",)).as_text()
+    lambda: reference.quantize(jnp.zeros((rows, 256), jnp.bfloat16), QUANTIZERS[name]).rowwise
+  )
+  for a, b in (
+    (operand(128, "nvfp4"), operand(64, "nvfp4")),
+    (operand(128, "nvfp4_per_token"), operand(64, "nvfp4")),
+  ):
+    text = (
+      jax.jit(gemm_ops._dequantize_first_gemm)
+      .trace(a, b)
+      .lower(lowering_platforms=("cuda",))
+      .as_text()
+    )
     assert text.count("@jaxquant_nvfp4_decode_scale(") == 1, text
     assert "_div_exact" not in text
 
@@ -201,8 +241,9 @@ def test_delayed_scale_primitive_one_device_sharded_and_batched(eight_devices):
   next_scale = lambda a, s: kernels.delayed_scale(a, s, fmax, divisor)
   edges = jnp.float32([0.0, -0.0, np.inf, np.nan, 1e-45, 3.4028235e38])
   old = jnp.float32([2.0, 3.0, 5.0, 7.0, 11.0, 13.0])
-  assert_same_bits(jax.jit(next_scale)(edges, old), scaling.next_scale(edges, old, fmax, divisor),
-                   "edge amaxes")
+  assert_same_bits(
+    jax.jit(next_scale)(edges, old), scaling.next_scale(edges, old, fmax, divisor), "edge amaxes"
+  )
   rng = np.random.default_rng(5)
   amaxes = jnp.float32(rng.lognormal(0.0, 10.0, 64)).at[:3].set(jnp.float32([0.0, np.inf, np.nan]))
   scales = jnp.float32(rng.lognormal(0.0, 3.0, 64))
@@ -213,8 +254,9 @@ def test_delayed_scale_primitive_one_device_sharded_and_batched(eight_devices):
   got = jax.jit(next_scale)(jax.device_put(amaxes, spec), jax.device_put(scales, spec))
   assert_same_bits(got, want, "sharded")
   assert got.sharding.spec == P(("a", "b"))
-  assert_same_bits(jax.vmap(next_scale)(amaxes.reshape(4, 16), scales.reshape(4, 16)),
-                   want.reshape(4, 16), "vmap")
+  assert_same_bits(
+    jax.vmap(next_scale)(amaxes.reshape(4, 16), scales.reshape(4, 16)), want.reshape(4, 16), "vmap"
+  )
   assert_same_bits(next_scale(amaxes[5], scales[5]), want[5], "scalar")
   with pytest.raises(ValueError, match="delayed-scaling amax"):
     next_scale(amaxes.astype(jnp.bfloat16), scales)
@@ -227,8 +269,10 @@ def test_delayed_scale_primitive_one_device_sharded_and_batched(eight_devices):
 def _two_layer_delayed_step():
   """A two-Dense fp8_delayed model's state after one forward pass, and its gradient."""
   from flax import linen as nn
+
   from jaxquant import recipes
   from jaxquant.flax import quantize_model
+
   model = quantize_model(nn.Sequential([nn.Dense(64), nn.Dense(64)]), recipes.get("fp8_delayed"))
   x = jax.random.normal(jax.random.key(1), (8, 64)) * 3.0
   variables = model.init(jax.random.key(0), x)
@@ -238,7 +282,8 @@ def _two_layer_delayed_step():
     return jnp.sum(jnp.square(y)), updated["quant_state"]
 
   (_, updated), (_, grads) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      variables["params"], variables["quant_state"])
+    variables["params"], variables["quant_state"]
+  )
   return updated, grads
 
 
@@ -248,11 +293,13 @@ def test_delayed_update_lowers_each_state_to_its_own_kernel_call(monkeypatch):
   emulation. Lowered without a GPU: the library's load is stood in for."""
   from jaxquant.flax import update_quant_state
   from jaxquant.kernels import library
+
   monkeypatch.setattr(library, "load_error", lambda: None)
   monkeypatch.setattr(kernels, "available", lambda: True)
   state, grads = jax.eval_shape(_two_layer_delayed_step)
-  text = jax.jit(update_quant_state).trace(state, grads).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = (
+    jax.jit(update_quant_state).trace(state, grads).lower(lowering_platforms=("cuda",)).as_text()
+  )
   assert text.count("@jaxquant_delayed_scale(") == 6, text
   assert "_div_exact" not in text
 
@@ -263,6 +310,7 @@ def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
   one step and for the same states stacked as nn.scan stacks a layer's (one per layer)."""
   from jaxquant.flax import update_quant_state
   from jaxquant.ops.quantize import uses_kernels
+
   state, grads = _two_layer_delayed_step()
   layers = lambda tree: jax.tree.map(lambda a: jnp.stack([a, a * 3.0, a * 0.25]), tree)
   cases = {"plain": (state, grads), "stacked": (layers(state), layers(grads))}
@@ -276,20 +324,20 @@ def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
     jaxpr = str(jax.make_jaxpr(lambda s, g: update_quant_state(s, g))(*args))
     assert jaxpr.count("jaxquant_delayed_scale") == 6, name  # grouped: one call a group, 2
     got = update()(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want[name])):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want[name]), strict=False):
       assert_same_bits(g, w, name)
   scales = [leaf for leaf in jax.tree.leaves(want["plain"]) if leaf.ndim == 1]
   assert any(not np.array_equal(s, 1.0) for s in scales)  # the update moved some scale
 
 
 DEQUANTIZE_SHARDED_CASES = [
-    # (quantizer, usage, spec, whole): whole = every shard holds whole blocks, nothing gathered
-    ("mxfp8_e4m3", "rowwise", P("a", "b"), True),
-    ("mxfp8_e4m3", "columnwise", P(None, ("a", "b")), True),
-    ("nvfp4_per_token", "rowwise", P("a", "b"), True),
-    ("nvfp4_16x16", "rowwise", P("a", "b"), True),
-    ("block_128x128", "rowwise", P(("a", "b"), None), False),  # 128-row tiles over 8 shards of 64
-    ("fp8_e4m3", "rowwise", P("b", "a"), True),
+  # (quantizer, usage, spec, whole): whole = every shard holds whole blocks, nothing gathered
+  ("mxfp8_e4m3", "rowwise", P("a", "b"), True),
+  ("mxfp8_e4m3", "columnwise", P(None, ("a", "b")), True),
+  ("nvfp4_per_token", "rowwise", P("a", "b"), True),
+  ("nvfp4_16x16", "rowwise", P("a", "b"), True),
+  ("block_128x128", "rowwise", P(("a", "b"), None), False),  # 128-row tiles over 8 shards of 64
+  ("fp8_e4m3", "rowwise", P("b", "a"), True),
 ]
 
 
@@ -302,7 +350,9 @@ def test_sharded_dequantize(name, usage, spec, whole, block_scales_only, eight_d
     pytest.skip("per-tensor FP8 has no block scales")
   q = QUANTIZERS[name]
   stored = getattr(reference.quantize(random_input(5, (512, 1024), jnp.bfloat16), q), usage)
-  f = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.bfloat16, block_scales_only=block_scales_only))
+  f = jax.jit(
+    lambda qd: kernels.dequantize_data(qd, jnp.bfloat16, block_scales_only=block_scales_only)
+  )
   want = f(stored)
   mesh = _mesh(eight_devices)
 
@@ -313,9 +363,12 @@ def test_sharded_dequantize(name, usage, spec, whole, block_scales_only, eight_d
       return jax.device_put(array, NamedSharding(mesh, P()))
 
   amax = stored.amax
-  placed = stored.__class__(place(stored.data, spec), place(stored.scale_inv, spec),
-                            None if amax is None else place(amax, P(*spec[:amax.ndim])),
-                            stored.format)
+  placed = stored.__class__(
+    place(stored.data, spec),
+    place(stored.scale_inv, spec),
+    None if amax is None else place(amax, P(*spec[: amax.ndim])),
+    stored.format,
+  )
   got = f(placed)
   assert_same_bits(got, want, f"dequantize {name} {usage} {spec}")
   # The stored codes must not be gathered (matched by their full shape: XLA:CPU widens FP8
@@ -336,11 +389,14 @@ def test_dequantize_block_scales_only_leaves_s_dec_out():
   for name in ("nvfp4", "nvfp4_per_token", "mxfp8_e5m2", "block_1x128"):
     # Jitted: eagerly, the reference NVFP4 cast compiles op by op (seconds a shape on a CPU).
     stored = jax.jit(lambda x: reference.quantize(x, QUANTIZERS[name]).rowwise)(x)
-    got = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.float32, block_scales_only=True))(stored)
+    got = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.float32, block_scales_only=True))(
+      stored
+    )
     assert_same_bits(got, reference.split_scales(stored)[0], f"{name} block scales only")
   with pytest.raises(ValueError, match="per-tensor FP8"):
-    kernels.dequantize_data(reference.quantize(x, QUANTIZERS["fp8_e4m3"]).rowwise, jnp.float32,
-                            block_scales_only=True)
+    kernels.dequantize_data(
+      reference.quantize(x, QUANTIZERS["fp8_e4m3"]).rowwise, jnp.float32, block_scales_only=True
+    )
 
 
 def test_config_matches_the_cpp_struct():
@@ -351,8 +407,9 @@ def test_config_matches_the_cpp_struct():
 
 
 def test_cast_config_options():
-  c = cast_config(NVFP4Quantizer(rht=True, stochastic_rounding=True, per_token=True),
-                  ("rowwise", "columnwise"))
+  c = cast_config(
+    NVFP4Quantizer(rht=True, stochastic_rounding=True, per_token=True), ("rowwise", "columnwise")
+  )
   assert c.rht and c.stochastic_rounding and c.format.row_scaled
   assert not c.usage_format("columnwise").row_scaled
   # Columnwise alone: no row scales (they belong to the rowwise usage).
@@ -360,6 +417,7 @@ def test_cast_config_options():
 
 
 # ---------------------------------------------------------------- errors in Python
+
 
 def test_bad_dims_rejected_with_the_rule():
   x = jnp.zeros((64, 48), jnp.bfloat16)
@@ -384,8 +442,9 @@ def test_bad_inputs_rejected():
   with pytest.raises(ValueError, match="multiple of 16"):
     kernels.amax(jnp.zeros((8, 16), jnp.float32), rht=True)
   with pytest.raises(ValueError, match="key"):
-    kernels.quantize_usages(jnp.zeros((16, 16), jnp.float32),
-                            NVFP4Quantizer(stochastic_rounding=True), ("rowwise",))
+    kernels.quantize_usages(
+      jnp.zeros((16, 16), jnp.float32), NVFP4Quantizer(stochastic_rounding=True), ("rowwise",)
+    )
   qt = jax.eval_shape(lambda x: reference.quantize(x, MXFP8Quantizer()), jnp.ones((32, 32)))
   half_rows = jax.ShapeDtypeStruct((16, 32), qt.rowwise.data.dtype)  # scales still for 32 rows
   bad = qt.rowwise.__class__(half_rows, qt.rowwise.scale_inv, None, qt.rowwise.format)
@@ -413,15 +472,19 @@ def test_cuda_lowering_adds_the_workspace_result(monkeypatch):
   the size its query gives (XLA allocates it with the call); the primitive's results are
   unchanged. Lowered here without a GPU: the library's load and query are stood in for."""
   from jaxquant.kernels import grouped, library
+
   queries = []
   monkeypatch.setattr(library, "load_error", lambda: None)
-  monkeypatch.setattr(library, "workspace_bytes",
-                      lambda target, *dims: queries.append((target, dims)) or 1000 + dims[0])
+  monkeypatch.setattr(
+    library,
+    "workspace_bytes",
+    lambda target, *dims: queries.append((target, dims)) or 1000 + dims[0],
+  )
   a, b = jnp.zeros((64, 32), jnp.bfloat16), jnp.zeros((3, 16, 32), jnp.bfloat16)
   sizes, alpha = jnp.zeros((3,), jnp.int32), jnp.ones((3,), jnp.float32)
   fn = jax.jit(lambda *args: grouped.grouped_gemm(*args, out_dtype=jnp.float32))
   text = fn.trace(a, b, sizes, alpha).lower(lowering_platforms=("cuda",)).as_text()
-  call, = [line for line in text.splitlines() if "@jaxquant_grouped_gemm" in line]
+  (call,) = [line for line in text.splitlines() if "@jaxquant_grouped_gemm" in line]
   assert call.endswith("-> (tensor<64x16xf32>, tensor<1003xui8>)"), call
   assert queries == [("jaxquant_grouped_gemm", (3,))]
   assert jax.eval_shape(fn, a, b, sizes, alpha).shape == (64, 16)

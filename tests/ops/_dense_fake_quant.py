@@ -19,8 +19,9 @@ def fake(matrix, quantizer, usage, tensor_type, key=None, state=None):
   if for_usage(quantizer, usage) is None:
     return matrix.astype(jnp.float32)
   k = jax.random.fold_in(key, ROLE_INDEX[tensor_type]) if needs_key(quantizer) else None
-  out = reference.quantize(matrix, quantizer, (usage,), key=k,
-                           state=state if needs_state(quantizer) else None)
+  out = reference.quantize(
+    matrix, quantizer, (usage,), key=k, state=state if needs_state(quantizer) else None
+  )
   qt = out[0] if needs_state(quantizer) else out
   return reference.dequantize(qt, usage, jnp.float32)
 
@@ -50,8 +51,12 @@ def dense_and_grads(x, kernel, bias, dy, quantizers, backward="quantized", key=N
   dx = _hi(dy_r, w_c)
   dkernel = _hi(x_c.T, dy_c)
   dbias = None if bias is None else jnp.sum(dy2d.astype(jnp.float32), axis=0).astype(bias.dtype)
-  return (y.astype(x.dtype).reshape(*x.shape[:-1], -1), dx.astype(x.dtype).reshape(x.shape),
-          dkernel.astype(kernel.dtype), dbias)
+  return (
+    y.astype(x.dtype).reshape(*x.shape[:-1], -1),
+    dx.astype(x.dtype).reshape(x.shape),
+    dkernel.astype(kernel.dtype),
+    dbias,
+  )
 
 
 def rel_err(a, b):

@@ -6,16 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _dense_fake_quant import dense_and_grads, rel_err
 
 import jaxquant as jq
 from jaxquant import recipes, reference, scaling
-from jaxquant.ops import gemm as gemm_ops
-from jaxquant.roles import QuantizerRole
 from jaxquant.ops import dense_vjp
-from jaxquant.quantizers import (BlockFloat8Quantizer, Float8Quantizer, HybridQuantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer, needs_state)
-
-from _dense_fake_quant import dense_and_grads, rel_err
+from jaxquant.ops import gemm as gemm_ops
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  Float8Quantizer,
+  HybridQuantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+  needs_state,
+)
+from jaxquant.roles import QuantizerRole
 
 M0, M1, K, N = 2, 32, 96, 64  # x [2, 32, 96] -> M = 64; every format's blocks fit
 TOL = 1e-5  # fp32 accumulation in a different order, relative to the norm
@@ -26,24 +31,36 @@ def _factory(table):
 
 
 HYBRIDS = {
-    "mxfp8_row_nvfp4_col": recipes.CustomRecipe(_factory({
+  "mxfp8_row_nvfp4_col": recipes.CustomRecipe(
+    _factory(
+      {
         "input": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True)),
         "weight": HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer()),
-        "grad_output": HybridQuantizer(MXFP8Quantizer("e5m2"),
-                                       NVFP4Quantizer(rht=True, stochastic_rounding=True)),
-    })),
-    "fp8_row_none_col": recipes.CustomRecipe(
-        lambda role: HybridQuantizer(Float8Quantizer(), None)),
-    "nvfp4_16x16_w_rht_wgrad": recipes.CustomRecipe(_factory({
+        "grad_output": HybridQuantizer(
+          MXFP8Quantizer("e5m2"), NVFP4Quantizer(rht=True, stochastic_rounding=True)
+        ),
+      }
+    )
+  ),
+  "fp8_row_none_col": recipes.CustomRecipe(lambda role: HybridQuantizer(Float8Quantizer(), None)),
+  "nvfp4_16x16_w_rht_wgrad": recipes.CustomRecipe(
+    _factory(
+      {
         "input": NVFP4Quantizer(rht=True),
         "weight": NVFP4Quantizer(tile_2d=True),
         "grad_output": NVFP4Quantizer(rht=True),
-    })),
-    "nvfp4_per_token": recipes.CustomRecipe(_factory({
+      }
+    )
+  ),
+  "nvfp4_per_token": recipes.CustomRecipe(
+    _factory(
+      {
         "input": NVFP4Quantizer(rht=True, per_token=True),
         "weight": NVFP4Quantizer(tile_2d=True),
         "grad_output": NVFP4Quantizer(rht=True, stochastic_rounding=True, per_token=True),
-    })),
+      }
+    )
+  ),
 }
 RECIPES = {**recipes.PRESETS, **HYBRIDS}
 STATE_SCALES = {"input": 60.0, "weight": 900.0, "grad_output": 2.0e4}
@@ -86,8 +103,9 @@ def _both(x, kernel, bias, dy, recipe, key, state):
   """(dense's y and grads, the fake-quant model's) in one program: XLA shares the
   common quantizations, which dominate compile time."""
   got = _dense_and_grads(x, kernel, bias, dy, recipe, key, state)
-  want = dense_and_grads(x, kernel, bias, dy, recipe.quantizers("linear", "layer"),
-                         recipe.backward, key, state)
+  want = dense_and_grads(
+    x, kernel, bias, dy, recipe.quantizers("linear", "layer"), recipe.backward, key, state
+  )
   return got, want
 
 
@@ -99,54 +117,64 @@ def test_matches_fake_quant(name):
   quantizers = recipe.quantizers("linear", "layer")
   state = _state(quantizers)
   got, want = _both(x, kernel, bias, dy, recipe, key, state)
-  for what, g, w in zip(("y", "dx", "dkernel", "dbias"), got, want):
+  for what, g, w in zip(("y", "dx", "dkernel", "dbias"), got, want, strict=False):
     assert g.dtype == w.dtype and g.shape == w.shape, what
     assert rel_err(g, w) < TOL, (what, rel_err(g, w))
 
 
-@pytest.mark.parametrize("backward, base", [("high_precision", "nvfp4"),
-                                             ("dequantized", "nvfp4_per_token"),
-                                             ("dequantized", "fp8_current")])
+@pytest.mark.parametrize(
+  "backward, base",
+  [("high_precision", "nvfp4"), ("dequantized", "nvfp4_per_token"), ("dequantized", "fp8_current")],
+)
 def test_backward_modes(backward, base):
   recipe = recipes.CustomRecipe(RECIPES[base].qfactory, backward=backward)
   x, kernel, bias, dy = _data()
   key = jax.random.key(1)
   got, want = _both(x, kernel, bias, dy, recipe, key, None)
-  for what, g, w in zip(("y", "dx", "dkernel", "dbias"), got, want):
+  for what, g, w in zip(("y", "dx", "dkernel", "dbias"), got, want, strict=False):
     assert rel_err(g, w) < TOL, (what, rel_err(g, w))
 
 
 def test_bf16_recipe_is_jnp_dot_bitwise():
   x, kernel, bias, dy = _data(jnp.bfloat16)
   got = _jitted(x, kernel, bias, dy, recipes.bf16, None, None)
+
   # Both sides compiled: XLA may order a bf16 dot's accumulation differently when run
   # op by op than when compiled, so an eager reference would not test dense itself.
   @jax.jit
   def plain(x, k, b, dy):
     y, vjp = jax.vjp(lambda x, k, b: jnp.dot(x, k) + b, x, k, b)
     return (y, *vjp(dy))
-  for g, w in zip(got, plain(x, kernel, bias, dy)):
+
+  for g, w in zip(got, plain(x, kernel, bias, dy), strict=False):
     assert g.dtype == w.dtype
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
 def test_gradients_in_primal_dtypes():
   x, kernel, bias, dy = _data(jnp.bfloat16)
-  y, dx, dk, db = _jitted(x, kernel.astype(jnp.float32), bias.astype(jnp.float16), dy,
-                          recipes.mxfp8, None, None)
-  assert (y.dtype, dx.dtype, dk.dtype, db.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32,
-                                                     jnp.float16)
+  y, dx, dk, db = _jitted(
+    x, kernel.astype(jnp.float32), bias.astype(jnp.float16), dy, recipes.mxfp8, None, None
+  )
+  assert (y.dtype, dx.dtype, dk.dtype, db.dtype) == (
+    jnp.bfloat16,
+    jnp.bfloat16,
+    jnp.float32,
+    jnp.float16,
+  )
 
 
 # Distinct formats per (role, usage), so a GEMM operand's format tells which one it is.
 _TAGGED = {
-    "input": HybridQuantizer(MXFP8Quantizer("e4m3"), Float8Quantizer("e4m3")),
-    "weight": HybridQuantizer(BlockFloat8Quantizer(block="128x128"), NVFP4Quantizer()),
-    "grad_output": HybridQuantizer(MXFP8Quantizer("e5m2"), Float8Quantizer("e5m2")),
+  "input": HybridQuantizer(MXFP8Quantizer("e4m3"), Float8Quantizer("e4m3")),
+  "weight": HybridQuantizer(BlockFloat8Quantizer(block="128x128"), NVFP4Quantizer()),
+  "grad_output": HybridQuantizer(MXFP8Quantizer("e5m2"), Float8Quantizer("e5m2")),
 }
-_TAG_OF = {(type(q).__name__, q.format(u).element, q.format(u).block): (t, u)
-           for t, h in _TAGGED.items() for u, q in (("rowwise", h.rowwise),
-                                                     ("columnwise", h.columnwise))}
+_TAG_OF = {
+  (type(q).__name__, q.format(u).element, q.format(u).block): (t, u)
+  for t, h in _TAGGED.items()
+  for u, q in (("rowwise", h.rowwise), ("columnwise", h.columnwise))
+}
 
 
 def test_roles_and_usages_recorded(monkeypatch):
@@ -159,8 +187,12 @@ def test_roles_and_usages_recorded(monkeypatch):
   def recording_gemm(a, b, **kw):
     tags = []
     for op in (a, b):
-      q_name = {"fp8_tensor": "Float8Quantizer", "fp8_block": "BlockFloat8Quantizer",
-                "mxfp8": "MXFP8Quantizer", "nvfp4": "NVFP4Quantizer"}[op.format.family.value]
+      q_name = {
+        "fp8_tensor": "Float8Quantizer",
+        "fp8_block": "BlockFloat8Quantizer",
+        "mxfp8": "MXFP8Quantizer",
+        "nvfp4": "NVFP4Quantizer",
+      }[op.format.family.value]
       tags.append(_TAG_OF[(q_name, op.format.element, op.format.block)])
     gemms.append(tuple(tags))
     return jq.ops.gemm.gemm(a, b, **kw)
@@ -170,11 +202,14 @@ def test_roles_and_usages_recorded(monkeypatch):
   recipe = recipes.CustomRecipe(qfactory)
   jax.eval_shape(lambda *a: _dense_and_grads(*a, recipe, None, None), x, kernel, bias, dy)
   assert sorted((r.module_type, r.tensor_type, r.name) for r in seen_roles) == [
-      ("linear", "grad_output", "layer"), ("linear", "input", "layer"), ("linear", "weight", "layer")]
+    ("linear", "grad_output", "layer"),
+    ("linear", "input", "layer"),
+    ("linear", "weight", "layer"),
+  ]
   assert gemms == [  # fprop, dgrad, wgrad: operands (role, usage) in A, B order
-      (("input", "rowwise"), ("weight", "rowwise")),
-      (("grad_output", "rowwise"), ("weight", "columnwise")),
-      (("input", "columnwise"), ("grad_output", "columnwise")),  # dw [K, N] = xᵀ · dy
+    (("input", "rowwise"), ("weight", "rowwise")),
+    (("grad_output", "rowwise"), ("weight", "columnwise")),
+    (("input", "columnwise"), ("grad_output", "columnwise")),  # dw [K, N] = xᵀ · dy
   ]
 
 
@@ -197,8 +232,10 @@ def test_per_token_beats_per_tensor_on_outlier_rows():
   # in high precision so the error is the input's alone.)
   scales = jnp.where(jnp.arange(x2d.shape[0]) % 16 == 0, 1e6, 1.0)[:, None]
   errs = {k: float(v) for k, v in _per_token_errors(x2d * scales, kernel, scales).items()}
-  print(f"NVFP4 fprop relative error, row-normalised: per-tensor {errs[False]:.4f}, "
-        f"per-token {errs[True]:.4f}")
+  print(
+    f"NVFP4 fprop relative error, row-normalised: per-tensor {errs[False]:.4f}, "
+    f"per-token {errs[True]:.4f}"
+  )
   assert errs[True] < 0.5 * errs[False]
 
 
@@ -217,12 +254,21 @@ def test_errors_name_the_problem():
   # The backward's usages are checked when a backward is traced (forward alone: see
   # test_forward_alone_takes_few_tokens).
   grad = lambda f: jax.grad(lambda x, k: jnp.sum(f(x, k).astype(jnp.float32)), argnums=(0, 1))
-  with pytest.raises(ValueError, match=r"dense 'l' input: columnwise usage.*divisible by its block 32"):
+  with pytest.raises(
+    ValueError, match=r"dense 'l' input: columnwise usage.*divisible by its block 32"
+  ):
     _trace(grad(lambda x, k: jq.dense(x, k, recipe=recipes.mxfp8, name="l")), x[:, :24], kernel)
-  with pytest.raises(ValueError, match=r"dense 'l' grad_output: rowwise usage.*divisible by its block 16"):
-    _trace(grad(lambda x, k: jq.dense(x, k, quantizers={"grad_output": NVFP4Quantizer()}, name="l")),
-           x, kernel[:, :40])
-  with pytest.raises(ValueError, match=r"dense 'l' input: rowwise usage.*divisible by its block 32"):
+  with pytest.raises(
+    ValueError, match=r"dense 'l' grad_output: rowwise usage.*divisible by its block 16"
+  ):
+    _trace(
+      grad(lambda x, k: jq.dense(x, k, quantizers={"grad_output": NVFP4Quantizer()}, name="l")),
+      x,
+      kernel[:, :40],
+    )
+  with pytest.raises(
+    ValueError, match=r"dense 'l' input: rowwise usage.*divisible by its block 32"
+  ):
     _trace(lambda x, k: jq.dense(x, k, recipe=recipes.mxfp8, name="l"), x[..., :48], kernel[:48])
   with pytest.raises(ValueError, match=r"dense 'l' grad_output: .*pass a PRNG key"):
     _trace(lambda x, k: jq.dense(x, k, recipe=recipes.nvfp4, name="l"), x, kernel)
@@ -238,7 +284,9 @@ def test_forward_alone_takes_few_tokens(recipe):
   checked (the forward equals the reference emulation of its two rowwise operands)."""
   _, kernel, _, _ = _data()
   x = jax.random.normal(jax.random.key(3), (8, kernel.shape[0]), kernel.dtype)
-  got = jax.jit(lambda x, k: jq.dense(x, k, recipe=recipe, name="l", key=jax.random.key(0)))(x, kernel)
+  got = jax.jit(lambda x, k: jq.dense(x, k, recipe=recipe, name="l", key=jax.random.key(0)))(
+    x, kernel
+  )
   qs = {t: recipe.qfactory(QuantizerRole("linear", t, "l")) for t in ("input", "weight")}
   a = reference.quantize(x, qs["input"], ("rowwise",)).rowwise
   b = reference.quantize(kernel.T, qs["weight"], ("rowwise",)).rowwise
@@ -249,11 +297,22 @@ def test_forward_alone_takes_few_tokens(recipe):
 def test_placement_errors():
   x, kernel, _, _ = _data()
   with pytest.raises(ValueError, match="per_token NVFP4 is not allowed for the weight role"):
-    _trace(lambda x, k: jq.dense(x, k, quantizers={"weight": NVFP4Quantizer(per_token=True)}),
-           x, kernel)
+    _trace(
+      lambda x, k: jq.dense(x, k, quantizers={"weight": NVFP4Quantizer(per_token=True)}), x, kernel
+    )
   with pytest.raises(ValueError, match="RHT on the input columnwise usage but not on grad_output"):
-    _trace(lambda x, k: jq.dense(x, k, quantizers={"input": NVFP4Quantizer(rht=True),
-                                                   "grad_output": MXFP8Quantizer()}), x, kernel)
+    _trace(
+      lambda x, k: jq.dense(
+        x, k, quantizers={"input": NVFP4Quantizer(rht=True), "grad_output": MXFP8Quantizer()}
+      ),
+      x,
+      kernel,
+    )
   # Fine when the backward GEMMs do not use the columnwise usages at all.
-  _trace(lambda x, k: jq.dense(x, k, quantizers={"input": NVFP4Quantizer(rht=True)},
-                               backward="high_precision"), x, kernel)
+  _trace(
+    lambda x, k: jq.dense(
+      x, k, quantizers={"input": NVFP4Quantizer(rht=True)}, backward="high_precision"
+    ),
+    x,
+    kernel,
+  )

@@ -17,8 +17,8 @@ import pytest
 import jaxquant as jq
 from jaxquant import kernels, recipes
 from jaxquant.kernels import library
-from jaxquant.ops import operands
 from jaxquant.ops import gemm as gemm_ops
+from jaxquant.ops import operands
 from jaxquant.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
 M, K, N = 128, 256, 192
@@ -35,13 +35,18 @@ def gpu_routes(monkeypatch):
 
 
 def _mxfp8(**kw):
-  return dict(input=MXFP8Quantizer(**kw), weight=MXFP8Quantizer(**kw), grad_output=MXFP8Quantizer(**kw))
+  return dict(
+    input=MXFP8Quantizer(**kw), weight=MXFP8Quantizer(**kw), grad_output=MXFP8Quantizer(**kw)
+  )
 
 
 def _nvfp4():
   """The nvfp4 recipe's roles: RHT on the wgrad operands, 16x16 weight tiles, SR on dy."""
-  return dict(input=NVFP4Quantizer(rht=True), weight=NVFP4Quantizer(tile_2d=True),
-              grad_output=NVFP4Quantizer(rht=True, stochastic_rounding=True))
+  return dict(
+    input=NVFP4Quantizer(rht=True),
+    weight=NVFP4Quantizer(tile_2d=True),
+    grad_output=NVFP4Quantizer(rht=True, stochastic_rounding=True),
+  )
 
 
 def test_every_mxfp8_or_nvfp4_usage_on_large_gemms_takes_values(gpu_routes):
@@ -56,14 +61,20 @@ def test_every_mxfp8_or_nvfp4_usage_on_large_gemms_takes_values(gpu_routes):
   high_precision_usage = dict(_mxfp8(), grad_output=HybridQuantizer(MXFP8Quantizer(), None))
   per_token = dict(_nvfp4(), input=NVFP4Quantizer(per_token=True))
   for quantizers, backward, dims, why in (
-      (high_precision_usage, "quantized", (M, K, N), "a hybrid with a high-precision usage"),
-      (per_token, "quantized", (M, K, N), "per-token NVFP4 (row scales the values kernel leaves)"),
-      (hybrid, "quantized", (M, K, 48), "an MXFP8 usage with a dim of 48 (not whole 32-blocks)"),
-      (_nvfp4(), "quantized", (M, K, 32), "NVFP4, 32 outputs: fprop takes the fused-dequantize kernel"),
-      (dict(_mxfp8(), weight=None), "quantized", (M, K, N), "a high-precision role"),
-      (_mxfp8(), "high_precision", (M, K, N), "no quantized backward"),
-      (_mxfp8(), "quantized", (32, K, N), "32 tokens: fprop takes the fused-dequantize kernel"),
-      (_mxfp8(), "quantized", (M, K, 32), "32 outputs: fprop takes the fused-dequantize kernel")):
+    (high_precision_usage, "quantized", (M, K, N), "a hybrid with a high-precision usage"),
+    (per_token, "quantized", (M, K, N), "per-token NVFP4 (row scales the values kernel leaves)"),
+    (hybrid, "quantized", (M, K, 48), "an MXFP8 usage with a dim of 48 (not whole 32-blocks)"),
+    (
+      _nvfp4(),
+      "quantized",
+      (M, K, 32),
+      "NVFP4, 32 outputs: fprop takes the fused-dequantize kernel",
+    ),
+    (dict(_mxfp8(), weight=None), "quantized", (M, K, N), "a high-precision role"),
+    (_mxfp8(), "high_precision", (M, K, N), "no quantized backward"),
+    (_mxfp8(), "quantized", (32, K, N), "32 tokens: fprop takes the fused-dequantize kernel"),
+    (_mxfp8(), "quantized", (M, K, 32), "32 outputs: fprop takes the fused-dequantize kernel"),
+  ):
     assert not operands.takes_gemm_values(quantizers, backward, *dims), why
 
 
@@ -98,8 +109,12 @@ def _operands(device=None):
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_program_casts_to_values_and_dequantizes_nothing(gpu_routes, name):
   loss = lambda x, kernel: _loss(x, kernel, RECIPES[name])
-  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*_operands()).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = (
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    .trace(*_operands())
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
   _assert_casts_to_values(text, name)
 
 
@@ -119,12 +134,13 @@ def test_values_path_gives_the_codes_path_bits(gpu_routes, monkeypatch, name):
   """Both paths on the kernels' CPU lowerings: the same bf16 GEMM inputs (NVFP4: the same
   random bits, the same S_dec), the same sums."""
   cpu = jax.devices("cpu")[0]
-  (got, got_jaxpr), (want, want_jaxpr) = (_value_and_grads(monkeypatch, v, name, cpu)
-                                          for v in (True, False))
+  (got, got_jaxpr), (want, want_jaxpr) = (
+    _value_and_grads(monkeypatch, v, name, cpu) for v in (True, False)
+  )
   for family in VALUES_CASTS[name]:
     target = f"jaxquant_{family}_values"
     assert target in got_jaxpr and target not in want_jaxpr
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
@@ -139,6 +155,6 @@ def test_values_path_on_the_gpu(monkeypatch, name):
   _assert_casts_to_values(text, name)
   (got, _), (want, want_jaxpr) = (_value_and_grads(monkeypatch, v, name) for v in (True, False))
   assert all(f"jaxquant_{family}_values" not in want_jaxpr for family in VALUES_CASTS[name])
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False):
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
     assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w)

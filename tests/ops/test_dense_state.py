@@ -10,9 +10,11 @@ from jaxquant import scaling
 from jaxquant.quantizers import DelayedFloat8Quantizer
 
 M, K, N = 32, 48, 16
-Q = {"input": DelayedFloat8Quantizer(history_len=4),
-     "weight": DelayedFloat8Quantizer(history_len=4),
-     "grad_output": DelayedFloat8Quantizer("e5m2", history_len=4)}
+Q = {
+  "input": DelayedFloat8Quantizer(history_len=4),
+  "weight": DelayedFloat8Quantizer(history_len=4),
+  "grad_output": DelayedFloat8Quantizer("e5m2", history_len=4),
+}
 
 
 def _init():
@@ -21,8 +23,11 @@ def _init():
 
 def _arrays(seed):
   ks = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(ks[0], (M, K)) * (1 + seed), jax.random.normal(ks[1], (K, N)),
-          jax.random.normal(ks[2], (M, N)) * (3 + seed))
+  return (
+    jax.random.normal(ks[0], (M, K)) * (1 + seed),
+    jax.random.normal(ks[1], (K, N)),
+    jax.random.normal(ks[2], (M, N)) * (3 + seed),
+  )
 
 
 def _amax(a):
@@ -75,7 +80,6 @@ def test_fan_out_combines_parallel_uses_by_max():
   assert float(g.amax_history[0]) == max(_amax(dy1), _amax(dy2))
 
 
-
 def test_a_delayed_scaling_step_writes_its_history_slots_without_scatters():
   """Recording amaxes (forward and backward) and the update write slot 0 of each history by
   concatenation: a scatter would be a kernel of its own on GPUs, fused with nothing."""
@@ -84,8 +88,10 @@ def test_a_delayed_scaling_step_writes_its_history_slots_without_scatters():
 
   def step(kernel, state):
     state_grad, new_state = _two_threaded_calls(kernel, state, x1, dy1, x2, dy2)
-    return {t: scaling.update(scaling.record_grad_amax(s, state_grad[t]), Q[t])
-            for t, s in new_state.items()}
+    return {
+      t: scaling.update(scaling.record_grad_amax(s, state_grad[t]), Q[t])
+      for t, s in new_state.items()
+    }
 
   hlo = jax.jit(step).lower(kernel, _init()).as_text()
   assert "scatter" not in hlo

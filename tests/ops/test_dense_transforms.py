@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant.ops.dense_vjp import RESIDUAL_NAMES
@@ -17,8 +18,11 @@ Q = {"input": MXFP8Quantizer(), "weight": Float8Quantizer(), "grad_output": Floa
 
 def _data():
   ks = jax.random.split(jax.random.key(0), 3)
-  return (jax.random.normal(ks[0], (B, S, K)), jax.random.normal(ks[1], (K, N)) / 8,
-          jax.random.normal(ks[2], (N,)))
+  return (
+    jax.random.normal(ks[0], (B, S, K)),
+    jax.random.normal(ks[1], (K, N)) / 8,
+    jax.random.normal(ks[2], (N,)),
+  )
 
 
 def _loss(x, kernel, bias):
@@ -30,7 +34,7 @@ _grad = jax.jit(jax.grad(_loss, argnums=(0, 1, 2)))
 
 
 def _assert_trees_equal(a, b):
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=False):
     np.testing.assert_array_equal(u, v)
 
 
@@ -38,20 +42,25 @@ def test_vmap_matches_a_loop():
   x, kernel, bias = _data()
   xs = jnp.stack([x, 2 * x])
   grads = jax.jit(jax.vmap(jax.grad(_loss, argnums=(0, 1, 2)), in_axes=(0, None, None)))(
-      xs, kernel, bias)
+    xs, kernel, bias
+  )
   for i in range(2):  # batched dots may accumulate in another order: fp32 tolerance
-    for g, w in zip(grads, _grad(xs[i], kernel, bias)):
+    for g, w in zip(grads, _grad(xs[i], kernel, bias), strict=False):
       np.testing.assert_allclose(g[i], w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["save_residuals", "nothing_saveable"])
 def test_checkpoint_policies(policy, capsys):
   x, kernel, bias = _data()
-  pol = (jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES.values())
-         if policy == "save_residuals" else jax.checkpoint_policies.nothing_saveable)
+  pol = (
+    jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES.values())
+    if policy == "save_residuals"
+    else jax.checkpoint_policies.nothing_saveable
+  )
   remat = jax.checkpoint(_loss, policy=pol)
-  _assert_trees_equal(jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(x, kernel, bias),
-                      _grad(x, kernel, bias))
+  _assert_trees_equal(
+    jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(x, kernel, bias), _grad(x, kernel, bias)
+  )
   jax.ad_checkpoint.print_saved_residuals(remat, x, kernel, bias)
   saved = capsys.readouterr().out
   if policy == "save_residuals":
@@ -84,5 +93,5 @@ def test_sharded_matches_unsharded(kernel_spec, eight_devices):
   got = _grad(shard(x, P("d")), shard(kernel, kernel_spec), shard(bias, bias_spec))
   want = _grad(x, kernel, bias)
   assert got[0].sharding.spec[0] == "d"
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=False):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -12,19 +12,23 @@ import pytest
 
 from jaxquant import reference
 from jaxquant.ops import gemm as gemm_lib
-from jaxquant.quantizers import (BlockFloat8Quantizer, Float8Quantizer, MXFP8Quantizer,
-                                 NVFP4Quantizer)
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  Float8Quantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+)
 
 NARROWED = {
-    "fp8_tensor": Float8Quantizer(),
-    "fp8_block_1x128_pow2": BlockFloat8Quantizer(),
-    "fp8_block_128x128_pow2": BlockFloat8Quantizer(block="128x128"),
-    "fp8_block_e5m2_pow2": BlockFloat8Quantizer("e5m2"),
-    "mxfp8_e4m3": MXFP8Quantizer(),
-    "mxfp8_e5m2": MXFP8Quantizer("e5m2"),
-    "nvfp4": NVFP4Quantizer(),
-    "nvfp4_16x16": NVFP4Quantizer(tile_2d=True),
-    "nvfp4_per_token": NVFP4Quantizer(per_token=True),
+  "fp8_tensor": Float8Quantizer(),
+  "fp8_block_1x128_pow2": BlockFloat8Quantizer(),
+  "fp8_block_128x128_pow2": BlockFloat8Quantizer(block="128x128"),
+  "fp8_block_e5m2_pow2": BlockFloat8Quantizer("e5m2"),
+  "mxfp8_e4m3": MXFP8Quantizer(),
+  "mxfp8_e5m2": MXFP8Quantizer("e5m2"),
+  "nvfp4": NVFP4Quantizer(),
+  "nvfp4_16x16": NVFP4Quantizer(tile_2d=True),
+  "nvfp4_per_token": NVFP4Quantizer(per_token=True),
 }
 
 
@@ -75,6 +79,7 @@ def test_values_operands_take_values_only():
   and the contraction dims must agree; the reference route is XLA's dot of the values with
   the S_decs after the sum."""
   from jaxquant.kernels.gemm_values import ScaledValues, nvfp4_values
+
   x = _wide_range_matrix(3)
   a = nvfp4_values(x, NVFP4Quantizer(), ("rowwise",))["rowwise"]
   codes = _quantize_rowwise(x, NVFP4Quantizer())

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant import recipes
@@ -43,7 +44,9 @@ def _recipe(name):
 def _data(dtype=jnp.float32):
   rng = np.random.default_rng(0)
   x = rng.standard_normal((M, K)).astype(np.float32)
-  x[:SIZES.sum()] *= np.repeat(np.exp2(np.arange(G) * 2.0), SIZES)[:, None]  # distinct group ranges
+  x[: SIZES.sum()] *= np.repeat(np.exp2(np.arange(G) * 2.0), SIZES)[
+    :, None
+  ]  # distinct group ranges
   w = (rng.standard_normal((G, K, N)) * 0.1).astype(np.float32)
   b = rng.standard_normal((G, N)).astype(np.float32)
   dy = rng.standard_normal((M, N)).astype(np.float32)
@@ -53,8 +56,8 @@ def _data(dtype=jnp.float32):
 def _pad_groups(a):
   starts = np.concatenate([[0], np.cumsum(SIZES)[:-1]])
   out = np.zeros((G, PAD, a.shape[1]), np.float32)
-  for g, (s, n) in enumerate(zip(starts, SIZES)):
-    out[g, :n] = a[s:s + n]
+  for g, (s, n) in enumerate(zip(starts, SIZES, strict=False)):
+    out[g, :n] = a[s : s + n]
   return jnp.asarray(out, a.dtype)
 
 
@@ -62,7 +65,7 @@ def _unpad_groups(a, rows):
   out = np.zeros((rows, a.shape[2]), np.float32)
   s = 0
   for g, n in enumerate(SIZES):
-    out[s:s + n] = a[g, :n]
+    out[s : s + n] = a[g, :n]
     s += n
   return out
 
@@ -72,8 +75,9 @@ def _run_both(recipe):
 
   @jax.jit
   def run(x, w, b, dy, xp, dyp):
-    y, vjp = jax.vjp(lambda x, w, b: jq.grouped_dense(x, w, jnp.asarray(SIZES), b, recipe=recipe),
-                     x, w, b)
+    y, vjp = jax.vjp(
+      lambda x, w, b: jq.grouped_dense(x, w, jnp.asarray(SIZES), b, recipe=recipe), x, w, b
+    )
     expert = lambda x, w, b: jq.ops.dense(x, w, b, quantizers=quantizers)
     yo, vjpo = jax.vjp(jax.vmap(expert), xp, w, b)
     return (y,) + vjp(dy), (yo,) + vjpo(dyp)
@@ -139,20 +143,27 @@ def test_bf16_dtypes_and_traced_sizes():
   f = jax.jit(lambda x, w, b, s: jq.grouped_dense(x, w, s, b))
   y = f(x, w, b, jnp.asarray(SIZES))
   assert y.dtype == jnp.bfloat16 and y.shape == (M, N)
-  ref = np.concatenate([np.asarray(x[s:s + n], np.float32) @ np.asarray(w[g], np.float32)
-                        + np.asarray(b[g], np.float32)
-                        for g, (s, n) in enumerate(zip(np.cumsum(SIZES) - SIZES, SIZES))])
-  np.testing.assert_allclose(np.asarray(y[:len(ref)], np.float32), ref, rtol=2e-2, atol=2e-2)
+  ref = np.concatenate(
+    [
+      np.asarray(x[s : s + n], np.float32) @ np.asarray(w[g], np.float32)
+      + np.asarray(b[g], np.float32)
+      for g, (s, n) in enumerate(zip(np.cumsum(SIZES) - SIZES, SIZES, strict=False))
+    ]
+  )
+  np.testing.assert_allclose(np.asarray(y[: len(ref)], np.float32), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("args, error, match", [
+@pytest.mark.parametrize(
+  "args, error, match",
+  [
     (dict(sizes=np.array([1, 2], np.int32)), ValueError, "group_sizes must have shape"),
     (dict(sizes=np.ones(G, np.float32)), TypeError, "integer"),
     (dict(sizes=np.full(G, 20, np.int32)), ValueError, "more than the 80 rows"),
     (dict(sizes=np.array([-1, 0, 0, 0, 0, 0], np.int32)), ValueError, ">= 0"),
     (dict(w=np.zeros((K, N), np.float32)), ValueError, "rank 3"),
     (dict(b=np.zeros((N,), np.float32)), ValueError, r"\[G, N\]"),
-])
+  ],
+)
 def test_bad_input_raises(args, error, match):
   x, w, b, _ = _data()
   with pytest.raises(error, match=match):
@@ -178,9 +189,15 @@ def test_delayed_state_is_per_group():
 
   (_, new_state), grads = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True))(x, state)
   starts = np.cumsum(SIZES) - SIZES
-  expect = [np.abs(np.asarray(x[s:s + n])).max() if n else 0.0 for s, n in zip(starts, SIZES)]
+  expect = [
+    np.abs(np.asarray(x[s : s + n])).max() if n else 0.0
+    for s, n in zip(starts, SIZES, strict=False)
+  ]
   np.testing.assert_array_equal(new_state["input"].amax_history[:, 0], np.float32(expect))
-  dy_amax = [np.abs(np.asarray(dy[s:s + n])).max() if n else 0.0 for s, n in zip(starts, SIZES)]
+  dy_amax = [
+    np.abs(np.asarray(dy[s : s + n])).max() if n else 0.0
+    for s, n in zip(starts, SIZES, strict=False)
+  ]
   np.testing.assert_array_equal(grads["grad_output"].amax_history[:, 0], np.float32(dy_amax))
 
 
@@ -210,7 +227,7 @@ def test_kernel_path_matches_reference(name, monkeypatch):
   want = jax.jit(grads)(x, w, dy)
   # Normwise relative error: bf16 results are one rounding apart; FP8 x FP8 runs on FP8
   # tensor cores, whose accumulation is not fp32-exact (tests/kernels/test_grouped_gemm.py).
-  tol = {"bf16": 2.0 ** -8, "fp8_current": 2.0 ** -12}.get(name, 1e-5)
-  for what, a, b in zip(("y", "dx", "dw"), got, want):
+  tol = {"bf16": 2.0**-8, "fp8_current": 2.0**-12}.get(name, 1e-5)
+  for what, a, b in zip(("y", "dx", "dw"), got, want, strict=False):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), what

@@ -67,7 +67,7 @@ def block_amax(x: np.ndarray, block) -> np.ndarray:
 
 def expand(per_block: np.ndarray, block, shape) -> np.ndarray:
   br, bc = block
-  return np.repeat(np.repeat(per_block, br, axis=0), bc, axis=1)[:shape[0], :shape[1]]
+  return np.repeat(np.repeat(per_block, br, axis=0), bc, axis=1)[: shape[0], : shape[1]]
 
 
 def fp8_codes(v: np.ndarray, element: str) -> np.ndarray:
@@ -97,6 +97,7 @@ def pack_e2m1(codes: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- per-tensor / block FP8
+
 
 def fp8_scale(a, element: str, *, eps: float, pow2: bool, input_dtype) -> np.ndarray:
   """NUMERICS.md per-tensor FP8 steps 1-3, elementwise over amaxes `a`."""
@@ -138,7 +139,7 @@ def delayed_update(hist: np.ndarray, scale, element: str, *, margin: int, algo: 
   hist = np.asarray(hist, np.float32).copy()
   a = amax(hist) if algo == "max" else hist[0]  # hist >= 0, so max |h| = max h
   with errstate():
-    new = (FMAX[element] / a) / F32(2.0 ** margin)
+    new = (FMAX[element] / a) / F32(2.0**margin)
   if a == 0 or not np.isfinite(a):
     new = F32(scale)
   hist = np.roll(hist, -1)
@@ -147,6 +148,7 @@ def delayed_update(hist: np.ndarray, scale, element: str, *, margin: int, algo: 
 
 
 # ---------------------------------------------------------------- MXFP8
+
 
 def mxfp8(x: np.ndarray, element: str) -> dict:
   b = block_amax(x, (1, 32))
@@ -166,6 +168,7 @@ def mxfp8(x: np.ndarray, element: str) -> dict:
 
 
 # ---------------------------------------------------------------- NVFP4
+
 
 def hadamard16() -> np.ndarray:
   h = np.array([[1.0]], np.float32)
@@ -226,5 +229,6 @@ def nvfp4(x: np.ndarray, block, *, row_scaled=False, random_bits=None) -> dict:
   codes = np.where(nan_rows[:, None], np.uint8(0), codes)
   nan_blocks = np.isnan(g)[:, None] if row_scaled else np.isnan(g)
   scale_codes = np.where(nan_blocks, np.uint8(0x7F), scale_codes).astype(np.uint8)
-  return dict(data=pack_e2m1(codes), scale=scale_codes, amax=f32_bits(g),
-              s_dec=s_dec, block_scale=s)
+  return dict(
+    data=pack_e2m1(codes), scale=scale_codes, amax=f32_bits(g), s_dec=s_dec, block_scale=s
+  )

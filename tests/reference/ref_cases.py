@@ -13,11 +13,17 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-
 import numpy_oracle as orc
+
 from jaxquant import reference
-from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer, for_usage)
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+  for_usage,
+)
 
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}
 USAGES = ("rowwise", "columnwise")
@@ -57,11 +63,14 @@ def assert_bits_equal(got, want, what):
   # 1-D at least: np.argwhere of a 0-d comparison is empty whatever its value.
   got, want = np.atleast_1d(got), np.atleast_1d(want)
   bad = np.argwhere(got != want)
-  assert bad.size == 0, (f"{what}: {len(bad)} of {got.size} differ; first at {tuple(bad[0])}: "
-                         f"got {got[tuple(bad[0])]:#x}, oracle {want[tuple(bad[0])]:#x}")
+  assert bad.size == 0, (
+    f"{what}: {len(bad)} of {got.size} differ; first at {tuple(bad[0])}: "
+    f"got {got[tuple(bad[0])]:#x}, oracle {want[tuple(bad[0])]:#x}"
+  )
 
 
 # ---------------------------------------------------------------- the oracle, per quantizer
+
 
 def sr_bits(key, usage, stored_shape) -> np.ndarray:
   """The reference's documented random stream (randomness only; no jaxquant code)."""
@@ -92,8 +101,12 @@ def oracle_usage(x_np, q, usage, *, key=None, scale=None) -> dict:
   if q.rht and usage == "columnwise":
     stored = orc.rht(stored, dtype)
   bits = sr_bits(key, usage, stored.shape) if q.stochastic_rounding else None
-  return orc.nvfp4(stored, (16, 16) if q.tile_2d else (1, 16),
-                   row_scaled=q.per_token and usage == "rowwise", random_bits=bits)
+  return orc.nvfp4(
+    stored,
+    (16, 16) if q.tile_2d else (1, 16),
+    row_scaled=q.per_token and usage == "rowwise",
+    random_bits=bits,
+  )
 
 
 def check_against_oracle(x_np, quantizer, usages=USAGES, *, key=None, state=None, label=""):
@@ -111,17 +124,20 @@ def check_against_oracle(x_np, quantizer, usages=USAGES, *, key=None, state=None
       assert_bits_equal(hp.view(np.uint8), want.view(np.uint8), what + " hp")
       continue
     qd = getattr(qt, usage)
-    want = oracle_usage(x_np, q, usage, key=key,
-                        scale=None if state is None else np.asarray(state.scale))
+    want = oracle_usage(
+      x_np, q, usage, key=key, scale=None if state is None else np.asarray(state.scale)
+    )
     assert_bits_equal(data_bits(qd), want["data"], what + " data")
     assert_bits_equal(scale_bits(qd), want["scale"], what + " scale")
     if "amax" in want:
-      assert_bits_equal(canon_f32_bits(qd.amax), canon_f32_bits(want["amax"].view(np.float32)),
-                        what + " amax")
+      assert_bits_equal(
+        canon_f32_bits(qd.amax), canon_f32_bits(want["amax"].view(np.float32)), what + " amax"
+      )
   return out
 
 
 # ---------------------------------------------------------------- inputs (numpy only)
+
 
 def random_input(rng, shape, dtype) -> np.ndarray:
   """Gaussian values with a per-row and per-element spread of magnitudes."""
@@ -135,7 +151,7 @@ def random_input(rng, shape, dtype) -> np.ndarray:
 def subnormals(rng, shape, dtype) -> np.ndarray:
   """Every element a subnormal (or zero) of the input dtype, random signs."""
   fi = ml_dtypes.finfo(dtype)
-  k = rng.integers(0, 2 ** fi.nmant, shape).astype(np.float64)
+  k = rng.integers(0, 2**fi.nmant, shape).astype(np.float64)
   sign = np.where(rng.random(shape) < 0.5, -1.0, 1.0)
   return (sign * k * float(fi.smallest_subnormal)).astype(dtype)
 
@@ -152,8 +168,9 @@ def tie_pool(element) -> np.ndarray:
   """Grid values, exact midpoints (RNE ties) and their fp32 neighbours."""
   g = grid(element)
   mids = (g[:-1] + g[1:]) / np.float32(2)
-  return np.concatenate([g, mids, np.nextafter(mids, np.float32(0)),
-                         np.nextafter(mids, np.float32(np.inf))]).astype(np.float32)
+  return np.concatenate(
+    [g, mids, np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(np.inf))]
+  ).astype(np.float32)
 
 
 def blocky_ties(rng, shape, dtype, element, block_cols, top, exps) -> np.ndarray:
@@ -211,10 +228,11 @@ def edge_suite(rng, shape, dtype, element, block_cols, top, exps=None, anchor=No
   cases["subnormal"] = subnormals(rng, shape, dtype)
   blocks = base.reshape(-1, shape[-1]).astype(np.float32).copy()
   rows = blocks.shape[0]
-  blocks[rows // 4:rows // 2, :block_cols] = 0.0  # all-zero blocks
-  blocks[rows // 2:3 * rows // 4, :block_cols] = -0.0
-  blocks[3 * rows // 4:, :block_cols] = subnormals(rng, (rows - 3 * rows // 4, block_cols),
-                                                   dtype).astype(np.float32)
+  blocks[rows // 4 : rows // 2, :block_cols] = 0.0  # all-zero blocks
+  blocks[rows // 2 : 3 * rows // 4, :block_cols] = -0.0
+  blocks[3 * rows // 4 :, :block_cols] = subnormals(
+    rng, (rows - 3 * rows // 4, block_cols), dtype
+  ).astype(np.float32)
   cases["zero_and_subnormal_blocks"] = blocks.reshape(shape).astype(dtype)
   cases["random"] = random_input(rng, shape, dtype)
   return cases

@@ -9,9 +9,29 @@ import numpy as np
 
 from jaxquant.reference import fp32
 
-_SPECIAL = np.array([0, 1, 2, 3, 0x00400000, 0x007FFFFF, 0x00800000, 0x00800001, 0x3F800000,
-                     0x3F800001, 0x3F7FFFFF, 0x3FFFFFFF, 0x7F7FFFFF, 0x7F800000, 0x7FC00000,
-                     0x7F800001, 0x45280000, 0x0B2AAAAB], np.uint32)  # 0x45280000: 2688
+_SPECIAL = np.array(
+  [
+    0,
+    1,
+    2,
+    3,
+    0x00400000,
+    0x007FFFFF,
+    0x00800000,
+    0x00800001,
+    0x3F800000,
+    0x3F800001,
+    0x3F7FFFFF,
+    0x3FFFFFFF,
+    0x7F7FFFFF,
+    0x7F800000,
+    0x7FC00000,
+    0x7F800001,
+    0x45280000,
+    0x0B2AAAAB,
+  ],
+  np.uint32,
+)  # 0x45280000: 2688
 
 
 def _operands(rng, n):
@@ -21,12 +41,12 @@ def _operands(rng, n):
   k = n // 8
   a[:k] = rng.choice(_SPECIAL, k) | sign(k)
   b[:k] = rng.choice(_SPECIAL, k) | sign(k)
-  a[k:2 * k] &= np.uint32(0x807FFFFF)  # subnormal dividends
-  b[2 * k:3 * k] &= np.uint32(0x807FFFFF)  # subnormal divisors
+  a[k : 2 * k] &= np.uint32(0x807FFFFF)  # subnormal dividends
+  b[2 * k : 3 * k] &= np.uint32(0x807FFFFF)  # subnormal divisors
   # Quotients near 1 and near the subnormal and overflow thresholds.
-  b[3 * k:4 * k] = a[3 * k:4 * k] + rng.integers(-2, 3, k).astype(np.uint32)
-  b[4 * k:5 * k] = (a[4 * k:5 * k] & np.uint32(0x807FFFFF)) | np.uint32(0x7E000000)
-  b[5 * k:6 * k] = (a[5 * k:6 * k] & np.uint32(0x807FFFFF)) | np.uint32(0x01000000)
+  b[3 * k : 4 * k] = a[3 * k : 4 * k] + rng.integers(-2, 3, k).astype(np.uint32)
+  b[4 * k : 5 * k] = (a[4 * k : 5 * k] & np.uint32(0x807FFFFF)) | np.uint32(0x7E000000)
+  b[5 * k : 6 * k] = (a[5 * k : 6 * k] & np.uint32(0x807FFFFF)) | np.uint32(0x01000000)
   return a.view(np.float32), b.view(np.float32)
 
 

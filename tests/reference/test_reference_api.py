@@ -5,13 +5,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import numpy_oracle as orc
+import pytest
 import ref_cases as rc
+
 from jaxquant import recipes, reference, scaling
-from jaxquant.quantizers import (BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer,
-                                 HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+from jaxquant.quantizers import (
+  BlockFloat8Quantizer,
+  DelayedFloat8Quantizer,
+  Float8Quantizer,
+  HybridQuantizer,
+  MXFP8Quantizer,
+  NVFP4Quantizer,
+)
 from jaxquant.roles import QuantizerRole
 from jaxquant.tensor import QuantizedData
 
@@ -19,12 +25,12 @@ KEY = jax.random.key(7)
 SHAPE = (64, 128)
 
 HYBRIDS = [
-    HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True, stochastic_rounding=True)),
-    HybridQuantizer(NVFP4Quantizer(per_token=True), MXFP8Quantizer("e5m2")),
-    HybridQuantizer(Float8Quantizer(), BlockFloat8Quantizer(block="128x128")),
-    HybridQuantizer(None, Float8Quantizer("e5m2")),
-    HybridQuantizer(BlockFloat8Quantizer(), None),
-    HybridQuantizer(None, None),
+  HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True, stochastic_rounding=True)),
+  HybridQuantizer(NVFP4Quantizer(per_token=True), MXFP8Quantizer("e5m2")),
+  HybridQuantizer(Float8Quantizer(), BlockFloat8Quantizer(block="128x128")),
+  HybridQuantizer(None, Float8Quantizer("e5m2")),
+  HybridQuantizer(BlockFloat8Quantizer(), None),
+  HybridQuantizer(None, None),
 ]
 
 
@@ -34,8 +40,10 @@ def test_hybrid_pairs(q):
   in high precision (stored layout, original dtype)."""
   rng = np.random.default_rng(31)
   dtype = rc.DTYPES["bf16"]
-  for x in (rc.random_input(rng, SHAPE, dtype),
-            rc.edge_suite(rng, SHAPE, dtype, "e4m3", 32, 448.0)["zero_and_subnormal_blocks"]):
+  for x in (
+    rc.random_input(rng, SHAPE, dtype),
+    rc.edge_suite(rng, SHAPE, dtype, "e4m3", 32, 448.0)["zero_and_subnormal_blocks"],
+  ):
     rc.check_against_oracle(x, q, key=KEY)
 
 
@@ -48,10 +56,14 @@ def test_hybrid_with_delayed_side():
 
 
 # One quantizer per family (plus the NVFP4 options): jit vs eager, vmap vs per example.
-ALL = [Float8Quantizer(), BlockFloat8Quantizer(block="128x128"), MXFP8Quantizer("e5m2"),
-       NVFP4Quantizer(tile_2d=True),
-       NVFP4Quantizer(rht=True, stochastic_rounding=True, per_token=True),
-       HybridQuantizer(MXFP8Quantizer(), None)]
+ALL = [
+  Float8Quantizer(),
+  BlockFloat8Quantizer(block="128x128"),
+  MXFP8Quantizer("e5m2"),
+  NVFP4Quantizer(tile_2d=True),
+  NVFP4Quantizer(rht=True, stochastic_rounding=True, per_token=True),
+  HybridQuantizer(MXFP8Quantizer(), None),
+]
 
 
 def _leaves_bits(tree):
@@ -60,15 +72,16 @@ def _leaves_bits(tree):
 
 # Eager execution dispatches op by op (slow for the unrolled RHT): one dtype per quantizer,
 # all three dtypes across the list.
-@pytest.mark.parametrize("q,dt", list(zip(ALL, ["bf16", "fp16", "fp32", "fp32", "bf16", "fp16"])),
-                         ids=str)
+@pytest.mark.parametrize(
+  "q,dt", list(zip(ALL, ["bf16", "fp16", "fp32", "fp32", "bf16", "fp16"], strict=False)), ids=str
+)
 def test_jit_matches_eager(q, dt):
   rng = np.random.default_rng(33)
   x = rc.random_input(rng, (32, 64), rc.DTYPES[dt])
   x.reshape(-1)[:40] = rc.subnormals(rng, (40,), rc.DTYPES[dt])  # exercise the exact paths
   eager = reference.quantize(jnp.asarray(x), q, key=KEY)
   jitted = rc.quantize_jit(jnp.asarray(x), q, rc.USAGES, key=KEY)
-  for a, b in zip(_leaves_bits(eager), _leaves_bits(jitted)):
+  for a, b in zip(_leaves_bits(eager), _leaves_bits(jitted), strict=False):
     np.testing.assert_array_equal(a, b)
 
 
@@ -84,11 +97,12 @@ def test_vmap_matches_per_example(q):
     # Indexed on the host: an XLA slice of FP8 data may rewrite NaN payloads (JAX 0.11's
     # CPU backend turns E5M2 0x7E into 0x7F), and the test compares stored bits.
     got = jax.tree_util.tree_map(lambda l: np.asarray(l)[i], batched)
-    for a, b in zip(_leaves_bits(got), _leaves_bits(one)):
+    for a, b in zip(_leaves_bits(got), _leaves_bits(one), strict=False):
       np.testing.assert_array_equal(a, b)
 
 
 # ---------------------------------------------------------------- round trip
+
 
 def _bound(q, qt, usage, x_stored):
   """Per-element |x_hat - x| bound from the element grid and the usage's scales.
@@ -109,7 +123,7 @@ def _bound(q, qt, usage, x_stored):
     s_dec = np.asarray(outer, np.float32)
     step = orc.expand(s, block, ax.shape) * (s_dec[:, None] if s_dec.ndim else s_dec)
     return np.maximum(ax, step) / 4 + np.maximum(0, ax - 6 * step)
-  m, d = {"e4m3": (3, 2.0 ** -9), "e5m2": (2, 2.0 ** -16)}[q.element]
+  m, d = {"e4m3": (3, 2.0**-9), "e5m2": (2, 2.0**-16)}[q.element]
   if isinstance(q, MXFP8Quantizer):
     e = rc.scale_bits(qd).astype(np.int32)
     inv = orc.expand(np.exp2(e - 127.0), (1, 32), ax.shape)
@@ -121,9 +135,17 @@ def _bound(q, qt, usage, x_stored):
   return ax * 2.0 ** -(m + 1) + d / 2 * inv
 
 
-ROUNDTRIP = [Float8Quantizer(), Float8Quantizer("e5m2", pow2_scales=True), BlockFloat8Quantizer(),
-             BlockFloat8Quantizer("e5m2", "128x128"), MXFP8Quantizer(), MXFP8Quantizer("e5m2"),
-             NVFP4Quantizer(), NVFP4Quantizer(tile_2d=True), NVFP4Quantizer(per_token=True)]
+ROUNDTRIP = [
+  Float8Quantizer(),
+  Float8Quantizer("e5m2", pow2_scales=True),
+  BlockFloat8Quantizer(),
+  BlockFloat8Quantizer("e5m2", "128x128"),
+  MXFP8Quantizer(),
+  MXFP8Quantizer("e5m2"),
+  NVFP4Quantizer(),
+  NVFP4Quantizer(tile_2d=True),
+  NVFP4Quantizer(per_token=True),
+]
 
 
 @pytest.mark.parametrize("q", ROUNDTRIP, ids=str)
@@ -134,16 +156,17 @@ def test_round_trip_error_bound(q):
   for usage in rc.USAGES:
     got = np.asarray(rc.dequantize_jit(qt, usage, jnp.float32)).reshape(-1, 256)
     stored = rc.stored_matrix(x, usage)
-    bound = _bound(q, qt, usage, stored) * (1 + 2.0 ** -20)
+    bound = _bound(q, qt, usage, stored) * (1 + 2.0**-20)
     err = np.abs(got - stored.T if usage == "columnwise" else got - stored)
     err = err.T if usage == "columnwise" else err
     assert np.all(err <= bound), (usage, np.max(err / np.maximum(bound, 1e-38)))
     if isinstance(q, NVFP4Quantizer):  # normal E4M3 block scales clip by at most 2^-4
       s = orc.fp8_decode(rc.scale_bits(getattr(qt, usage)), "e4m3")
-      assert np.mean(s >= 2.0 ** -6) > 0.9
+      assert np.mean(s >= 2.0**-6) > 0.9
 
 
 # ---------------------------------------------------------------- bad input
+
 
 def test_dims_not_divisible_by_the_block():
   with pytest.raises(ValueError, match=r"cols.*32.*48"):
@@ -152,12 +175,20 @@ def test_dims_not_divisible_by_the_block():
     reference.quantize(jnp.ones((40, 64)), NVFP4Quantizer(), "columnwise")
   with pytest.raises(ValueError, match=r"rows.*16.*40"):  # 16x16 tiles: the rows too
     reference.quantize(jnp.ones((40, 64)), NVFP4Quantizer(tile_2d=True), "rowwise")
-  jax.eval_shape(lambda x: reference.quantize(x, BlockFloat8Quantizer(block="128x128")),
-                 jnp.ones((40, 200)))  # partial edge blocks: accepted
+  jax.eval_shape(
+    lambda x: reference.quantize(x, BlockFloat8Quantizer(block="128x128")), jnp.ones((40, 200))
+  )  # partial edge blocks: accepted
 
 
-@pytest.mark.parametrize("x", [jnp.ones((4, 32), jnp.int32), jnp.ones((4, 32), jnp.float8_e4m3fn),
-                               np.ones((4, 32), np.float64)], ids=["int32", "float8", "float64"])
+@pytest.mark.parametrize(
+  "x",
+  [
+    jnp.ones((4, 32), jnp.int32),
+    jnp.ones((4, 32), jnp.float8_e4m3fn),
+    np.ones((4, 32), np.float64),
+  ],
+  ids=["int32", "float8", "float64"],
+)
 def test_unsupported_dtypes(x):
   with pytest.raises(TypeError, match=str(np.dtype(x.dtype))):
     reference.quantize(x, MXFP8Quantizer())
@@ -201,13 +232,17 @@ def test_outer_scales_of_a_pair_are_each_operands_own():
   data = jnp.zeros((8, 8), jnp.uint8)
   nvfp4 = lambda amax, fmt: QuantizedData(data, None, jnp.asarray(amax), fmt)
   operands = [nvfp4(amaxes[i], per_tensor) for i in range(len(amaxes))]
-  operands += [nvfp4(amaxes, per_token), nvfp4(amaxes[::-1].copy(), per_token),
-               QuantizedData(data, jnp.float32(0.125), None, fp8_tensor), jnp.ones((8, 8))]
+  operands += [
+    nvfp4(amaxes, per_token),
+    nvfp4(amaxes[::-1].copy(), per_token),
+    QuantizedData(data, jnp.float32(0.125), None, fp8_tensor),
+    jnp.ones((8, 8)),
+  ]
   bits = lambda a: np.asarray(a, np.float32).view(np.uint32)
   for a in operands:
     for b in operands:
       together = jax.jit(reference.outer_scales)(a, b)
-      for op, got in zip((a, b), together):
+      for op, got in zip((a, b), together, strict=False):
         want = reference.outer_scale(op) if isinstance(op, QuantizedData) else None
         if want is None:
           assert got is None

@@ -7,10 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import numpy_oracle as orc
+import pytest
 import ref_cases as rc
+
 from jaxquant import scaling
 from jaxquant.quantizers import BlockFloat8Quantizer, DelayedFloat8Quantizer, Float8Quantizer
 
@@ -18,13 +18,13 @@ SQUARE = (128, 128)  # square: the transposed edge tensors reuse the same compil
 
 # (quantizer, dtype) pairs: every option is covered without compiling the full cross product.
 CURRENT = [
-    (Float8Quantizer("e4m3"), "bf16"),
-    (Float8Quantizer("e4m3"), "fp16"),
-    (Float8Quantizer("e4m3"), "fp32"),
-    (Float8Quantizer("e5m2"), "bf16"),
-    (Float8Quantizer("e5m2"), "fp32"),
-    (Float8Quantizer("e4m3", pow2_scales=True), "fp32"),
-    (Float8Quantizer("e5m2", eps=1e-2, pow2_scales=True), "fp16"),
+  (Float8Quantizer("e4m3"), "bf16"),
+  (Float8Quantizer("e4m3"), "fp16"),
+  (Float8Quantizer("e4m3"), "fp32"),
+  (Float8Quantizer("e5m2"), "bf16"),
+  (Float8Quantizer("e5m2"), "fp32"),
+  (Float8Quantizer("e4m3", pow2_scales=True), "fp32"),
+  (Float8Quantizer("e5m2", eps=1e-2, pow2_scales=True), "fp16"),
 ]
 
 
@@ -52,7 +52,7 @@ def test_current_scaling_tiny_amax_and_eps():
   rng = np.random.default_rng(3)
   f32 = np.float32
   x = np.zeros(SQUARE, f32)
-  for amax in (f32(1e-45), f32(3e-41), f32(2.0 ** -126), f32(1e-36), f32(448.0 / 3.4e38)):
+  for amax in (f32(1e-45), f32(3e-41), f32(2.0**-126), f32(1e-36), f32(448.0 / 3.4e38)):
     x[:] = 0
     x[5, 7] = -amax
     x[9, 1:20] = amax * rng.random(19).astype(f32)
@@ -76,7 +76,7 @@ def test_current_scaling_value_for_inf_per_dtype():
   qt = rc.quantize_jit(jnp.asarray(x), Float8Quantizer("e4m3"), rc.USAGES)
   assert np.asarray(qt.rowwise.scale_inv) == np.float32(1) / np.finfo(np.float32).max
   xb = x.astype(rc.DTYPES["bf16"])
-  xb[3, 3] = np.float32(2.0 ** -133)
+  xb[3, 3] = np.float32(2.0**-133)
   qt = rc.quantize_jit(jnp.asarray(xb), Float8Quantizer("e4m3"), rc.USAGES)
   assert np.asarray(qt.rowwise.scale_inv) == np.float32(1) / orc.dtype_max(rc.DTYPES["bf16"])
 
@@ -97,8 +97,8 @@ def test_current_scaling_nan_and_inf_codes():
 # ---------------------------------------------------------------- delayed scaling
 
 DELAYED = [
-    (DelayedFloat8Quantizer("e4m3", history_len=4), "bf16"),
-    (DelayedFloat8Quantizer("e5m2", history_len=3, margin=2, amax_algo="most_recent"), "fp32"),
+  (DelayedFloat8Quantizer("e4m3", history_len=4), "bf16"),
+  (DelayedFloat8Quantizer("e5m2", history_len=3, margin=2, amax_algo="most_recent"), "fp32"),
 ]
 
 
@@ -115,13 +115,17 @@ def test_delayed_scaling_steps(q, dt):
   dtype = rc.DTYPES[dt]
   update = jax.jit(scaling.update, static_argnums=1)
   state = scaling.init_state(q)
-  assert np.all(np.asarray(state.amax_history) == 0) and state.amax_history.shape == (q.history_len,)
+  assert np.all(np.asarray(state.amax_history) == 0) and state.amax_history.shape == (
+    q.history_len,
+  )
   assert np.asarray(state.scale) == 1.0
   hist, scale = np.zeros(q.history_len, np.float32), np.float32(1)
   steps = [rc.random_input(rng, SQUARE, dtype) for _ in range(3)]
-  steps += [np.zeros(SQUARE, dtype),  # amax 0: the scale is kept
-            rc.subnormals(rng, SQUARE, dtype),  # subnormal amax
-            rc.random_input(rng, SQUARE, dtype) * np.asarray(64, dtype)]
+  steps += [
+    np.zeros(SQUARE, dtype),  # amax 0: the scale is kept
+    rc.subnormals(rng, SQUARE, dtype),  # subnormal amax
+    rc.random_input(rng, SQUARE, dtype) * np.asarray(64, dtype),
+  ]
   nan_step = steps[0].copy()
   nan_step[1, 2] = np.nan
   inf_step = steps[1].copy()
@@ -131,16 +135,24 @@ def test_delayed_scaling_steps(q, dt):
     qt, new_state = rc.check_against_oracle(x, q, state=state, label=f"step {i}")
     want_hist = hist.copy()
     want_hist[0] = orc.amax(np.array([hist[0], orc.amax(orc.to_f32(x))], np.float32))
-    rc.assert_bits_equal(rc.canon_f32_bits(new_state.amax_history), rc.canon_f32_bits(want_hist),
-                         f"step {i} recorded history")
-    rc.assert_bits_equal(rc.canon_f32_bits(new_state.scale), rc.canon_f32_bits(scale),
-                         f"step {i} scale unchanged by quantize")
+    rc.assert_bits_equal(
+      rc.canon_f32_bits(new_state.amax_history),
+      rc.canon_f32_bits(want_hist),
+      f"step {i} recorded history",
+    )
+    rc.assert_bits_equal(
+      rc.canon_f32_bits(new_state.scale),
+      rc.canon_f32_bits(scale),
+      f"step {i} scale unchanged by quantize",
+    )
     hist, scale = orc.delayed_update(want_hist, scale, q.element, margin=q.margin, algo=q.amax_algo)
     state = update(new_state, q)
-    rc.assert_bits_equal(rc.canon_f32_bits(state.amax_history), rc.canon_f32_bits(hist),
-                         f"step {i} updated history")
-    rc.assert_bits_equal(rc.canon_f32_bits(state.scale), rc.canon_f32_bits(scale),
-                         f"step {i} updated scale")
+    rc.assert_bits_equal(
+      rc.canon_f32_bits(state.amax_history), rc.canon_f32_bits(hist), f"step {i} updated history"
+    )
+    rc.assert_bits_equal(
+      rc.canon_f32_bits(state.scale), rc.canon_f32_bits(scale), f"step {i} updated scale"
+    )
 
 
 def test_delayed_update_rule_by_hand():
@@ -170,14 +182,18 @@ def test_delayed_update_of_stacked_states_is_each_states_update(q):
   hist[1, 2, 0] = np.nan
   scale = np.float32(rng.lognormal(0.0, 2.0, (2, 3)))
   new = jax.jit(scaling.update, static_argnums=1)(
-      scaling.DelayedScalingState(jnp.asarray(hist), jnp.asarray(scale)), q)
+    scaling.DelayedScalingState(jnp.asarray(hist), jnp.asarray(scale)), q
+  )
   for i in np.ndindex(2, 3):
-    want_hist, want_scale = orc.delayed_update(hist[i], scale[i], q.element, margin=q.margin,
-                                               algo=q.amax_algo)
-    rc.assert_bits_equal(rc.canon_f32_bits(new.amax_history[i]), rc.canon_f32_bits(want_hist),
-                         f"state {i} history")
-    rc.assert_bits_equal(rc.canon_f32_bits(new.scale[i]), rc.canon_f32_bits(want_scale),
-                         f"state {i} scale")
+    want_hist, want_scale = orc.delayed_update(
+      hist[i], scale[i], q.element, margin=q.margin, algo=q.amax_algo
+    )
+    rc.assert_bits_equal(
+      rc.canon_f32_bits(new.amax_history[i]), rc.canon_f32_bits(want_hist), f"state {i} history"
+    )
+    rc.assert_bits_equal(
+      rc.canon_f32_bits(new.scale[i]), rc.canon_f32_bits(want_scale), f"state {i} scale"
+    )
 
 
 def test_delayed_record_and_combine_take_the_max():
@@ -194,19 +210,20 @@ def test_delayed_record_and_combine_take_the_max():
     b = _record(st, jnp.float32(amaxes[1]))
     c = scaling.combine(a, b)
     want2 = orc.amax(np.array(amaxes[:2], np.float32))
-    rc.assert_bits_equal(rc.canon_f32_bits(c.amax_history[0]), rc.canon_f32_bits(want2),
-                         f"combine {amaxes[:2]}")
+    rc.assert_bits_equal(
+      rc.canon_f32_bits(c.amax_history[0]), rc.canon_f32_bits(want2), f"combine {amaxes[:2]}"
+    )
 
 
 # ---------------------------------------------------------------- block FP8
 
 BLOCK = [
-    (BlockFloat8Quantizer("e4m3", "1x128"), "bf16"),
-    (BlockFloat8Quantizer("e4m3", "1x128"), "fp16"),
-    (BlockFloat8Quantizer("e4m3", "1x128"), "fp32"),
-    (BlockFloat8Quantizer("e4m3", "128x128"), "bf16"),
-    (BlockFloat8Quantizer("e5m2", "128x128"), "fp32"),
-    (BlockFloat8Quantizer("e5m2", "1x128", pow2_scales=False, eps=1e-30), "fp32"),
+  (BlockFloat8Quantizer("e4m3", "1x128"), "bf16"),
+  (BlockFloat8Quantizer("e4m3", "1x128"), "fp16"),
+  (BlockFloat8Quantizer("e4m3", "1x128"), "fp32"),
+  (BlockFloat8Quantizer("e4m3", "128x128"), "bf16"),
+  (BlockFloat8Quantizer("e5m2", "128x128"), "fp32"),
+  (BlockFloat8Quantizer("e5m2", "1x128", pow2_scales=False, eps=1e-30), "fp32"),
 ]
 BLOCK_SHAPE = (256, 256)
 
@@ -232,11 +249,13 @@ def test_block_fp8_partial_edge_blocks(block, shape):
   rc.check_against_oracle(x, q)
   if x.size:  # a tiny edge block next to large full blocks gets its own (larger) scale
     x2 = x.reshape(-1, shape[-1]).copy()
-    x2[:, -1] = x2[:, -1] * np.asarray(2.0 ** -20, x2.dtype)
-    x2[-1, :] = x2[-1, :] * np.asarray(2.0 ** -20, x2.dtype)
+    x2[:, -1] = x2[:, -1] * np.asarray(2.0**-20, x2.dtype)
+    x2[-1, :] = x2[-1, :] * np.asarray(2.0**-20, x2.dtype)
     qt = rc.check_against_oracle(x2.reshape(shape), q, label="tiny edge")
-    assert qt.rowwise.scale_inv.shape == (-(-x2.shape[0] // (1 if block == "1x128" else 128)),
-                                          -(-x2.shape[1] // 128))
+    assert qt.rowwise.scale_inv.shape == (
+      -(-x2.shape[0] // (1 if block == "1x128" else 128)),
+      -(-x2.shape[1] // 128),
+    )
 
 
 def test_block_fp8_128x128_usages_share_tile_scales():

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import numpy_oracle as orc
+import pytest
 import ref_cases as rc
+
 from jaxquant.quantizers import MXFP8Quantizer
 
 SQUARE = (128, 128)
-CASES = [(MXFP8Quantizer("e4m3"), "bf16"), (MXFP8Quantizer("e4m3"), "fp16"),
-         (MXFP8Quantizer("e4m3"), "fp32"), (MXFP8Quantizer("e5m2"), "bf16"),
-         (MXFP8Quantizer("e5m2"), "fp32")]
+CASES = [
+  (MXFP8Quantizer("e4m3"), "bf16"),
+  (MXFP8Quantizer("e4m3"), "fp16"),
+  (MXFP8Quantizer("e4m3"), "fp32"),
+  (MXFP8Quantizer("e5m2"), "bf16"),
+  (MXFP8Quantizer("e5m2"), "fp32"),
+]
 
 
 @pytest.mark.parametrize("q,dt", CASES, ids=lambda v: str(v))
@@ -27,8 +31,15 @@ def test_mxfp8_edge_cases(q, dt):
     rc.check_against_oracle(np.ascontiguousarray(x.T), q, label=name + ".T")
 
 
-@pytest.mark.parametrize("shape,usages", [((32, 256), rc.USAGES), ((3, 5, 64), ("rowwise",)),
-                                          ((0, 64), rc.USAGES), ((128, 384), rc.USAGES)])
+@pytest.mark.parametrize(
+  "shape,usages",
+  [
+    ((32, 256), rc.USAGES),
+    ((3, 5, 64), ("rowwise",)),
+    ((0, 64), rc.USAGES),
+    ((128, 384), rc.USAGES),
+  ],
+)
 def test_mxfp8_shapes(shape, usages):
   rng = np.random.default_rng(12)
   rc.check_against_oracle(rc.random_input(rng, shape, rc.DTYPES["bf16"]), MXFP8Quantizer(), usages)
@@ -53,12 +64,30 @@ def test_mxfp8_scale_rounding_rule(element):
   E = 0xFD (rounded up to 0xFE), t = 0 (e = 0), inf block (0xFE), NaN block (0xFF)."""
   fmax = orc.FMAX[element]
   amaxes = []
-  for t_bits in (0x00000001, 0x00200000, 0x003FFFFF, 0x00400000, 0x00400001, 0x007FFFFF,
-                 0x00800000, 0x00800001, 0x3F800000, 0x3F800001, 0x7E800000, 0x7E800001):
+  for t_bits in (
+    0x00000001,
+    0x00200000,
+    0x003FFFFF,
+    0x00400000,
+    0x00400001,
+    0x007FFFFF,
+    0x00800000,
+    0x00800001,
+    0x3F800000,
+    0x3F800001,
+    0x7E800000,
+    0x7E800001,
+  ):
     amaxes += _amax_for_t(t_bits, fmax)
   amaxes = [a for a in amaxes if np.isfinite(a)]
-  amaxes += [np.float32(0), np.float32(np.inf), np.float32(np.nan), np.finfo(np.float32).max,
-             np.float32(2.0 ** -149), np.float32(fmax)]
+  amaxes += [
+    np.float32(0),
+    np.float32(np.inf),
+    np.float32(np.nan),
+    np.finfo(np.float32).max,
+    np.float32(2.0**-149),
+    np.float32(fmax),
+  ]
   rng = np.random.default_rng(13)
   x = np.zeros((128, 128), np.float32)
   flat_blocks = x.reshape(-1, 32)

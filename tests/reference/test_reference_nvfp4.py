@@ -7,23 +7,23 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
 import ref_cases as rc
+
 from jaxquant.quantizers import NVFP4Quantizer
 
 SQUARE = (128, 128)
 KEY = jax.random.key(1234)
 CASES = [
-    (NVFP4Quantizer(), "bf16"),
-    (NVFP4Quantizer(), "fp16"),
-    (NVFP4Quantizer(), "fp32"),
-    (NVFP4Quantizer(tile_2d=True), "bf16"),
-    (NVFP4Quantizer(tile_2d=True), "fp32"),
-    (NVFP4Quantizer(per_token=True), "fp16"),
-    (NVFP4Quantizer(per_token=True, rht=True), "bf16"),
-    (NVFP4Quantizer(rht=True), "fp32"),
-    (NVFP4Quantizer(rht=True, stochastic_rounding=True), "bf16"),
-    (NVFP4Quantizer(stochastic_rounding=True), "fp32"),
+  (NVFP4Quantizer(), "bf16"),
+  (NVFP4Quantizer(), "fp16"),
+  (NVFP4Quantizer(), "fp32"),
+  (NVFP4Quantizer(tile_2d=True), "bf16"),
+  (NVFP4Quantizer(tile_2d=True), "fp32"),
+  (NVFP4Quantizer(per_token=True), "fp16"),
+  (NVFP4Quantizer(per_token=True, rht=True), "bf16"),
+  (NVFP4Quantizer(rht=True), "fp32"),
+  (NVFP4Quantizer(rht=True, stochastic_rounding=True), "bf16"),
+  (NVFP4Quantizer(stochastic_rounding=True), "fp32"),
 ]
 
 
@@ -37,8 +37,15 @@ def test_nvfp4_edge_cases(q, dt):
     rc.check_against_oracle(np.ascontiguousarray(x.T), q, key=KEY, label=name + ".T")
 
 
-@pytest.mark.parametrize("shape,usages", [((32, 256), rc.USAGES), ((3, 5, 64), ("rowwise",)),
-                                          ((0, 64), rc.USAGES), ((128, 384), rc.USAGES)])
+@pytest.mark.parametrize(
+  "shape,usages",
+  [
+    ((32, 256), rc.USAGES),
+    ((3, 5, 64), ("rowwise",)),
+    ((0, 64), rc.USAGES),
+    ((128, 384), rc.USAGES),
+  ],
+)
 def test_nvfp4_shapes(shape, usages):
   rng = np.random.default_rng(22)
   rc.check_against_oracle(rc.random_input(rng, shape, rc.DTYPES["bf16"]), NVFP4Quantizer(), usages)
@@ -49,15 +56,18 @@ def test_nvfp4_tiny_global_amax():
   subnormal), per tensor and per token (each row its own tiny amax)."""
   rng = np.random.default_rng(23)
   base = rng.uniform(-1, 1, SQUARE).astype(np.float32)
-  for g in (2.0 ** -149, 3e-42, 1e-39, 2.0 ** -126, 2.0 ** -120, 3e-35, 2688 / 3.4e38):
+  for g in (2.0**-149, 3e-42, 1e-39, 2.0**-126, 2.0**-120, 3e-35, 2688 / 3.4e38):
     x = base * np.float32(g)
     x[7, 9] = np.float32(g)
     for q in (NVFP4Quantizer(), NVFP4Quantizer(per_token=True), NVFP4Quantizer(tile_2d=True)):
       rc.check_against_oracle(x, q, label=f"g={g}")
   rows = np.exp2(rng.uniform(-149, -100, (128, 1))).astype(np.float32)
   rc.check_against_oracle(base * rows, NVFP4Quantizer(per_token=True), label="per-row tiny")
-  rc.check_against_oracle(rc.subnormals(rng, SQUARE, rc.DTYPES["bf16"]).astype(np.float32),
-                          NVFP4Quantizer(per_token=True), label="bf16 subnormals")
+  rc.check_against_oracle(
+    rc.subnormals(rng, SQUARE, rc.DTYPES["bf16"]).astype(np.float32),
+    NVFP4Quantizer(per_token=True),
+    label="bf16 subnormals",
+  )
 
 
 def test_nvfp4_nan_inf_conventions():
@@ -86,8 +96,9 @@ def test_nvfp4_tile_2d_usages_are_transposes():
   qt = rc.quantize_jit(jnp.asarray(x), NVFP4Quantizer(tile_2d=True), rc.USAGES)
   np.testing.assert_array_equal(rc.scale_bits(qt.columnwise), rc.scale_bits(qt.rowwise).T)
   unpack = lambda b: np.stack([b & 0xF, b >> 4], -1).reshape(b.shape[0], -1)
-  np.testing.assert_array_equal(unpack(rc.data_bits(qt.columnwise)),
-                                unpack(rc.data_bits(qt.rowwise)).T)
+  np.testing.assert_array_equal(
+    unpack(rc.data_bits(qt.columnwise)), unpack(rc.data_bits(qt.rowwise)).T
+  )
 
 
 def test_rht_extreme_blocks():
@@ -101,12 +112,16 @@ def test_rht_extreme_blocks():
     tiny = float(ml_dtypes.finfo(dtype).smallest_subnormal)
     for r in range(128):
       big = np.float32(2.0 ** rng.integers(60, 127))
-      blk = rng.integers(0, 2 ** 7, 16).astype(np.float32) * np.float32(tiny)
+      blk = rng.integers(0, 2**7, 16).astype(np.float32) * np.float32(tiny)
       blk[:2] = big
       blk[rng.integers(2, 16)] = 0
-      xt[r, 16 * (r % 8):16 * (r % 8) + 16] = blk * np.where(rng.random(16) < 0.3, -1, 1)
-    rc.check_against_oracle(x.astype(dtype), NVFP4Quantizer(rht=True), ("columnwise",),
-                            label=f"rht extremes {np.dtype(dtype)}")
+      xt[r, 16 * (r % 8) : 16 * (r % 8) + 16] = blk * np.where(rng.random(16) < 0.3, -1, 1)
+    rc.check_against_oracle(
+      x.astype(dtype),
+      NVFP4Quantizer(rht=True),
+      ("columnwise",),
+      label=f"rht extremes {np.dtype(dtype)}",
+    )
 
 
 def test_stochastic_rounding_reproducible_and_key_dependent():
@@ -124,8 +139,11 @@ def test_stochastic_rounding_reproducible_and_key_dependent():
 @jax.jit
 def _sr_mean(x, keys):
   q = NVFP4Quantizer(stochastic_rounding=True)
-  deq = jax.vmap(lambda k: rc.reference.dequantize(rc.reference.quantize(x, q, "rowwise", key=k),
-                                                    "rowwise", jnp.float32))(keys)
+  deq = jax.vmap(
+    lambda k: rc.reference.dequantize(
+      rc.reference.quantize(x, q, "rowwise", key=k), "rowwise", jnp.float32
+    )
+  )(keys)
   return jnp.mean(deq, axis=0)
 
 
@@ -139,8 +157,11 @@ def test_stochastic_rounding_is_unbiased():
   x[0, 0] = 6.0  # global amax 6, block amaxes 6: scales exactly 1, grid steps known
   x[:, ::16] = np.sign(x[:, ::16]) * 6
   mean = np.asarray(_sr_mean(jnp.asarray(x), jax.random.split(KEY, n)))
-  rtn = np.asarray(rc.dequantize_jit(rc.quantize_jit(jnp.asarray(x), NVFP4Quantizer(), rc.USAGES),
-                                     "rowwise", jnp.float32))
+  rtn = np.asarray(
+    rc.dequantize_jit(
+      rc.quantize_jit(jnp.asarray(x), NVFP4Quantizer(), rc.USAGES), "rowwise", jnp.float32
+    )
+  )
   ax = np.abs(x)
   step = np.where(ax < 2, 0.5, np.where(ax < 4, 1.0, 2.0))
   bound = step * (0.5 / 256 + 6 * 0.5 / np.sqrt(n))

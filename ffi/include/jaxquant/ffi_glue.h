@@ -21,21 +21,21 @@ namespace ffi = xla::ffi;
 // attribute of the same name. Values were validated in Python; handlers only re-check
 // what would make a kernel touch memory out of bounds.
 struct KernelConfig {
-  int32_t family;         // 0 fp8_tensor, 1 fp8_block, 2 mxfp8, 3 nvfp4
-  int32_t element;        // Element
-  int32_t rowwise;        // produce the rowwise usage
-  int32_t columnwise;     // produce the columnwise (transposed) usage
-  int32_t block_rows;     // scaling block in the rowwise stored layout
+  int32_t family;      // 0 fp8_tensor, 1 fp8_block, 2 mxfp8, 3 nvfp4
+  int32_t element;     // Element
+  int32_t rowwise;     // produce the rowwise usage
+  int32_t columnwise;  // produce the columnwise (transposed) usage
+  int32_t block_rows;  // scaling block in the rowwise stored layout
   int32_t block_cols;
   int32_t pow2_scales;
   float eps;
-  int32_t given_scale;    // FP8 per-tensor: the scalar input is the scale, not the amax
-  int32_t rht;            // NVFP4: Hadamard transform on the columnwise usage
+  int32_t given_scale;  // FP8 per-tensor: the scalar input is the scale, not the amax
+  int32_t rht;          // NVFP4: Hadamard transform on the columnwise usage
   int32_t stochastic_rounding;
-  int32_t row_scaled;     // NVFP4 per-token: one global amax per rowwise row
-  int32_t amax_per_row;   // amax kernel: per row instead of per tensor
+  int32_t row_scaled;         // NVFP4 per-token: one global amax per rowwise row
+  int32_t amax_per_row;       // amax kernel: per row instead of per tensor
   int32_t block_scales_only;  // dequantize: leave the outer scale (NVFP4 S_dec) out
-  int32_t observe_amax;   // FP8 per-tensor cast: one more result, the input's amax
+  int32_t observe_amax;       // FP8 per-tensor cast: one more result, the input's amax
 };
 
 // Traits of every handler: for the same attributes and buffer shapes it launches the same
@@ -43,8 +43,7 @@ struct KernelConfig {
 // memory (freed when the call returns, while a captured graph would keep the address): the
 // GEMMs that need workspace take it as a result buffer that XLA allocates with the call.
 // XLA may trace them into its command buffers (CUDA graphs) with the fusions around them.
-#define JAXQUANT_CMD_BUFFER_SAFE \
-  { ::xla::ffi::Traits::kCmdBufferCompatible }
+#define JAXQUANT_CMD_BUFFER_SAFE {::xla::ffi::Traits::kCmdBufferCompatible}
 
 enum Family : int32_t { kFp8Tensor = 0, kFp8Block = 1, kMxfp8 = 2, kNvfp4 = 3 };
 
@@ -64,7 +63,8 @@ struct Workspace {
 
   // The rest of the buffer from `offset` bytes past its first aligned address.
   Workspace after(size_t offset) const {
-    const size_t start = align_up(reinterpret_cast<uintptr_t>(data)) - reinterpret_cast<uintptr_t>(data) + offset;
+    const size_t start =
+        align_up(reinterpret_cast<uintptr_t>(data)) - reinterpret_cast<uintptr_t>(data) + offset;
     return {static_cast<char*>(data) + start, bytes > start ? bytes - start : 0};
   }
 };
@@ -93,10 +93,14 @@ inline ffi::Error check_workspace(const char* what, const Workspace& workspace, 
 template <typename F>
 ffi::Error dispatch_float(ffi::DataType dtype, F&& f) {
   switch (dtype) {
-    case ffi::DataType::BF16: return f(__nv_bfloat16{});
-    case ffi::DataType::F16: return f(__half{});
-    case ffi::DataType::F32: return f(float{});
-    default: return invalid("input dtype must be bfloat16, float16 or float32");
+    case ffi::DataType::BF16:
+      return f(__nv_bfloat16{});
+    case ffi::DataType::F16:
+      return f(__half{});
+    case ffi::DataType::F32:
+      return f(float{});
+    default:
+      return invalid("input dtype must be bfloat16, float16 or float32");
   }
 }
 
@@ -120,17 +124,13 @@ ffi::ErrorOr<T*> result_ptr(ffi::RemainingRets& rets, size_t index) {
 }  // namespace jaxquant
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ::jaxquant::KernelConfig,
-    ::xla::ffi::StructMember<int32_t>("family"),
-    ::xla::ffi::StructMember<int32_t>("element"),
-    ::xla::ffi::StructMember<int32_t>("rowwise"),
+    ::jaxquant::KernelConfig, ::xla::ffi::StructMember<int32_t>("family"),
+    ::xla::ffi::StructMember<int32_t>("element"), ::xla::ffi::StructMember<int32_t>("rowwise"),
     ::xla::ffi::StructMember<int32_t>("columnwise"),
     ::xla::ffi::StructMember<int32_t>("block_rows"),
     ::xla::ffi::StructMember<int32_t>("block_cols"),
-    ::xla::ffi::StructMember<int32_t>("pow2_scales"),
-    ::xla::ffi::StructMember<float>("eps"),
-    ::xla::ffi::StructMember<int32_t>("given_scale"),
-    ::xla::ffi::StructMember<int32_t>("rht"),
+    ::xla::ffi::StructMember<int32_t>("pow2_scales"), ::xla::ffi::StructMember<float>("eps"),
+    ::xla::ffi::StructMember<int32_t>("given_scale"), ::xla::ffi::StructMember<int32_t>("rht"),
     ::xla::ffi::StructMember<int32_t>("stochastic_rounding"),
     ::xla::ffi::StructMember<int32_t>("row_scaled"),
     ::xla::ffi::StructMember<int32_t>("amax_per_row"),

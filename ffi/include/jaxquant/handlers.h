@@ -1,7 +1,7 @@
 // The FFI handler symbols this library exports, one per target. The library is built with
 // hidden visibility; declaring the handlers here first makes exactly these visible.
-// Python registers each under the target name "jaxquant_<snake_case>" (kernels/library.py). Every cast
-// handler takes the same operands, and the scaled FP8 GEMMs share theirs (bindings.h).
+// Python registers each under the target name "jaxquant_<snake_case>" (kernels/library.py). Every
+// cast handler takes the same operands, and the scaled FP8 GEMMs share theirs (bindings.h).
 #pragma once
 
 #include <cstdint>
@@ -32,8 +32,8 @@ JAXQUANT_HANDLER(JaxquantScaledBf16Gemm);
 // Bytes of the workspace result the grouped GEMM needs for this many groups on the current
 // device (Python sizes the buffer with it when lowering; kernels/grouped.py); -1 when the
 // device cannot be queried.
-extern "C" __attribute__((visibility("default"))) int64_t JaxquantGroupedGemmWorkspaceBytes(
-    int32_t num_groups);
+extern "C" __attribute__((visibility("default"))) int64_t
+JaxquantGroupedGemmWorkspaceBytes(int32_t num_groups);
 
 // Bytes of the workspace result the fused-dequantize GEMM needs for A [M, K] x B [N, K] with
 // these element codes on the current device (kernels/fused_dequant.py); -1 when the device

@@ -27,25 +27,39 @@ __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
 // NaN becomes the canonical quiet NaN (as XLA's convert gives), not the payload-keeping
 // pattern of the intrinsics.
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return v != v ? __ushort_as_bfloat16(0x7FC0) : __float2bfloat16_rn(v);
 }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) {
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
   return v != v ? __ushort_as_half(0x7E00) : __float2half_rn(v);
 }
 
 // Largest finite value of the input dtype: the per-tensor scale used when fmax / amax
 // overflows fp32 ("value_for_inf").
-template <typename T> __device__ __forceinline__ float largest_finite();
-template <> __device__ __forceinline__ float largest_finite<float>() { return kFltMax; }
-template <> __device__ __forceinline__ float largest_finite<__nv_bfloat16>() {
+template <typename T>
+__device__ __forceinline__ float largest_finite();
+template <>
+__device__ __forceinline__ float largest_finite<float>() {
+  return kFltMax;
+}
+template <>
+__device__ __forceinline__ float largest_finite<__nv_bfloat16>() {
   return __uint_as_float(0x7F7F0000u);
 }
-template <> __device__ __forceinline__ float largest_finite<__half>() { return 65504.0f; }
+template <>
+__device__ __forceinline__ float largest_finite<__half>() {
+  return 65504.0f;
+}
 
 // ---- FP8 data ----------------------------------------------------------------------
 
@@ -86,13 +100,15 @@ __device__ __forceinline__ uint32_t fp8x4_code_no_nan(float a, float b, float c,
         "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
         "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
         "mov.b32 %0, {lo, hi};\n\t}"
-        : "=r"(out) : "f"(a), "f"(b), "f"(c), "f"(d));
+        : "=r"(out)
+        : "f"(a), "f"(b), "f"(c), "f"(d));
   } else {
     asm("{\n\t.reg .b16 lo, hi;\n\t"
         "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n\t"
         "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n\t"
         "mov.b32 %0, {lo, hi};\n\t}"
-        : "=r"(out) : "f"(a), "f"(b), "f"(c), "f"(d));
+        : "=r"(out)
+        : "f"(a), "f"(b), "f"(c), "f"(d));
   }
   return out;
 }
@@ -140,8 +156,7 @@ __device__ __forceinline__ float2 e2m1x2_to_float2_scaled(uint32_t codes) {
 // ---- per-tensor / per-block FP8 scale (NUMERICS.md "Per-tensor FP8", steps 1-3) -----
 
 template <typename T>
-__device__ __forceinline__ float fp8_scale_from_amax(float amax, float fmax, float eps,
-                                                     bool pow2) {
+__device__ __forceinline__ float fp8_scale_from_amax(float amax, float fmax, float eps, bool pow2) {
   float a = amax < eps ? eps : amax;
   float scale;
   if (a == 0.0f || isinf(a) || isnan(a)) {
@@ -186,10 +201,10 @@ __device__ __forceinline__ float e8m0_to_float(uint8_t e) {
 __device__ __forceinline__ float e4m3_to_float(uint8_t code) { return fp8_to_float(code, kE4M3); }
 
 struct Nvfp4Global {
-  float s_enc;     // S_enc
-  float s_dec;     // S_dec = fl32(1 / S_enc)
-  float s_enc_6;   // fl32(S_enc * fl32(1/6)), the block-scale multiplier
-  bool nan;        // the global amax is NaN: every scale is 0x7F, every code 0
+  float s_enc;    // S_enc
+  float s_dec;    // S_dec = fl32(1 / S_enc)
+  float s_enc_6;  // fl32(S_enc * fl32(1/6)), the block-scale multiplier
+  bool nan;       // the global amax is NaN: every scale is 0x7F, every code 0
 };
 
 __device__ __forceinline__ Nvfp4Global nvfp4_global(float g) {
@@ -233,7 +248,7 @@ constexpr uint32_t kE2m1RneBias = 0x4B400000u + 2u * 127u;
 
 __device__ __forceinline__ uint32_t e2m1_biased_rne(float v) {
   const float a = fminf(fabsf(v), 6.0f);
-  const uint32_t e = max(__float_as_uint(a) >> 23, 127u);     // 127 + over
+  const uint32_t e = max(__float_as_uint(a) >> 23, 127u);    // 127 + over
   const float step_inv = __uint_as_float((255u - e) << 23);  // 2^(1 - over)
   return __float_as_uint(fmaf(a, step_inv, 12582912.0f)) + 2u * e;
 }
@@ -264,7 +279,11 @@ __host__ __device__ constexpr uint32_t packed_bias(uint32_t bias, int n) {
 
 __device__ __forceinline__ float e2m1_to_float(uint32_t code) {
   const uint32_t mag = code & 7;
-  const float v = mag < 4 ? 0.5f * mag : (mag == 4 ? 2.0f : mag == 5 ? 3.0f : mag == 6 ? 4.0f : 6.0f);
+  const float v = mag < 4 ? 0.5f * mag
+                          : (mag == 4   ? 2.0f
+                             : mag == 5 ? 3.0f
+                             : mag == 6 ? 4.0f
+                                        : 6.0f);
   return (code & 8) ? -v : v;
 }
 

@@ -16,9 +16,11 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 // Elements of T in one 16-byte vector.
-template <typename T> constexpr int kVec = 16 / sizeof(T);
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
 // Tile width of the block-FP8 kernel: one warp covers one tile row with one vector per lane.
-template <typename T> constexpr int kTileCols = 32 * kVec<T>;
+template <typename T>
+constexpr int kTileCols = 32 * kVec<T>;
 template <typename T>
 struct alignas(16) Vec16 {
   T v[kVec<T>];
@@ -72,7 +74,7 @@ constexpr int kCastWarps = kCastThreads / 32;
 // two CTAs fit where shared memory allows and one CTA's loads overlap another's work.
 constexpr int kCastMinBlocks = 2;
 constexpr int kCastRows = 128;
-constexpr int kChunks = 16;                                  // 16-byte chunks per tile row
+constexpr int kChunks = 16;  // 16-byte chunks per tile row
 constexpr int kCastRowPasses = kCastRows * kChunks / kCastThreads;
 // Rows between a thread's rowwise passes; a multiple of 32, so that all of a thread's pass
 // rows share one swizzle slot (CastTile::slot) and their chunks are constant offsets apart.
@@ -81,7 +83,8 @@ static_assert(kCastPassRows % 32 == 0, "pass rows share a swizzle slot");
 static_assert(kCastWarps == kChunks && kCastRows == 32 * 4,
               "the column split is one warp per chunk column, 4 rows per lane");
 
-template <typename T> constexpr int kCastCols = kChunks * kVec<T>;
+template <typename T>
+constexpr int kCastCols = kChunks * kVec<T>;
 
 template <typename T>
 struct CastTile {
@@ -164,7 +167,9 @@ __device__ __forceinline__ void for_each_cast_tile(const T* __restrict__ x, int6
     const uint32_t j = n & (strip - 1), band = u / tiles_m;
     const uint32_t tm = u - band * tiles_m, tk = (band << strip_shift) + j;
     return Slot{{static_cast<int64_t>(tm) * kCastRows, static_cast<int64_t>(tk) * kCastCols<T>},
-                j, u < strips && tk < tiles_k, j == strip - 1 || tk == tiles_k - 1};
+                j,
+                u < strips && tk < tiles_k,
+                j == strip - 1 || tk == tiles_k - 1};
   };
   // Loads: one 64-bit address per tile, stepped by whole passes.
   const int q = row_pass_chunk(), r0 = row_pass_row(0);
@@ -258,8 +263,8 @@ struct CastPlan {
 // CTAs idle). Also lets the kernel have that much dynamic shared memory (an attribute of
 // the function, not a stream operation: capture-safe).
 template <typename T, typename Kernel>
-inline cudaError_t plan_cast(Kernel kernel, int64_t M, int64_t K, size_t smem,
-                             int max_strip_shift, CastPlan& plan) {
+inline cudaError_t plan_cast(Kernel kernel, int64_t M, int64_t K, size_t smem, int max_strip_shift,
+                             CastPlan& plan) {
   const int64_t tiles_m = (M + kCastRows - 1) / kCastRows;
   const int64_t tiles_k = (K + kCastCols<T> - 1) / kCastCols<T>;
   if (tiles_m * tiles_k > (int64_t{1} << 30)) return cudaErrorInvalidValue;  // 32-bit indices
@@ -286,7 +291,6 @@ inline cudaError_t plan_cast(Kernel kernel, int64_t M, int64_t K, size_t smem,
   plan.grid = static_cast<int>(strips < resident ? strips : resident);
   return cudaSuccess;
 }
-
 
 // max of two magnitudes (non-negative or NaN), NaN-propagating: on the bit patterns of
 // non-negative floats the integer order is the float order, and every NaN with a clear
@@ -421,7 +425,10 @@ struct Philox {
       const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
       const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
       const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-      c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+      c0 = n0;
+      c1 = lo1;
+      c2 = n2;
+      c3 = lo0;
       k0 += 0x9E3779B9u;
       k1 += 0xBB67AE85u;
     }
