@@ -40,7 +40,7 @@ from timing import Call, batched, interleaved_seconds, speedup
 import jaxquant
 from jaxquant import kernels
 from jaxquant import quantizers as Q
-from jaxquant.ops import gemm as gemm_ops
+from jaxquant.ops import _gemm as gemm_ops
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (2048, 8192, 8192), (16, 8192, 8192))
 QUICK_SHAPES = ((1024, 1024, 1024), (16, 1024, 1024))
@@ -65,8 +65,8 @@ def _scaled_matmul_inputs(x, w, quantizer):
   def unpack(qd):
     data = qd.data
     if qd.format.packed:  # E2M1 codes -> float4_e2m1fn elements
-      codes = jaxquant.reference.elements.unpack_nibbles(data)
-      data = jaxquant.reference.elements.decode(codes, "e2m1").astype(jnp.float4_e2m1fn)
+      codes = jaxquant.reference._elements.unpack_nibbles(data)
+      data = jaxquant.reference._elements.decode(codes, "e2m1").astype(jnp.float4_e2m1fn)
     return data[None], qd.scale_inv[None]
 
   (ad, as_), (bd, bs) = unpack(a), unpack(b)

@@ -52,11 +52,12 @@ from timing import interleaved_seconds, speedup
 
 from jaxquant import kernels
 from jaxquant.formats import ELEMENT_DTYPES, ELEMENT_MAX, Family
-from jaxquant.kernels import quantize as kernel_quantize
-from jaxquant.kernels.amax import tensor_amax
+from jaxquant.kernels import _quantize as kernel_quantize
+from jaxquant.kernels._amax import tensor_amax
 from jaxquant.quantizers import DelayedFloat8Quantizer
-from jaxquant.reference import elements, fp32
-from jaxquant.reference import fp8 as reference_fp8
+from jaxquant.reference import _elements as elements
+from jaxquant.reference import _fp8 as reference_fp8
+from jaxquant.reference import _fp32 as fp32
 from jaxquant.tensor import QuantizedData
 
 PLACEMENTS = ("default", "amax_kernel", "xla_cast", "xla_rowwise_cast")

@@ -27,12 +27,12 @@ from records import ResultFile, results_path
 from timing import device_seconds
 
 from jaxquant import kernels
-from jaxquant.kernels.amax import amax
-from jaxquant.kernels.cast import cast_p
-from jaxquant.kernels.config import cast_config
-from jaxquant.kernels.quantize import cast_seed, nvfp4_amaxes
-from jaxquant.kernels.reference_cast import reference_cast
-from jaxquant.ops import quantize as ops
+from jaxquant.kernels._amax import amax
+from jaxquant.kernels._cast import cast_p
+from jaxquant.kernels._config import cast_config
+from jaxquant.kernels._quantize import cast_seed, nvfp4_amaxes
+from jaxquant.kernels._reference_cast import reference_cast
+from jaxquant.ops import _quantize as ops
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   DelayedFloat8Quantizer,

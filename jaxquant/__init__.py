@@ -2,7 +2,8 @@
 
 from jaxquant import recipes, reference, scaling
 from jaxquant.formats import Family, Format
-from jaxquant.ops import dense, grouped_dense
+from jaxquant.ops import dense
+from jaxquant.ops import grouped_dense
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   DelayedFloat8Quantizer,

@@ -31,7 +31,7 @@ QFactory = Callable[[QuantizerRole], Optional[Quantizer]]
 #   "dequantized": the dequantized forward (rowwise) values of x and w, and dy as is.
 BackwardMode = Literal["quantized", "high_precision", "dequantized"]
 BACKWARD_MODES = ("quantized", "high_precision", "dequantized")
-# The three GEMMs of a linear layer (ops/dense_vjp.py): y = x·wᵀ, dx = dy·w, dw = xᵀ·dy.
+# The three GEMMs of a linear layer (ops/_dense_vjp.py): y = x·wᵀ, dx = dy·w, dw = xᵀ·dy.
 GEMMS = ("fprop", "dgrad", "wgrad")
 
 

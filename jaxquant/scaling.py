@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.quantizers import DelayedFloat8Quantizer
-from jaxquant.reference import fp32
+from jaxquant.reference import _fp32 as fp32
 
 
 @jax.tree_util.register_dataclass

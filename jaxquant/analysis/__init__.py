@@ -9,15 +9,15 @@
 - `plot_sensitivity(report, path)`: the ranking as a figure (needs matplotlib).
 """
 
-from jaxquant.analysis.measure import (
+from jaxquant.analysis._measure import (
   ModelEffect,
   ModuleSensitivity,
   RoleSensitivity,
   SensitivityReport,
   sensitivity,
 )
-from jaxquant.analysis.plot import plot_sensitivity
-from jaxquant.analysis.suggest import (
+from jaxquant.analysis._plot import plot_sensitivity
+from jaxquant.analysis._suggest import (
   RANK_BY,
   KeepHighPrecision,
   RankBy,

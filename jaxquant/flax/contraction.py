@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import ops
-from jaxquant.ops.operands import FORWARD_USAGES, gemm_matrices, usages_to_quantize
+from jaxquant.ops._operands import FORWARD_USAGES, gemm_matrices, usages_to_quantize
 from jaxquant.quantizers import Quantizer, for_usage
 
 # The logical matrix of each role and the GEMM dim each of its axes is.

@@ -27,7 +27,7 @@ from jaxquant import recipes
 from jaxquant.flax import interception
 from jaxquant.flax import session as sessions
 from jaxquant.flax.metadata import annotate_linen_weight, nnx_weight_metadata
-from jaxquant.ops.grouped_dense import MODULE_TYPE, grouped_dense
+from jaxquant.ops._grouped_dense import MODULE_TYPE, grouped_dense
 from jaxquant.quantizers import needs_key, needs_state
 from jaxquant.roles import QuantizerRole
 

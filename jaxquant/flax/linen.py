@@ -32,7 +32,7 @@ from jaxquant.flax import contraction
 from jaxquant.flax import session as sessions
 from jaxquant.flax.metadata import annotate_linen_weight
 from jaxquant.flax.state import QUANT_STATE, init_role_states
-from jaxquant.ops.operands import is_high_precision
+from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_key, needs_state
 from jaxquant.roles import gemm_roles
 

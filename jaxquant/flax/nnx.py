@@ -25,7 +25,7 @@ from jaxquant.flax import session as sessions
 from jaxquant.flax.grouped import NnxGroupedDense
 from jaxquant.flax.metadata import nnx_weight_metadata
 from jaxquant.flax.state import init_role_states, stacked_role_states
-from jaxquant.ops.operands import is_high_precision
+from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_key, needs_state
 from jaxquant.roles import gemm_roles
 

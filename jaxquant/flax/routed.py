@@ -27,7 +27,7 @@ from jaxquant import ops, recipes
 from jaxquant.flax import calls, contraction
 from jaxquant.flax import session as sessions
 from jaxquant.flax.interception import Call
-from jaxquant.ops.operands import is_high_precision
+from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import gemm_roles
 

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import scaling
-from jaxquant.ops import delayed_state
-from jaxquant.ops.quantize import uses_kernels
+from jaxquant.ops import _delayed_state as delayed_state
+from jaxquant.ops._quantize import uses_kernels
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_state
 from jaxquant.roles import QuantizerRole
 

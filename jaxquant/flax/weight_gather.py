@@ -17,7 +17,7 @@ from typing import Any, Union
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxquant.ops.weight_gather import WeightGather, entry_axes
+from jaxquant.ops._weight_gather import WeightGather, entry_axes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

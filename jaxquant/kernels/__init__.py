@@ -7,19 +7,19 @@ loads the CUDA library, when it was built, and registers its FFI targets.
 `available()` says whether the kernels can run here, `unavailable_reason()` why not.
 """
 
-from jaxquant.kernels import library
-from jaxquant.kernels.amax import amax
-from jaxquant.kernels.bf16_gemm import scaled_bf16_gemm
-from jaxquant.kernels.block_gemm import block_fp8_gemm
-from jaxquant.kernels.config import KernelConfig, unsupported_reason
-from jaxquant.kernels.decode_scale import decode_scale
-from jaxquant.kernels.delayed_scale import delayed_scale
-from jaxquant.kernels.dequantize import dequantize_data
-from jaxquant.kernels.fused_dequant import dequant_gemm
-from jaxquant.kernels.grouped import grouped_gemm
-from jaxquant.kernels.library import available, unavailable_reason
-from jaxquant.kernels.quantize import quantize_usages, quantize_usages_and_amax
-from jaxquant.kernels.tensor_gemm import fp8_tensor_gemm
+from jaxquant.kernels import _library as library
+from jaxquant.kernels._amax import amax
+from jaxquant.kernels._bf16_gemm import scaled_bf16_gemm
+from jaxquant.kernels._block_gemm import block_fp8_gemm
+from jaxquant.kernels._config import KernelConfig, unsupported_reason
+from jaxquant.kernels._decode_scale import decode_scale
+from jaxquant.kernels._delayed_scale import delayed_scale
+from jaxquant.kernels._dequantize import dequantize_data
+from jaxquant.kernels._fused_dequant import dequant_gemm
+from jaxquant.kernels._grouped import grouped_gemm
+from jaxquant.kernels._library import available, unavailable_reason
+from jaxquant.kernels._quantize import quantize_usages, quantize_usages_and_amax
+from jaxquant.kernels._tensor_gemm import fp8_tensor_gemm
 
 library.load_error()  # register the FFI targets now, when the library exists
 

@@ -26,7 +26,11 @@ from jaxquant.quantizers import (
   needs_key,
   needs_state,
 )
-from jaxquant.reference import fp8, fp32, hadamard, mxfp8, nvfp4
+from jaxquant.reference import _fp8 as fp8
+from jaxquant.reference import _fp32 as fp32
+from jaxquant.reference import _hadamard as hadamard
+from jaxquant.reference import _mxfp8 as mxfp8
+from jaxquant.reference import _nvfp4 as nvfp4
 from jaxquant.tensor import QuantizedData, QuantizedTensor, Usage, check_usages
 
 __all__ = [

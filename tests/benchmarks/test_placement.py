@@ -21,7 +21,7 @@ import step_variants  # noqa: E402
 from step_model import SHAPES, DecoderStack  # noqa: E402
 
 from jaxquant import kernels  # noqa: E402
-from jaxquant.kernels import quantize as kernel_quantize  # noqa: E402
+from jaxquant.kernels import _quantize as kernel_quantize  # noqa: E402
 
 
 def test_xla_convert_gives_the_reference_codes():

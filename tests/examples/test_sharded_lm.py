@@ -118,7 +118,7 @@ def _train(recipe_name: str, batches, mesh_text=None, quantized_gather=False):
 
 
 # MXFP8 (mxfp8, and hybrid's forward) on the sharded CPU program: the reference's exact
-# fp32 fallback (jaxquant/reference/fp32.py, a host callback taken only where a product
+# fp32 fallback (jaxquant/reference/_fp32.py, a host callback taken only where a product
 # would be subnormal) deadlocks against the program's all-reduce across the fake devices
 # (XLA aborts the process after 40 s), as docs/sharding.md notes for RHT.
 _HOST_CALLBACK_DEADLOCK = pytest.mark.skip(

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxquant.flax as jqf
 from jaxquant import recipes, scaling
-from jaxquant.ops.quantize import quantize
+from jaxquant.ops._quantize import quantize
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import TENSOR_TYPES, QuantizerRole
 

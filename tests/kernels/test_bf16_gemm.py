@@ -13,8 +13,8 @@ import pytest
 from kernel_cases import BF16_MMA_TOLERANCE, relative_error
 
 from jaxquant import kernels, reference
-from jaxquant.kernels import bf16_gemm as sg
-from jaxquant.ops import gemm as gemm_ops
+from jaxquant.kernels import _bf16_gemm as sg
+from jaxquant.ops import _gemm as gemm_ops
 from jaxquant.quantizers import MXFP8Quantizer, NVFP4Quantizer
 
 on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")
@@ -172,7 +172,7 @@ def test_dequantize_first_gemm_lowers_per_tensor_outer_scales_to_the_kernel(monk
   """For CUDA, an NVFP4 GEMM that dequantizes first hands its S_dec to this kernel; one
   with per-token rows (a scale per output row) or with no outer scale (MXFP8) keeps
   XLA's dot. Lowered without a GPU: the library's load is stood in for."""
-  from jaxquant.kernels import library
+  from jaxquant.kernels import _library as library
 
   monkeypatch.setattr(library, "load_error", lambda: None)
   lowered = lambda a, b: (

@@ -12,8 +12,8 @@ import pytest
 from kernel_cases import FP8_MMA_TOLERANCE, relative_error
 
 from jaxquant import kernels, reference
-from jaxquant.kernels import block_gemm as bg
-from jaxquant.ops import gemm as gemm_ops
+from jaxquant.kernels import _block_gemm as bg
+from jaxquant.ops import _gemm as gemm_ops
 from jaxquant.quantizers import BlockFloat8Quantizer
 
 on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")

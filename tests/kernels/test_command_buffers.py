@@ -1,7 +1,7 @@
 """The cast, amax, dequantize and MXFP8 values kernels and the per-tensor FP8, block FP8,
 grouped and fused-dequantize GEMMs inside XLA's command buffers.
 
-Every target is registered as command-buffer compatible (kernels/library.py), so XLA
+Every target is registered as command-buffer compatible (kernels/_library.py), so XLA
 may trace them into a CUDA graph once and replay it. Command buffers are a backend
 option read when the GPU backend starts, so the checks run in a fresh process whose
 XLA_FLAGS put every fusion and custom call into one: a profile of a call must show every

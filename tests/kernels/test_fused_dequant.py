@@ -16,8 +16,8 @@ from kernel_cases import BF16_MMA_TOLERANCE, edge_input, random_input, relative_
 
 import jaxquant
 from jaxquant import kernels, reference
-from jaxquant.kernels import fused_dequant as fd
-from jaxquant.ops import gemm as gemm_ops
+from jaxquant.kernels import _fused_dequant as fd
+from jaxquant.ops import _gemm as gemm_ops
 from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 from jaxquant.roles import QuantizerRole
 from jaxquant.tensor import QuantizedData

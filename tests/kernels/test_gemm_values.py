@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from kernel_cases import QUANTIZERS, SR_QUANTIZERS, assert_same_bits, edge_input, random_input
 
 from jaxquant import kernels
-from jaxquant.kernels.gemm_values import ScaledValues, mxfp8_values, nvfp4_values
+from jaxquant.kernels._gemm_values import ScaledValues, mxfp8_values, nvfp4_values
 from jaxquant.quantizers import MXFP8Quantizer, NVFP4Quantizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "reference"))

@@ -10,7 +10,7 @@ import pytest
 from kernel_cases import BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, relative_error
 
 from jaxquant import kernels
-from jaxquant.kernels import grouped as gg
+from jaxquant.kernels import _grouped as gg
 
 E4M3, E5M2, BF16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 PAIRS = [(BF16, BF16), (E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]

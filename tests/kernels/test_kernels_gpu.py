@@ -18,8 +18,8 @@ from kernel_cases import (
 )
 
 from jaxquant import kernels, reference, scaling
-from jaxquant.ops import delayed_state
-from jaxquant.ops import quantize as ops
+from jaxquant.ops import _delayed_state as delayed_state
+from jaxquant.ops import _quantize as ops
 from jaxquant.quantizers import DelayedFloat8Quantizer
 
 pytestmark = [
@@ -280,7 +280,7 @@ def test_tensor_amax_fused_into_its_producer_takes_the_rounded_values():
   rounded to bf16, one multiply: the same values in any fusion): the amax must be that of
   x's bf16 values, which the cast quantizes, not of the unrounded fp32 products (which
   XLA's excess precision could offer)."""
-  from jaxquant.kernels.amax import tensor_amax
+  from jaxquant.kernels._amax import tensor_amax
 
   a = random_input(21, (4096, 1024), jnp.float32)
   produce = lambda a: (a * jnp.float32(1.1)).astype(jnp.bfloat16)

@@ -27,8 +27,9 @@ from kernel_cases import (
 
 import jaxquant
 from jaxquant import kernels, reference
-from jaxquant.kernels import gemm_values, grouped
-from jaxquant.ops import gemm as gemm_ops
+from jaxquant.kernels import _gemm_values as gemm_values
+from jaxquant.kernels import _grouped as grouped
+from jaxquant.ops import _gemm as gemm_ops
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   Float8Quantizer,

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 from kernel_cases import DELAYED, QUANTIZERS, SR_QUANTIZERS, assert_same_bits, random_input
 
 from jaxquant import kernels, reference, scaling
-from jaxquant.kernels.config import KernelConfig, cast_config
-from jaxquant.ops import quantize as ops
+from jaxquant.kernels._config import KernelConfig, cast_config
+from jaxquant.ops import _quantize as ops
 from jaxquant.quantizers import BlockFloat8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 
 # One per code path; compiling the reference dominates on the CPU.
@@ -144,7 +144,7 @@ def test_tensor_amax_against_an_oracle(dtype, eight_devices):
   """kernels.amax.tensor_amax (XLA's reduction of x's own bits) on random values, signed
   zeros, subnormals of the dtype, infinities, NaNs of any payload (the canonical NaN
   out), an empty matrix, and sharded over eight devices."""
-  from jaxquant.kernels.amax import tensor_amax
+  from jaxquant.kernels._amax import tensor_amax
 
   rng = np.random.default_rng(4)
   tiny = float(jnp.finfo(dtype).smallest_subnormal)
@@ -211,8 +211,8 @@ def test_nvfp4_gemm_lowers_both_decode_scales_to_one_kernel_call(monkeypatch):
   decode-scale call and inlines no exact-division emulation (reference.fp32's integer long
   division, which set a quantized step's compile time when every GEMM inlined it).
   Lowered without a GPU: the library's load is stood in for."""
-  from jaxquant.kernels import library
-  from jaxquant.ops import gemm as gemm_ops
+  from jaxquant.kernels import _library as library
+  from jaxquant.ops import _gemm as gemm_ops
 
   monkeypatch.setattr(library, "load_error", lambda: None)
   operand = lambda rows, name: jax.eval_shape(
@@ -292,7 +292,7 @@ def test_delayed_update_lowers_each_state_to_its_own_kernel_call(monkeypatch):
   delayed-scale call of its own (two layers, three roles each) and inlines no exact-division
   emulation. Lowered without a GPU: the library's load is stood in for."""
   from jaxquant.flax import update_quant_state
-  from jaxquant.kernels import library
+  from jaxquant.kernels import _library as library
 
   monkeypatch.setattr(library, "load_error", lambda: None)
   monkeypatch.setattr(kernels, "available", lambda: True)
@@ -309,7 +309,7 @@ def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
   its own; the bits are those of the grouped update without the kernel, for the states of
   one step and for the same states stacked as nn.scan stacks a layer's (one per layer)."""
   from jaxquant.flax import update_quant_state
-  from jaxquant.ops.quantize import uses_kernels
+  from jaxquant.ops._quantize import uses_kernels
 
   state, grads = _two_layer_delayed_step()
   layers = lambda tree: jax.tree.map(lambda a: jnp.stack([a, a * 3.0, a * 0.25]), tree)
@@ -471,7 +471,8 @@ def test_cuda_lowering_adds_the_workspace_result(monkeypatch):
   """A kernel with a workspace lowers, for CUDA, to an FFI call with one more uint8 result of
   the size its query gives (XLA allocates it with the call); the primitive's results are
   unchanged. Lowered here without a GPU: the library's load and query are stood in for."""
-  from jaxquant.kernels import grouped, library
+  from jaxquant.kernels import _grouped as grouped
+  from jaxquant.kernels import _library as library
 
   queries = []
   monkeypatch.setattr(library, "load_error", lambda: None)

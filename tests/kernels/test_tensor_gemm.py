@@ -13,8 +13,8 @@ import pytest
 from kernel_cases import FP8_MMA_TOLERANCE, relative_error
 
 from jaxquant import kernels, reference
-from jaxquant.kernels import tensor_gemm as tg
-from jaxquant.ops import gemm as gemm_ops
+from jaxquant.kernels import _tensor_gemm as tg
+from jaxquant.ops import _gemm as gemm_ops
 from jaxquant.quantizers import Float8Quantizer
 
 on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}")

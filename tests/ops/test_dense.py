@@ -10,8 +10,8 @@ from _dense_fake_quant import dense_and_grads, rel_err
 
 import jaxquant as jq
 from jaxquant import recipes, reference, scaling
-from jaxquant.ops import dense_vjp
-from jaxquant.ops import gemm as gemm_ops
+from jaxquant.ops import _dense_vjp as dense_vjp
+from jaxquant.ops import _gemm as gemm_ops
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   Float8Quantizer,

@@ -16,9 +16,9 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import kernels, recipes
-from jaxquant.kernels import library
-from jaxquant.ops import gemm as gemm_ops
-from jaxquant.ops import operands
+from jaxquant.kernels import _library as library
+from jaxquant.ops import _gemm as gemm_ops
+from jaxquant.ops import _operands as operands
 from jaxquant.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
 M, K, N = 128, 256, 192
@@ -121,7 +121,7 @@ def test_program_casts_to_values_and_dequantizes_nothing(gpu_routes, name):
 def _value_and_grads(monkeypatch, values: bool, name: str, device=None):
   """The layer's value and gradients (on `device`: the kernels' lowerings for its
   platform), and its jaxpr, on the values path or forced off it."""
-  dense_module = importlib.import_module("jaxquant.ops.dense")  # ops.dense is the function
+  dense_module = importlib.import_module("jaxquant.ops._dense")  # ops.dense is the function
   with monkeypatch.context() as patch:
     if not values:
       patch.setattr(dense_module, "takes_gemm_values", lambda *args: False)

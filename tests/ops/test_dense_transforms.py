@@ -9,7 +9,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant.ops.dense_vjp import RESIDUAL_NAMES
+from jaxquant.ops._dense_vjp import RESIDUAL_NAMES
 from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 
 B, S, K, N = 8, 8, 64, 32  # M = 64

@@ -17,8 +17,8 @@ import pytest
 import jaxquant as jq
 import jaxquant.flax as jqf
 from jaxquant import kernels, recipes
-from jaxquant.kernels import library
-from jaxquant.ops import gemm as gemm_ops
+from jaxquant.kernels import _library as library
+from jaxquant.ops import _gemm as gemm_ops
 
 M, K, N = 256, 512, 384
 E4M3, E5M2 = "f8E4M3FN", "f8E5M2"

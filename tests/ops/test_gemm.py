@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxquant import reference
-from jaxquant.ops import gemm as gemm_lib
+from jaxquant.ops import _gemm as gemm_lib
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   Float8Quantizer,
@@ -78,7 +78,7 @@ def test_values_operands_take_values_only():
   """NVFP4 values (`ScaledValues`) multiply values (NVFP4's, or MXFP8's bf16), never codes,
   and the contraction dims must agree; the reference route is XLA's dot of the values with
   the S_decs after the sum."""
-  from jaxquant.kernels.gemm_values import ScaledValues, nvfp4_values
+  from jaxquant.kernels._gemm_values import ScaledValues, nvfp4_values
 
   x = _wide_range_matrix(3)
   a = nvfp4_values(x, NVFP4Quantizer(), ("rowwise",))["rowwise"]

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant import recipes
-from jaxquant.ops.grouped_dense import init_grouped_state
+from jaxquant.ops._grouped_dense import init_grouped_state
 from jaxquant.quantizers import HybridQuantizer, NVFP4Quantizer
 
 M, K, N, PAD = 80, 64, 32, 64

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import pytest
 
-from jaxquant.ops.grouped_gemm import kernel_dtypes
+from jaxquant.ops._grouped_gemm import kernel_dtypes
 
 E4M3, E5M2, BF16 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.bfloat16)
 

@@ -1,5 +1,5 @@
 """Operand preparation: the weight's usages cast from the [K, N] kernel itself equal, bit for
-bit, those cast from its transpose w = kernel.T (ops/operands.py,
+bit, those cast from its transpose w = kernel.T (ops/_operands.py,
 quantize_transposed_operand), for every quantizer, whichever route it takes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxquant import scaling
-from jaxquant.ops import operands as ops_operands
+from jaxquant.ops import _operands as ops_operands
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   DelayedFloat8Quantizer,

@@ -1,4 +1,4 @@
-"""The weight all-gathered in its quantized form (ops/weight_gather.py), on 8 CPU devices.
+"""The weight all-gathered in its quantized form (ops/_weight_gather.py), on 8 CPU devices.
 
 - Codes and scales: quantizing each shard (amax reduced across shards) and gathering
   gives, bit for bit, what quantizing the whole weight gives, for every format and usage.
@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant import recipes, scaling
-from jaxquant.ops.operands import quantize_transposed_operand, resolve_quantizers
-from jaxquant.ops.weight_gather import WeightGather, gather_operand, quantize_shards
+from jaxquant.ops._operands import quantize_transposed_operand, resolve_quantizers
+from jaxquant.ops._weight_gather import WeightGather, gather_operand, quantize_shards
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   DelayedFloat8Quantizer,

@@ -7,7 +7,7 @@ the magnitude max that delayed scaling folds amaxes with."""
 import jax
 import numpy as np
 
-from jaxquant.reference import fp32
+from jaxquant.reference import _fp32 as fp32
 
 _SPECIAL = np.array(
   [

@@ -1,0 +1,30 @@
+"""The delayed-scaling update a train step runs: `scaling.update`, its exact divisions in
+the CUDA kernel where the kernels run (`kernels.delayed_scale`: the same bits, without
+the integer emulation XLA code needs), in the reference's XLA code otherwise. The choice
+follows `ops.quantize`'s (JAXQUANT_BACKEND, else "auto")."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jaxquant import kernels, scaling
+from jaxquant.ops._quantize import uses_kernels
+from jaxquant.quantizers import DelayedFloat8Quantizer
+
+
+def _kernel_next_scale(amax, scale, fmax: float, divisor: float):
+  # The kernel takes a vector: states stacked along several leading axes go in flattened.
+  return kernels.delayed_scale(amax.reshape(-1), scale.reshape(-1), fmax, divisor).reshape(
+    scale.shape
+  )
+
+
+def update(
+  state: scaling.DelayedScalingState,
+  quantizer: DelayedFloat8Quantizer,
+  implementation: Optional[str] = None,
+) -> scaling.DelayedScalingState:
+  """`scaling.update(state, quantizer)`, bit for bit; leading axes are groups of states."""
+  if not uses_kernels(implementation):
+    return scaling.update(state, quantizer)
+  return scaling.update(state, quantizer, next_scale_of=_kernel_next_scale)

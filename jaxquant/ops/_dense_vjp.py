@@ -1,0 +1,196 @@
+"""The quantized linear layer as a custom_vjp over 2-D matrices: three GEMMs.
+
+    fprop  y  = x · wᵀ     gemm(x rowwise,  w rowwise)
+    dgrad  dx = dy · w     gemm(dy rowwise, w columnwise)
+    wgrad  dw  = xᵀ · dy   gemm(x columnwise, dy columnwise)
+
+x is [M, K], the kernel [K, N] (Flax layout, so w = kernelᵀ is [N, K]), dy [M, N].
+The forward pass saves each operand's columnwise residual (`operands.backward_residual`),
+tagged with `jax.ad_checkpoint.checkpoint_name` (`RESIDUAL_NAMES`) so `jax.checkpoint`
+policies can keep or drop it. Validation and argument handling live in `dense.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxquant import scaling
+from jaxquant.ops._gemm import gemm
+from jaxquant.ops._operands import (
+  FORWARD_USAGES,
+  backward_residual,
+  check_dims,
+  columnwise_operand,
+  gemm_matrices,
+  gemm_values_operand,
+  quantize_operand,
+  quantize_transposed_operand,
+  stored,
+  usages_to_quantize,
+)
+from jaxquant.ops._weight_gather import WeightGather, gather_operand, quantize_shards
+from jaxquant.quantizers import Quantizer
+from jaxquant.tensor import USAGES
+
+# checkpoint_name of the residual each role's tensor leaves for the backward pass.
+RESIDUAL_NAMES = {"input": "jaxquant_dense_input", "weight": "jaxquant_dense_weight"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+  """Static (hashable) description of one dense call."""
+
+  quantizers: tuple[tuple[str, Optional[Quantizer]], ...]  # (tensor_type, quantizer) pairs
+  backward: str  # recipes.BACKWARD_MODES
+  kernel_dtype: jnp.dtype  # gradients come back in the primal dtypes
+  bias_dtype: Optional[jnp.dtype]  # None: no bias
+  what: str = "dense"  # the call's name in error messages
+  # The weight quantized shard by shard and gathered in its quantized form (None: as is).
+  weight_gather: Optional[WeightGather] = None
+  # The GEMMs ("fprop", "dgrad", "wgrad") allowed FP8 fast accumulation (ops.gemm).
+  fast_accumulation: frozenset = frozenset()
+  # Operands cast straight to the bf16 values the GEMMs multiply (operands.takes_gemm_values).
+  gemm_values: bool = False
+
+  def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
+    return dict(self.quantizers)[tensor_type]
+
+
+def _tag(tree, name: str):
+  return jax.tree_util.tree_map(lambda leaf: checkpoint_name(leaf, name), tree)
+
+
+def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bool):
+  """y, the new state and, `for_backward`, the residuals. Without a backward pass to come
+  (the primal call: inference, evaluation) only the rowwise usages are quantized: the
+  columnwise ones would be a transposed cast per operand that nothing reads."""
+  new_state = dict(state)
+  matrices = {"input": x, "weight": kernel.T}  # logical x [M, K] and w [N, K]
+  operands = {}
+  for tensor_type, matrix in matrices.items():
+    usages = (
+      usages_to_quantize(tensor_type, cfg.backward) if for_backward else FORWARD_USAGES[tensor_type]
+    )
+    # w = kernel.T: the weight's usages are cast from the kernel itself where they can be.
+    quantize_fn, source = (
+      (quantize_transposed_operand, kernel)
+      if tensor_type == "weight"
+      else (quantize_operand, matrix)
+    )
+    if cfg.gemm_values:  # no state or gather: MXFP8 / NVFP4 have none, takes_gemm_values none
+      quantize_fn = lambda source, q, usages, key, state, weight=tensor_type == "weight": (
+        gemm_values_operand(source, q, usages, key=key, transposed=weight),
+        state,
+      )
+    elif tensor_type == "weight" and cfg.weight_gather is not None:
+      # No key: a weight that rounds stochastically is never gathered quantized.
+      quantize_fn = lambda kernel, q, usages, key, state: quantize_shards(
+        kernel, q, usages, gather=cfg.weight_gather, state=state
+      )
+    operands[tensor_type], role_state = quantize_fn(
+      source,
+      cfg.quantizer(tensor_type),
+      usages,
+      key=keys[tensor_type],
+      state=state.get(tensor_type),
+    )
+    if tensor_type in state:
+      new_state[tensor_type] = role_state
+  # fp32 sums rounded once to x's dtype, by the GEMM itself where no bias is added first
+  # (the same bits; no fp32 [M, N] to write and convert).
+  y_dtype = x.dtype if bias is None else jnp.float32
+  w_row = gather_operand(operands["weight"]["rowwise"], "rowwise", cfg.weight_gather)
+  y = gemm(
+    operands["input"]["rowwise"],
+    w_row,
+    out_dtype=y_dtype,
+    fast_accumulation="fprop" in cfg.fast_accumulation,
+  )
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  residuals = None
+  if for_backward:
+    residuals = {
+      t: _tag(backward_residual(operands[t], m, cfg.backward), RESIDUAL_NAMES[t])
+      for t, m in matrices.items()
+    }
+  return y.astype(x.dtype), new_state, residuals
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dense_2d(cfg: DenseConfig, x, kernel, bias, keys, state):
+  """(y [M, N] in x's dtype, new_state). `keys` maps each tensor type to its key or None;
+  `state` maps the delayed-scaling roles to their DelayedScalingState."""
+  y, new_state, _ = _forward(cfg, x, kernel, bias, keys, state, for_backward=False)
+  return y, new_state
+
+
+def _dense_fwd(cfg, x, kernel, bias, keys, state):
+  # A backward pass is coming: its usages must tile too (the primal call checked the
+  # forward's alone, so that few-token inference is not refused for the columnwise blocks).
+  for t, shape in gemm_matrices(*x.shape, kernel.shape[1]).items():
+    check_dims(shape, cfg.quantizer(t), usages_to_quantize(t, cfg.backward), f"{cfg.what} {t}")
+  y, new_state, residuals = _forward(cfg, x, kernel, bias, keys, state, for_backward=True)
+  saved = (residuals, keys["grad_output"], state.get("grad_output"))
+  return (y, new_state), saved
+
+
+def _grad_output_operands(cfg, dy, key, state):
+  """dy's operand per usage, and its amax when delayed scaling observed one."""
+  usages = usages_to_quantize("grad_output", cfg.backward)
+  if not usages:
+    return {u: stored(dy, u) for u in USAGES}, None
+  if cfg.gemm_values:
+    return gemm_values_operand(dy, cfg.quantizer("grad_output"), usages, key=key), None
+  # A zeroed history makes slot 0 of the recorded state exactly this tensor's amax.
+  probe = (
+    None
+    if state is None
+    else scaling.DelayedScalingState(jnp.zeros_like(state.amax_history), state.scale)
+  )
+  operands, recorded = quantize_operand(
+    dy, cfg.quantizer("grad_output"), usages, key=key, state=probe
+  )
+  return operands, (None if recorded is None else recorded.amax_history[0])
+
+
+def _dense_bwd(cfg, saved, cotangents):
+  residuals, key, go_state = saved
+  dy, state_ct = cotangents  # dy is in y's dtype, which is x's
+  dy_ops, amax = _grad_output_operands(cfg, dy, key, go_state)
+  # A gathered weight's residual is its shard (quantize_shards): gathered here, for dgrad.
+  w_residual_usage = "columnwise" if cfg.backward == "quantized" else "rowwise"
+  w_col = columnwise_operand(
+    gather_operand(residuals["weight"], w_residual_usage, cfg.weight_gather), cfg.backward
+  )
+  x_col = columnwise_operand(residuals["input"], cfg.backward)
+  dx = gemm(
+    dy_ops["rowwise"], w_col, out_dtype=dy.dtype, fast_accumulation="dgrad" in cfg.fast_accumulation
+  )
+  # The kernel's gradient [K, N] comes out in its own layout (x first): the other order
+  # gives dwᵀ, whose transpose XLA can no longer fold into a GEMM kernel's bf16 output.
+  dkernel = gemm(
+    x_col,
+    dy_ops["columnwise"],
+    out_dtype=cfg.kernel_dtype,
+    fast_accumulation="wgrad" in cfg.fast_accumulation,
+  )
+  dbias = None
+  if cfg.bias_dtype is not None:
+    dbias = jnp.sum(dy.astype(jnp.float32), axis=0).astype(cfg.bias_dtype)
+  # Forward-role states pass their incoming cotangent through (new_state is state plus a
+  # recorded amax); grad_output's gets this call's amax folded in by max, so uses of one
+  # threaded state combine by max (scaling.fold_grad_amax).
+  state_ct = dict(state_ct)
+  if amax is not None:
+    state_ct["grad_output"] = scaling.fold_grad_amax(state_ct["grad_output"], amax)
+  return dx, dkernel, dbias, None, state_ct
+
+
+dense_2d.defvjp(_dense_fwd, _dense_bwd)

@@ -1,0 +1,85 @@
+"""NVFP4: E2M1 data, E4M3 block scales, fp32 global amax (NUMERICS.md, NVFP4)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant.formats import Format
+from jaxquant.reference import _elements as elements
+from jaxquant.reference import _fp32 as fp32
+from jaxquant.reference._blocks import block_reduce, expand_blocks
+from jaxquant.tensor import QuantizedData
+
+_FLT_MAX = jnp.float32(np.finfo(np.float32).max)
+_ONE_SIXTH = np.float32(1.0) / np.float32(6.0)
+
+
+def global_scales(amax: jax.Array):
+  """(S_enc, S_dec) from a global amax (scalar or per row)."""
+  s_enc = jnp.minimum(fp32.div(jnp.float32(2688.0), amax), _FLT_MAX)
+  s_enc = jnp.where(fp32.is_zero(amax) | fp32.is_zero(s_enc), jnp.float32(1.0), s_enc)
+  return s_enc, fp32.div(jnp.float32(1.0), s_enc)
+
+
+def _per_row(v, rows):
+  """A scalar or [rows] vector as a [rows, 1] column for broadcasting over blocks."""
+  return jnp.broadcast_to(jnp.reshape(v, (-1, 1)), (rows, 1)) if v.ndim else v
+
+
+def _encode_stochastic(y: jax.Array, random_bits: jax.Array) -> jax.Array:
+  """E2M1 code of y, rounding up with probability equal to y's position between grid points."""
+  v = jnp.abs(y)
+  lo_code, lo, hi = elements.e2m1_neighbours(v)
+  # Exact: v - lo is Sterbenz-exact and hi - lo a power of two, so multiplying by its
+  # reciprocal is exact too (a hardware division need not be: XLA:GPU's is approximate).
+  frac = (v - lo) * (1.0 / (hi - lo))
+  threshold = (random_bits.astype(jnp.float32) + 0.5) * jnp.float32(1.0 / 256.0)
+  mag = lo_code + (frac > threshold).astype(jnp.uint32)
+  mag = jnp.where(v >= 6.0, jnp.uint32(7), mag)
+  sign = fp32.bits(y) >> 31
+  return jnp.where(fp32.is_nan(y), jnp.uint32(0), (sign << 3) | mag).astype(jnp.uint8)
+
+
+def quantize(x: jax.Array, fmt: Format, *, random_bits=None, amax=None) -> QuantizedData:
+  """Quantizes a stored [rows, cols] fp32 matrix (RHT, if any, already applied).
+
+  `amax`: the global amax (scalar, or [rows] when row-scaled) when the caller already has
+  it, e.g. reduced across shards; by default this matrix's own.
+  """
+  rows, _ = x.shape
+  if amax is None:
+    amax = fp32.abs_max(x, axis=1) if fmt.row_scaled else fp32.abs_max(x)
+  s_enc, s_dec = global_scales(amax)
+  block_amax = block_reduce(x, fmt.block, fp32.abs_max)
+  if fmt.row_scaled:  # 1-D blocks: block rows are the tensor rows
+    s_enc_b, s_dec_b = _per_row(s_enc, rows), _per_row(s_dec, rows)
+  else:
+    s_enc_b, s_dec_b = s_enc, s_dec
+  scale_codes = elements.encode(
+    fp32.mul(block_amax, s_enc_b * jnp.float32(_ONE_SIXTH)), "e4m3"
+  )  # S_enc / 6 is normal
+  s = elements.decode(scale_codes, "e4m3")
+  enc = jnp.minimum(fp32.div(jnp.float32(1.0), fp32.mul(s, s_dec_b)), _FLT_MAX)
+  enc = jnp.where(s == 0, jnp.float32(0.0), enc)
+  y = fp32.mul_for_encoding(x, expand_blocks(enc, fmt.block, x.shape))
+  if random_bits is None:
+    codes = elements.encode(y, "e2m1")
+  else:
+    codes = _encode_stochastic(y, random_bits)
+  scale = jax.lax.bitcast_convert_type(scale_codes, jnp.float8_e4m3fn)
+  return QuantizedData(elements.pack_nibbles(codes), scale, amax, fmt)
+
+
+def dequantize_values(qd: QuantizedData) -> jax.Array:
+  """q * s for each element: the block-scaled values, global decode scale left out."""
+  codes = elements.unpack_nibbles(qd.data)
+  values = elements.decode(codes, "e2m1")
+  s = elements.decode(jax.lax.bitcast_convert_type(qd.scale_inv, jnp.uint8), "e4m3")
+  return fp32.mul(values, expand_blocks(s, qd.format.block, values.shape))
+
+
+def decode_scale(qd: QuantizedData) -> jax.Array:
+  """S_dec: a scalar, or [rows] for per-token data."""
+  return global_scales(qd.amax)[1]
