@@ -1,9 +1,14 @@
-"""jaxquant: low-precision (FP8, MXFP8, NVFP4) training for JAX and Flax."""
+"""jaxquant: low-precision (FP8, MXFP8, NVFP4) training for JAX and Flax.
 
-from jaxquant import recipes, reference, scaling
+Importing `jaxquant` loads the vocabulary alone (formats, quantizers, roles, recipes,
+tensors). Everything else loads on first use, so that a program that needs only the
+reference never loads the kernels or the CUDA library: the reference and the delayed-
+scaling state, the ops (`dense`, `grouped_dense`) and the packages above them.
+"""
+
+import importlib
+
 from jaxquant.formats import Family, Format
-from jaxquant.ops import dense
-from jaxquant.ops import grouped_dense
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   DelayedFloat8Quantizer,
@@ -14,7 +19,49 @@ from jaxquant.quantizers import (
 )
 from jaxquant.recipes import CustomRecipe, autocast
 from jaxquant.roles import QuantizerRole
-from jaxquant.scaling import DelayedScalingState
 from jaxquant.tensor import QuantizedData, QuantizedTensor
 
 __version__ = "0.1.0"
+
+# name -> (module, its attribute or None for the module itself), imported on first use.
+_LAZY_ATTRIBUTES = {
+  "recipes": ("jaxquant.recipes", None),
+  "reference": ("jaxquant.reference", None),
+  "scaling": ("jaxquant.scaling", None),
+  "DelayedScalingState": ("jaxquant.scaling", "DelayedScalingState"),
+  "ops": ("jaxquant.ops", None),
+  "dense": ("jaxquant.ops", "dense"),
+  "grouped_dense": ("jaxquant.ops", "grouped_dense"),
+  "kernels": ("jaxquant.kernels", None),
+  "flax": ("jaxquant.flax", None),
+  "analysis": ("jaxquant.analysis", None),
+}
+
+__all__ = [
+  "BlockFloat8Quantizer",
+  "CustomRecipe",
+  "DelayedFloat8Quantizer",
+  "Family",
+  "Float8Quantizer",
+  "Format",
+  "HybridQuantizer",
+  "MXFP8Quantizer",
+  "NVFP4Quantizer",
+  "QuantizedData",
+  "QuantizedTensor",
+  "QuantizerRole",
+  "autocast",
+  *_LAZY_ATTRIBUTES,
+]
+
+
+def __getattr__(name: str):
+  if name not in _LAZY_ATTRIBUTES:
+    raise AttributeError(f"module 'jaxquant' has no attribute {name!r}")
+  module_name, attribute = _LAZY_ATTRIBUTES[name]
+  module = importlib.import_module(module_name)
+  return module if attribute is None else getattr(module, attribute)
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY_ATTRIBUTES))

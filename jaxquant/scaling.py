@@ -1,151 +1,38 @@
 """Delayed-scaling state: an explicit pytree the caller threads through training steps.
 
 NUMERICS.md, "Delayed scaling": a quantize step uses the stored `scale` and records the
-step's amax into `amax_history[0]` (by max, so several micro-batches, branches or
-devices combine correctly); `update` runs once per training step and turns the history
-into the next scale.
+step's amax into `amax_history[0]`; `update` runs once per training step and turns the
+history into the next scale. The numbers are the reference's (`jaxquant/reference/_scaling.py`).
 """
 
-from __future__ import annotations
+from jaxquant.reference._scaling import (
+  DelayedScalingState,
+  combine,
+  fan_out,
+  fold_grad_amax,
+  history_amax,
+  init_state,
+  max_amax,
+  next_scale,
+  record_amax,
+  record_grad_amax,
+  scale_divisor,
+  update,
+  with_current_slot,
+)
 
-import dataclasses
-import math
-
-import jax
-import jax.numpy as jnp
-
-from jaxquant.quantizers import DelayedFloat8Quantizer
-from jaxquant.reference import _fp32 as fp32
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DelayedScalingState:
-  amax_history: jax.Array  # fp32 [history_len]; [0] is the step being recorded
-  scale: jax.Array  # fp32 (), multiplies the tensor before the FP8 cast
-
-
-def init_state(quantizer: DelayedFloat8Quantizer) -> DelayedScalingState:
-  return DelayedScalingState(
-    jnp.zeros((quantizer.history_len,), jnp.float32), jnp.ones((), jnp.float32)
-  )
-
-
-def max_amax(a, b) -> jax.Array:
-  """Elementwise max of amaxes (>= 0 or NaN), NaN propagating and exact on subnormals.
-
-  Not jnp.maximum: XLA:CPU flushes subnormal operands of max to zero; amaxes are >= 0,
-  so the max of their magnitudes is their max.
-  """
-  return fp32.abs_maximum(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-
-
-def with_current_slot(history: jax.Array, value) -> jax.Array:
-  """`history` ([..., history_len]) with slot 0 of its last axis replaced by `value`.
-
-  A concatenation, not `history.at[..., 0].set(value)`: JAX lowers that to a scatter,
-  which XLA:GPU runs as a kernel of its own and fuses with nothing, and a delayed-scaling
-  step writes a slot for every role it records, in forward, in backward and in `update`.
-  """
-  value = jnp.broadcast_to(jnp.asarray(value, history.dtype), history.shape[:-1])
-  return jnp.concatenate([value[..., None], history[..., 1:]], axis=-1)
-
-
-def record_amax(state: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
-  """Folds an observed amax into the current history slot (max, NaN propagating); with
-  leading axes ([..., history_len], one history per group), one amax per history."""
-  hist = with_current_slot(state.amax_history, max_amax(state.amax_history[..., 0], amax))
-  return dataclasses.replace(state, amax_history=hist)
-
-
-def combine(a: DelayedScalingState, b: DelayedScalingState) -> DelayedScalingState:
-  """Merges two records of the same step (micro-batches, devices): max, never overwrite."""
-  return DelayedScalingState(max_amax(a.amax_history, b.amax_history), a.scale)
-
-
-def scale_divisor(quantizer: DelayedFloat8Quantizer) -> float:
-  """2^margin, the new scale being fmax / amax / 2^margin (exact in fp32 for a margin in
-  [-149, 127])."""
-  return math.ldexp(1.0, quantizer.margin)
-
-
-def next_scale(amax: jax.Array, scale: jax.Array, fmax: float, divisor: float) -> jax.Array:
-  """The scale after a step whose history's amax is `amax` (elementwise): fmax / amax /
-  divisor, in exact fp32 divisions; the old `scale` where amax is zero or not finite."""
-  new_scale = fp32.div(jnp.float32(fmax), amax)
-  # x / 1 is x, bit for bit; skipping it keeps one exact division (an integer emulation on
-  # GPUs) out of the step.
-  if divisor != 1.0:
-    new_scale = fp32.div(new_scale, jnp.float32(divisor))
-  keep = fp32.is_zero(amax) | ~fp32.is_finite(amax)
-  return jnp.where(keep, scale, new_scale)
-
-
-def history_amax(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> jax.Array:
-  """The amax the next scale is computed from: the history's max, or its current slot."""
-  hist = state.amax_history
-  if quantizer.amax_algo == "max":
-    return fp32.abs_max(hist, axis=-1)  # jnp.max flushes subnormals
-  return hist[..., 0]
-
-
-def update(
-  state: DelayedScalingState, quantizer: DelayedFloat8Quantizer, next_scale_of=next_scale
-) -> DelayedScalingState:
-  """The once-per-step update: new scale from the history, then roll and clear slot 0;
-  with leading axes ([..., history_len], one history per group), per group.
-
-  `next_scale_of` computes the new scales (`next_scale`'s signature and bits):
-  `kernels.delayed_scale` runs its exact divisions as CUDA instructions instead of XLA's
-  integer emulation (`ops.delayed_state.update` chooses)."""
-  scale = next_scale_of(
-    history_amax(state, quantizer),
-    state.scale,
-    float(quantizer.format("rowwise").fmax),
-    scale_divisor(quantizer),
-  )
-  hist = with_current_slot(jnp.roll(state.amax_history, -1, axis=-1), 0.0)
-  return DelayedScalingState(hist, scale)
-
-
-# ---- grad_output amaxes: known only in backward, returned as a state cotangent. ----
-#
-# An op that quantizes grad_output with delayed scaling returns its amax as the cotangent
-# of `state["grad_output"]`: `amax_history` carries it in slot 0, every other entry and
-# `scale` carry zeros (or what came in from later uses, see `fold_grad_amax`). When the
-# state is threaded (each op's returned new_state feeds the next op), each op folds the
-# cotangent arriving from later uses into its own by max, so N uses combine by max.
-# JAX itself adds cotangents when one state *value* fans out to several ops: those
-# combine by sum (an upper bound of the max); thread the state, or `fan_out` it.
-
-
-def fold_grad_amax(cotangent: DelayedScalingState, amax: jax.Array) -> DelayedScalingState:
-  """A state cotangent with `amax` folded into slot 0 by max (NaN propagating)."""
-  hist = cotangent.amax_history
-  return DelayedScalingState(with_current_slot(hist, max_amax(hist[0], amax)), cotangent.scale)
-
-
-def record_grad_amax(
-  state: DelayedScalingState, state_grad: DelayedScalingState
-) -> DelayedScalingState:
-  """Records the grad_output amax carried by `state_grad` (the gradient of the loss
-  with respect to `state`) into `state`, by max. Call before `update`."""
-  return record_amax(state, state_grad.amax_history[0])
-
-
-def fan_out(state: DelayedScalingState, n: int) -> tuple[DelayedScalingState, ...]:
-  """`n` copies of `state` for `n` ops that use it side by side (not threaded): their
-  grad_output amax cotangents then combine by max instead of JAX's sum."""
-
-  @jax.custom_vjp
-  def copies(s):
-    return (s,) * n
-
-  def bwd(_, cts):
-    hist = cts[0].amax_history
-    for ct in cts[1:]:
-      hist = max_amax(hist, ct.amax_history)
-    return (DelayedScalingState(hist, sum(ct.scale for ct in cts)),)
-
-  copies.defvjp(lambda s: (copies(s), None), bwd)
-  return copies(state)
+__all__ = [
+  "DelayedScalingState",
+  "combine",
+  "fan_out",
+  "fold_grad_amax",
+  "history_amax",
+  "init_state",
+  "max_amax",
+  "next_scale",
+  "record_amax",
+  "record_grad_amax",
+  "scale_divisor",
+  "update",
+  "with_current_slot",
+]

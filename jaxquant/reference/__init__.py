@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import scaling
 from jaxquant.formats import INPUT_DTYPES, Family
 from jaxquant.quantizers import (
   QUANTIZER_TYPES,
@@ -31,6 +30,7 @@ from jaxquant.reference import _fp32 as fp32
 from jaxquant.reference import _hadamard as hadamard
 from jaxquant.reference import _mxfp8 as mxfp8
 from jaxquant.reference import _nvfp4 as nvfp4
+from jaxquant.reference import _scaling as scaling
 from jaxquant.tensor import QuantizedData, QuantizedTensor, Usage, check_usages
 
 __all__ = [

@@ -72,7 +72,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import scaling
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   DelayedFloat8Quantizer,
@@ -88,6 +87,7 @@ from jaxquant.reference import _fp32 as fp32
 from jaxquant.reference import _hadamard as hadamard
 from jaxquant.reference import _mxfp8 as mxfp8
 from jaxquant.reference import _nvfp4 as nvfp4
+from jaxquant.reference import _scaling as scaling
 from jaxquant.reference import quantize as dense_quantize
 from jaxquant.reference import split_scales
 
