@@ -65,10 +65,13 @@ def table(variants: list[dict], top: int) -> str:
   ]
   for v in variants:
     slowest = ", ".join(f"{name} {t:.2f}" for name, t in v["passes"].most_common(top))
-    phase = lambda name: f"{v['phases'][name]:.2f}" if name in v["phases"] else "-"
+    hlo_passes, backend = (
+      f"{v['phases'][name]:.2f}" if name in v["phases"] else "-"
+      for name in ("RunHloPasses", "RunBackend")
+    )
     rows.append(
-      f"| {v['variant']} | {v['compile_s']:.1f} | {phase('RunHloPasses')} | "
-      f"{phase('RunBackend')} | {sum(v['passes'].values()):.2f} | {slowest} |"
+      f"| {v['variant']} | {v['compile_s']:.1f} | {hlo_passes} | "
+      f"{backend} | {sum(v['passes'].values()):.2f} | {slowest} |"
     )
   return "\n".join(rows)
 

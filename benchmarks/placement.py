@@ -29,8 +29,8 @@ be 1 ulp off (tests/kernels/test_kernels_gpu.py, `reference_on_cpu`).
 bf16 and Qwix's FP8 per tensor (where qwix is installed) are timed in the same interleaved
 turns. Records, merged into benchmarks/results/<gpu>/placement.json: `step_ms`,
 `speedup_vs_bf16` and, for the other placements, `speedup_vs_default` (the default
-placement's step time over theirs), op `placement_<preset>_<placement>` (bf16 and Qwix: `placement_bf16`,
-`placement_qwix_fp8_tensor`).
+placement's step time over theirs), op `placement_<preset>_<placement>` (bf16 and Qwix:
+`placement_bf16`, `placement_qwix_fp8_tensor`).
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ def xla_codes_differ() -> int:
   for element in ("e4m3", "e5m2"):
     fmax = ELEMENT_MAX[element]
     for scale in (1.0, 3.7, 1e-3):
-      want = jax.jit(lambda v: reference_fp8.cast(v, jnp.float32(scale), element))(x)
-      got = jax.jit(lambda v: xla_codes(v, jnp.float32(scale), element, fmax))(x)
+      want = jax.jit(reference_fp8.cast, static_argnums=2)(x, jnp.float32(scale), element)
+      got = jax.jit(xla_codes, static_argnums=(2, 3))(x, jnp.float32(scale), element, fmax)
       differ += int(
         np.sum(
           np.asarray(elements.dtype_to_codes(want)) != np.asarray(elements.dtype_to_codes(got))

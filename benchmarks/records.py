@@ -6,8 +6,8 @@ A file holds {"benchmark", "device", "records"}; a record is {"op", "shape", "me
 RECORDED_ENVIRONMENT that were made), the date (UTC) and the JAX version. A run replaces
 the records it measures (same op, shape and metric) and keeps the others, so a run of a
 few sections (`--only`, as fits in one 10-minute device call) refreshes its part of the
-file and every figure stays traceable to the run that produced it. The file is rewritten after every record, so a run cut short
-keeps what it measured.
+file and every figure stays traceable to the run that produced it. The file is rewritten
+after every record, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
     python benchmarks/run.py --profile [--only REGEX]   # each kernel once, for ncu
 
 Everything is measured in one process: a device copy of the input (read + write, the
-bandwidth ceiling; timed first and last, the faster counts), each cast through the CUDA kernels, and the same cast through the
-XLA reference path (`implementation="reference"`). Effective bandwidth counts the fewest
-bytes a cast must move: the input read once and every output (data, scales) written once.
+bandwidth ceiling; timed first and last, the faster counts), each cast through the CUDA
+kernels, and the same cast through the XLA reference path (`implementation="reference"`).
+Effective bandwidth counts the fewest bytes a cast must move: the input read once and every
+output (data, scales) written once.
 Prints a table and merges its records {"op", "shape", "metric", "value"} into
 benchmarks/results/<gpu>/casts.json (records.py: a run replaces the records it measured and
 keeps the others). Ratio metrics are fraction_of_copy (kernel bandwidth over the copy's
@@ -142,8 +143,16 @@ def main():
       kernel_args = xla_args = (x, r, c)
       out = kernel(*kernel_args)
     else:
-      kernel = jax.jit(lambda x: ops.quantize(x, q, usages, key=key, implementation="kernel"))
-      xla = jax.jit(lambda x: ops.quantize(x, q, usages, key=key, implementation="reference"))
+      kernel = jax.jit(
+        functools.partial(
+          ops.quantize, quantizer=q, usages=usages, key=key, implementation="kernel"
+        )
+      )
+      xla = jax.jit(
+        functools.partial(
+          ops.quantize, quantizer=q, usages=usages, key=key, implementation="reference"
+        )
+      )
       kernel_args = xla_args = (x,)
       out = kernel(x)
     moved = x.nbytes + nbytes(out)

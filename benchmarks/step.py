@@ -16,10 +16,11 @@ fp8_current / fp8_delayed with fast accumulation in every GEMM, `_fast`), Flax's
 
 For each shape, in one process: every variant's step is traced, lowered and compiled once
 (`compile_s`: tracing and lowering included, the time a user waits before the first step
-runs; a tiny step runs before any, so that the backend's start-up counts in none), run for a few warm-up steps that carry the model's collections (delayed-scaling
-state) forward, then all variants are timed in interleaved turns (timing.py), each turn
-after a warm-up, from the same parameters and optimizer state (no donation: every call
-writes new ones, as a donating step would in place) and the collections its warm-up left.
+runs; a tiny step runs before any, so that the backend's start-up counts in none), run for
+a few warm-up steps that carry the model's collections (delayed-scaling state) forward,
+then all variants are timed in interleaved turns (timing.py), each turn after a warm-up,
+from the same parameters and optimizer state (no donation: every call writes new ones, as
+a donating step would in place) and the collections its warm-up left.
 Records per (variant, shape), merged into benchmarks/results/<gpu>/step.json (records.py):
 `step_ms` (median over the rounds), `speedup_vs_bf16` and `speedup_vs_best_peer` (ratios
 of median times, with `_lowest_round` records: the lowest ratio within one round; the best

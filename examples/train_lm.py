@@ -275,7 +275,7 @@ class RecipeTrainer:
       window_losses.append(loss)  # a device array: the host runs ahead until the window ends
       evaluate = step % train_config.eval_every == 0 or step == train_config.steps
       if step == 1 or evaluate or step % SYNC_EVERY == 0:
-        result.train_losses.extend(float(l) for l in window_losses)  # waits for the window
+        result.train_losses.extend(float(loss) for loss in window_losses)  # waits for the window
         seconds = (time.perf_counter() - window_start) / len(window_losses)
         if step == 1:
           if self.compile_seconds is None:

@@ -8,6 +8,7 @@ scaling state, the ops (`dense`, `grouped_dense`) and the packages above them.
 
 import importlib
 
+from jaxquant import recipes
 from jaxquant.formats import Family, Format
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
@@ -25,7 +26,6 @@ __version__ = "0.1.0"
 
 # name -> (module, its attribute or None for the module itself), imported on first use.
 _LAZY_ATTRIBUTES = {
-  "recipes": ("jaxquant.recipes", None),
   "reference": ("jaxquant.reference", None),
   "scaling": ("jaxquant.scaling", None),
   "DelayedScalingState": ("jaxquant.scaling", "DelayedScalingState"),
@@ -51,6 +51,7 @@ __all__ = [
   "QuantizedTensor",
   "QuantizerRole",
   "autocast",
+  "recipes",
   *_LAZY_ATTRIBUTES,
 ]
 

@@ -8,12 +8,13 @@ Layout contract (NUMERICS.md, "Usages and layouts"): a tensor of logical shape
 
 Per family, `QuantizedData` holds (rows × cols is the stored shape):
 
-| family     | data                          | scale_inv                                  | amax |
-| ---------- | ----------------------------- | ------------------------------------------ | ---- |
-| FP8_TENSOR | f8 [rows, cols]               | fp32 (), = 1 / scale                        | None |
-| FP8_BLOCK  | f8 [rows, cols]               | fp32 [ceil(rows/br), ceil(cols/bc)]         | None |
-| MXFP8      | f8 [rows, cols]               | float8_e8m0fnu [rows, cols/32]              | None |
-| NVFP4      | uint8 [rows, cols/2], packed  | float8_e4m3fn [rows, cols/16] or [rows/16, cols/16] (16x16) | fp32 () or [rows] |
+| family     | data                   | scale_inv                                | amax          |
+| ---------- | ---------------------- | ---------------------------------------- | ------------- |
+| FP8_TENSOR | f8 [rows, cols]        | fp32 (), = 1 / scale                     | None          |
+| FP8_BLOCK  | f8 [rows, cols]        | fp32 [ceil(rows/br), ceil(cols/bc)]      | None          |
+| MXFP8      | f8 [rows, cols]        | float8_e8m0fnu [rows, cols/32]           | None          |
+| NVFP4      | uint8 [rows, cols/2]   | float8_e4m3fn [rows, cols/16]            | fp32 ()       |
+|            | (packed)               | or [rows/16, cols/16] (16x16 tiles)      | or [rows]     |
 
 NVFP4 packs element 2j in the low nibble and 2j+1 in the high nibble of byte j.
 """

@@ -208,7 +208,9 @@ def _apply(model: RecipeModel, params: Any, collections: dict, windows: jax.Arra
   )
   updated = dict(updated)
   # Summed over layers too: under nn.scan a sown loss has a leading layer axis.
-  aux_loss = sum((jnp.sum(l) for l in jax.tree.leaves(updated.pop(AUX_LOSSES, {}))), jnp.float32(0))
+  aux_loss = sum(
+    (jnp.sum(leaf) for leaf in jax.tree.leaves(updated.pop(AUX_LOSSES, {}))), jnp.float32(0)
+  )
   loss = next_token_loss(logits, targets)
   return loss + aux_loss, (loss, updated)
 

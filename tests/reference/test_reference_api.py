@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +69,7 @@ ALL = [
 
 
 def _leaves_bits(tree):
-  return [np.asarray(l).reshape(-1).view(np.uint8) for l in jax.tree_util.tree_leaves(tree)]
+  return [np.asarray(leaf).reshape(-1).view(np.uint8) for leaf in jax.tree_util.tree_leaves(tree)]
 
 
 # Eager execution dispatches op by op (slow for the unrolled RHT): one dtype per quantizer,
@@ -96,7 +98,8 @@ def test_vmap_matches_per_example(q):
     one = rc.quantize_jit(jnp.asarray(xb[i]), q, rc.USAGES, key=KEY)
     # Indexed on the host: an XLA slice of FP8 data may rewrite NaN payloads (JAX 0.11's
     # CPU backend turns E5M2 0x7E into 0x7F), and the test compares stored bits.
-    got = jax.tree_util.tree_map(lambda l: np.asarray(l)[i], batched)
+    host = jax.tree_util.tree_map(np.asarray, batched)
+    got = jax.tree_util.tree_map(operator.itemgetter(i), host)
     for a, b in zip(_leaves_bits(got), _leaves_bits(one), strict=False):
       np.testing.assert_array_equal(a, b)
 
