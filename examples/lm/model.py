@@ -23,8 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxquant.flax.linen import QUANT_RNG
-from jaxquant.flax.state import QUANT_STATE
+from jaxquant.flax import QUANT_RNG, QUANT_STATE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`--moe`: every block's MLP becomes jaxquant's Mixture-of-Experts block (jaxquant.flax.moe).
+"""`--moe`: every block's MLP becomes jaxquant's Mixture-of-Experts block (jaxquant.flax.MoE).
 
 The block routes each token to TOP_K of NUM_EXPERTS experts, each a gated SiLU MLP whose
 three projections are `GroupedDense` layers (one [experts, in, out] weight each, role
@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 
 from jaxquant import recipes
-from jaxquant.flax.moe import MoE
+from jaxquant.flax import MoE
 from lm.model import AUX_LOSSES, ModelConfig, MoeMlpFactory
 
 NUM_EXPERTS = 4

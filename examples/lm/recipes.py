@@ -18,8 +18,13 @@ from typing import Callable, Optional
 import flax.linen as nn
 
 from jaxquant import recipes as jq_recipes
-from jaxquant.flax import ModelWeightGather, QuantizedModel, quantize_model, update_quant_state
-from jaxquant.flax.linen import QUANT_RNG
+from jaxquant.flax import (
+  QUANT_RNG,
+  ModelWeightGather,
+  QuantizedModel,
+  quantize_model,
+  update_quant_state,
+)
 from jaxquant.ops._grouped_dense import MODULE_TYPE as GROUPED_LINEAR
 from jaxquant.quantizers import Quantizer, needs_state
 from jaxquant.roles import QuantizerRole

@@ -24,3 +24,17 @@ from jaxquant.analysis._suggest import (
   ranked_modules,
   suggest_recipe,
 )
+
+__all__ = [
+  "RANK_BY",
+  "KeepHighPrecision",
+  "ModelEffect",
+  "ModuleSensitivity",
+  "RankBy",
+  "RoleSensitivity",
+  "SensitivityReport",
+  "plot_sensitivity",
+  "ranked_modules",
+  "sensitivity",
+  "suggest_recipe",
+]

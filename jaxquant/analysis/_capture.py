@@ -24,13 +24,15 @@ from typing import Callable, Iterator, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxquant import recipes
 from jaxquant.analysis._gemm_view import GemmView, gemm_view, kernel_of, promoted
+from jaxquant.flax import nnx as jq_nnx
+from jaxquant.flax._nnx_graph import replace_submodules
 from jaxquant.roles import QuantizerRole
 
 # The module_type of the roles the Flax GEMM layers emit (the only ones taps capture).
-LINEAR = "linear"
 
 
 class RoleRecorder:
@@ -153,34 +155,26 @@ def linen_taps():
 # ---- NNX: each swapped GEMM layer wrapped in a module that taps it. ----
 
 
-def _nnx_tap_class():
-  from flax import nnx
+class NnxTap(nnx.Module):
+  """Calls the wrapped jaxquant GEMM layer and taps it (same Params, one level down)."""
 
-  class NnxTap(nnx.Module):
-    """Calls the wrapped jaxquant GEMM layer and taps it (same Params, one level down)."""
+  def __init__(self, inner):
+    self.inner = inner
 
-    def __init__(self, inner):
-      self.inner = inner
-
-    def __call__(self, inputs, *args, **kwargs):
-      y = self.inner(inputs, *args, **kwargs)
-      return _tap(self.inner, self.inner.role_name or "", inputs, y, kwargs)
-
-  return NnxTap
+  def __call__(self, inputs, *args, **kwargs):
+    y = self.inner(inputs, *args, **kwargs)
+    return _tap(self.inner, self.inner.role_name or "", inputs, y, kwargs)
 
 
 def wrap_nnx_gemms(model) -> None:
   """Wraps, in place, every jaxquant NNX GEMM layer reachable from model in a tap."""
-  from jaxquant.flax import nnx as jq_nnx
-
-  tap_class = _nnx_tap_class()
 
   def replace(child, path):
     if isinstance(child, jq_nnx.QUANTIZED_MODULES):
-      return tap_class(child)
-    return child if isinstance(child, tap_class) else None
+      return NnxTap(child)
+    return child if isinstance(child, NnxTap) else None
 
-  jq_nnx.replace_submodules(model, replace)
+  replace_submodules(model, replace)
 
 
 def zero_probes(shapes: dict[str, list[jax.ShapeDtypeStruct]]) -> dict[str, list[jax.Array]]:

@@ -41,6 +41,7 @@ from jaxquant.analysis import _capture as capture
 from jaxquant.analysis import _gemm_error as gemm_error
 from jaxquant.analysis._runners import LossFn, runner_for
 from jaxquant.analysis._suggest import RankBy
+from jaxquant.analysis._table import format_report
 from jaxquant.quantizers import (
   DelayedFloat8Quantizer,
   Float8Quantizer,
@@ -128,8 +129,6 @@ class SensitivityReport:
   def table(self, rank_by: RankBy = "gemm_sqnr") -> str:
     """Markdown: the modules ranked by `rank_by` ("gemm_sqnr", the order of `modules`, or
     "loss_change", which needs model_runs="module"), then their roles."""
-    from jaxquant.analysis._table import format_report
-
     return format_report(self, rank_by)
 
 

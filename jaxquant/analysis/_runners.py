@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from jaxquant import recipes
 from jaxquant.analysis import _capture as capture
-from jaxquant.flax import QuantizedModel, quantize_model
-from jaxquant.flax.linen import QUANT_RNG
+from jaxquant.flax import QUANT_RNG, QuantizedModel, quantize_model
+from jaxquant.flax._module_types import LINEAR
 
 LossFn = Callable[[Callable[..., Any], Any], jax.Array]
 PARAMS = "params"
@@ -82,7 +82,7 @@ class LinenRunner:
 
   def record(self, recorder: capture.RoleRecorder) -> capture.Taps:
     taps = capture.Taps(
-      lambda name: name in {r.name for r in recorder.roles if r.module_type == capture.LINEAR}
+      lambda name: name in {r.name for r in recorder.roles if r.module_type == LINEAR}
     )
 
     def shapes_only(params, rest, batch, key):
@@ -145,7 +145,7 @@ class NnxRunner:
 
     graphdef, state = nnx.split(self._tapped(recorder.recipe))
     taps = capture.Taps(
-      lambda name: name in {r.name for r in recorder.roles if r.module_type == capture.LINEAR}
+      lambda name: name in {r.name for r in recorder.roles if r.module_type == LINEAR}
     )
 
     def shapes_only(state, batch):

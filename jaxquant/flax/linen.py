@@ -8,11 +8,13 @@ the module's, then the model's (`jaxquant.flax.quantize_model`), then `autocast`
 A module's roles are named by its module path ('decoder/layer_0/mlp/wi'). When the
 recipe quantizes nothing for it, the layer runs Flax's own code (bit-identical);
 otherwise its contraction becomes one GEMM through `jaxquant.ops.dense`. Delayed-scaling
-state lives in the "quant_state" collection (`jaxquant.flax.state`); stochastic rounding
-draws its key from the "quant" RNG stream (`apply(..., rngs={"quant": key})`).
+state lives in the "quant_state" collection (`jaxquant.flax.update_quant_state`);
+stochastic rounding draws its key from the "quant" RNG stream (`apply(..., rngs={"quant":
+key})`).
 
 `gemm_call` is the implementation shared with the swap-in (`jaxquant.flax.swap`), which
-runs it on Flax's own nn.Dense / nn.DenseGeneral / nn.Einsum instances.
+runs it on Flax's own nn.Dense / nn.DenseGeneral / nn.Einsum instances, and `native_call`
+on these layers under the model's recipe.
 """
 
 from __future__ import annotations
@@ -21,23 +23,21 @@ import dataclasses
 from typing import Callable, Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import opt_einsum
 from flax.core import meta
 
 from jaxquant import recipes
-from jaxquant.flax import contraction
-from jaxquant.flax import session as sessions
-from jaxquant.flax.metadata import annotate_linen_weight
-from jaxquant.flax.state import QUANT_STATE, init_role_states
+from jaxquant.flax import _contraction as contraction
+from jaxquant.flax import _session as sessions
+from jaxquant.flax._metadata import annotate_linen_weight
+from jaxquant.flax._module_types import LINEAR
+from jaxquant.flax._rng import linen_key
+from jaxquant.flax._state import QUANT_STATE, init_role_states
 from jaxquant.ops._operands import is_high_precision
-from jaxquant.quantizers import needs_key, needs_state
+from jaxquant.quantizers import needs_state
 from jaxquant.roles import gemm_roles
-
-MODULE_TYPE = "linear"
-QUANT_RNG = "quant"
 
 
 def module_path(module: nn.Module) -> str:
@@ -159,19 +159,6 @@ def _state_variables(module, roles, quantizers):
   return variables
 
 
-def _key(module, quantizers):
-  if not any(needs_key(q) for q in quantizers.values()):
-    return None
-  if module.is_initializing():
-    return jax.random.key(0)  # init only needs shapes; keep the params RNG stream untouched
-  if not module.has_rng(QUANT_RNG):
-    raise ValueError(
-      f"{_describe(module)}: its recipe rounds stochastically; pass a PRNG key "
-      f"for the {QUANT_RNG!r} stream: model.apply(..., rngs={{'{QUANT_RNG}': key}})"
-    )
-  return module.make_rng(QUANT_RNG)
-
-
 def gemm_call(
   module: nn.Module,
   flax_call: Callable,
@@ -190,14 +177,14 @@ def gemm_call(
     model_recipe: the recipe of the whole model, if any (the module's own wins).
     annotate: box the weight with its role (`metadata.QuantizedWeight`) during init.
 
-  Under a swap-in session (`jaxquant.flax.session`) the layer is recorded for the
+  Under a swap-in session (`jaxquant.flax._session`) the layer is recorded for the
   report, and a shape its quantizers do not fit runs Flax's code when the session's
   `on_unfit` is "high_precision".
   """
   name = module_path(module)
   recipe = recipes.resolve(getattr(module, "recipe", None), model_recipe)
-  roles = gemm_roles(MODULE_TYPE, name)
-  quantizers = recipe.quantizers(MODULE_TYPE, name)
+  roles = gemm_roles(LINEAR, name)
+  quantizers = recipe.quantizers(LINEAR, name)
   session = sessions.current()
   record = lambda status, shapes: (
     session
@@ -249,7 +236,7 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
     backward=recipe.backward,
     name=module_path(module),
     what=what,
-    key=_key(module, quantizers),
+    key=linen_key(module, quantizers, what),
     state=state,
     weight_gather=gather,
     fast_accumulation=recipe.fast_accumulation,
@@ -261,7 +248,8 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
   return y if bias is None else add_bias(y, bias)
 
 
-def _call_native(module, *args, model_recipe=None, **kwargs):
+def native_call(module, *args, model_recipe=None, **kwargs):
+  """A jaxquant Dense / DenseGeneral / Einsum's call, under `model_recipe` unless it has its own."""
   flax_call = _flax_class(module).__call__.__wrapped__
   return gemm_call(
     module,
@@ -280,7 +268,7 @@ class Dense(nn.Dense):
 
   @nn.compact
   def __call__(self, inputs):
-    return _call_native(self, inputs)
+    return native_call(self, inputs)
 
 
 class DenseGeneral(nn.DenseGeneral):
@@ -290,7 +278,7 @@ class DenseGeneral(nn.DenseGeneral):
 
   @nn.compact
   def __call__(self, inputs):
-    return _call_native(self, inputs)
+    return native_call(self, inputs)
 
 
 class Einsum(nn.Einsum):
@@ -300,7 +288,7 @@ class Einsum(nn.Einsum):
 
   @nn.compact
   def __call__(self, inputs, einsum_str: Optional[str] = None):
-    return _call_native(self, inputs, einsum_str=einsum_str)
+    return native_call(self, inputs, einsum_str=einsum_str)
 
 
 QUANTIZED_MODULES = (Dense, DenseGeneral, Einsum)

@@ -1,4 +1,4 @@
-"""Quantized NNX layers: Linear, Einsum, and the NNX side of the swap-in.
+"""Quantized NNX layers: Linear, Einsum.
 
 Each subclasses Flax's layer of the same name (same constructor arguments, Params and
 initializers), plus keyword-only `recipe` (the module's own; it wins over the model's
@@ -20,20 +20,16 @@ import opt_einsum
 from flax import nnx
 
 from jaxquant import recipes
-from jaxquant.flax import contraction, interception
-from jaxquant.flax import session as sessions
-from jaxquant.flax.grouped import NnxGroupedDense
-from jaxquant.flax.metadata import nnx_weight_metadata
-from jaxquant.flax.state import init_role_states, stacked_role_states
+from jaxquant.flax import _contraction as contraction
+from jaxquant.flax import _routing_pause as routing_pause
+from jaxquant.flax import _session as sessions
+from jaxquant.flax._metadata import nnx_weight_metadata
+from jaxquant.flax._module_types import LINEAR
+from jaxquant.flax._rng import nnx_key
+from jaxquant.flax._state import QuantState, init_role_states, stacked_role_states
 from jaxquant.ops._operands import is_high_precision
-from jaxquant.quantizers import needs_key, needs_state
+from jaxquant.quantizers import needs_state
 from jaxquant.roles import gemm_roles
-
-MODULE_TYPE = "linear"
-
-
-class QuantState(nnx.Variable):
-  """Delayed-scaling state of one NNX layer: {tensor_type: RoleState}."""
 
 
 class _QuantizedGemm:
@@ -54,7 +50,7 @@ class _QuantizedGemm:
     self.role_name = name
     self.model_recipe = model_recipe
     quantizers = self._resolve()[1]
-    roles = gemm_roles(MODULE_TYPE, name)
+    roles = gemm_roles(LINEAR, name)
     stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
     if stateful:
       # A layer built under nnx.vmap (layers for nnx.scan) has stacked kernels: its state
@@ -77,7 +73,7 @@ class _QuantizedGemm:
 
   def _resolve(self):
     recipe = recipes.resolve(self.recipe, self.model_recipe)
-    return recipe, recipe.quantizers(MODULE_TYPE, self.role_name or "")
+    return recipe, recipe.quantizers(LINEAR, self.role_name or "")
 
   def _state(self, quantizers):
     stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
@@ -94,17 +90,15 @@ class _QuantizedGemm:
     return {t: held[t].scaling for t in stateful}
 
   def _key(self, quantizers):
-    if not any(needs_key(q) for q in quantizers.values()):
-      return None
-    if self.quant_rngs is None:
-      raise ValueError(
-        f"{self._what()}: its recipe rounds stochastically; pass "
-        "quant_rngs=nnx.Rngs(quant=seed) (or rngs= to quantize_model)"
-      )
-    return self.quant_rngs.quant()
+    return nnx_key(
+      self.quant_rngs,
+      quantizers,
+      self._what(),
+      "quant_rngs=nnx.Rngs(quant=seed) (or rngs= to quantize_model)",
+    )
 
   def _gemm(self, flax_call, plan_fn, inputs, *args, **kwargs):
-    with interception.paused():  # its own contraction is this layer's business
+    with routing_pause.paused():  # its own contraction is this layer's business
       return self._gemm_unrouted(flax_call, plan_fn, inputs, *args, **kwargs)
 
   def _gemm_unrouted(self, flax_call, plan_fn, inputs, *args, **kwargs):
@@ -227,100 +221,3 @@ class Einsum(_QuantizedGemm, nnx.Einsum):
 
 
 QUANTIZED_MODULES = (Linear, Einsum)
-# jaxquant's own layers, which `quantize_model` binds to their path and the model recipe.
-NATIVE_MODULES = QUANTIZED_MODULES + (NnxGroupedDense,)
-# Exactly these Flax classes are swapped (their subclasses may override __call__).
-_SWAPPED = {nnx.Linear: Linear, nnx.Einsum: Einsum}
-
-
-def _quantized_twin(module: nnx.Module, quant_rngs) -> nnx.Module:
-  """A jaxquant layer holding the very same Variables and attributes as `module`.
-
-  Built abstractly (no weights are initialised), then given the original's attributes.
-  """
-  cls = _SWAPPED[type(module)]
-  if cls is Linear:
-    make = lambda: Linear(
-      module.in_features, module.out_features, use_bias=module.use_bias, rngs=nnx.Rngs(0)
-    )
-  else:
-    make = lambda: Einsum(
-      module.einsum_str, module.kernel_shape, module.bias_shape, rngs=nnx.Rngs(0)
-    )
-  twin = nnx.eval_shape(make)
-  for attr, value in vars(module).items():
-    if not attr.startswith("_pytree__"):
-      setattr(twin, attr, value)
-  twin.quant_rngs = nnx.data(quant_rngs)
-  return twin
-
-
-def _path(path) -> str:
-  return "/".join(str(k) for k in path)
-
-
-def swap_modules(
-  model: nnx.Module,
-  recipe: Optional[recipes.CustomRecipe],
-  *,
-  annotate: bool = False,
-  rngs: Optional[nnx.Rngs] = None,
-) -> nnx.Module:
-  """Replaces, in place, every nnx.Linear / nnx.Einsum reachable from `model` (every
-  reference to it) by its quantized twin, and binds every jaxquant layer to its module
-  path and the model recipe. Returns `model`."""
-  if type(model) in _SWAPPED:
-    raise TypeError(
-      f"quantize_model: the model itself is a {type(model).__name__}; wrap it "
-      "in a module, or build jaxquant.flax.nnx's layer directly"
-    )
-
-  def replace(child, path):
-    if type(child) in _SWAPPED:
-      twin = _quantized_twin(child, rngs)
-      twin.bind_role(_path(path), recipe, annotate=annotate)
-      return twin
-    if isinstance(child, NATIVE_MODULES):
-      child.bind_role(_path(path), recipe)
-      if rngs is not None and child.quant_rngs is None:
-        child.quant_rngs = nnx.data(rngs)
-      return child
-    return None
-
-  replace_submodules(model, replace)
-  return model
-
-
-def replace_submodules(model: nnx.Module, replace) -> None:
-  """Walks every module reachable from `model`, each once, replacing in place.
-
-  `replace(child, path)` is asked once per module (every reference to it gets the same
-  answer): a new module to put in its place, the module itself to keep it as it is, or
-  None to keep it and walk into its own submodules.
-  """
-  answers: dict[int, Optional[nnx.Module]] = {}
-  walked: set[int] = set()
-
-  def visit(node, path):
-    if id(node) in walked:
-      return
-    walked.add(id(node))
-    impl = nnx.graph.get_node_impl(node)
-    for key, child in impl.node_dict(node).items():
-      if isinstance(child, nnx.Variable) or not nnx.graph.is_node(child):
-        continue
-      child_path = path + (key,)
-      if id(child) not in answers:
-        answers[id(child)] = replace(child, child_path)
-      new = answers[id(child)]
-      if new is None:
-        visit(child, child_path)
-      elif new is not child:
-        if getattr(impl, "set_key", None) is None:
-          raise TypeError(
-            f"cannot replace the module at {_path(child_path)!r} inside an "
-            f"immutable {type(node).__name__}; use nnx.List / nnx.Dict"
-          )
-        impl.set_key(node, key, new)
-
-  visit(model, ())

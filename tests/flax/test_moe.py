@@ -8,9 +8,8 @@ from flax import nnx
 
 import jaxquant.flax as jqf
 from jaxquant import recipes
-from jaxquant.flax.grouped import GroupedDense, NnxGroupedDense
-from jaxquant.flax.metadata import weight_roles
-from jaxquant.flax.moe import MoE, permute, route, unpermute
+from jaxquant.flax import GroupedDense, MoE, NnxGroupedDense, weight_roles
+from jaxquant.flax._moe import permute, route, unpermute
 from jaxquant.quantizers import Float8Quantizer
 
 SIZES = jnp.array([3, 0, 5], jnp.int32)

@@ -50,22 +50,20 @@ def test_trains_under_recipe(plain_losses, recipe):
   if recipe is recipes.bf16:
     assert losses == plain_losses
   if recipe is recipes.fp8_delayed:
-    for s in jax.tree.leaves(nnx.state(model, jqf.QuantState), is_leaf=jqf.state.is_role_state):
+    for s in jax.tree.leaves(nnx.state(model, jqf.QuantState), is_leaf=jqf.is_role_state):
       assert s.scaling.scale != 1.0 and s.scaling.amax_history[-1] > 0, s.role
 
 
 def test_scanned_remat_state_is_per_layer_and_advances_once_per_step():
   model = jqf.quantize_model(tt.NnxScannedLM(nnx.Rngs(0)), recipes.fp8_delayed)
-  states = jax.tree.leaves(nnx.state(model, jqf.QuantState), is_leaf=jqf.state.is_role_state)
+  states = jax.tree.leaves(nnx.state(model, jqf.QuantState), is_leaf=jqf.is_role_state)
   assert len(states) == 3 * (len(tt.BLOCK_GEMMS) + 1)  # the stacked block's GEMMs, the head
   scanned = model.layers.mlp.wi.quant_state.get_value()
   assert scanned["input"].scaling.amax_history.shape == (tt.LAYERS, 1024)
   assert scanned["input"].role.name == "layers/mlp/wi"
   losses = tt.train_nnx(model, 2, tt.batch())
   assert np.all(np.isfinite(losses))
-  for state in jax.tree.leaves(
-    nnx.state(model.layers, jqf.QuantState), is_leaf=jqf.state.is_role_state
-  ):
+  for state in jax.tree.leaves(nnx.state(model.layers, jqf.QuantState), is_leaf=jqf.is_role_state):
     hist = state.scaling.amax_history
     # Two updates: the two recorded amaxes rolled to the end, slot 0 cleared, per layer.
     assert np.all(hist[:, -2:] > 0) and np.all(hist[:, :-2] == 0), state.role

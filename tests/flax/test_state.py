@@ -11,6 +11,7 @@ import tiny_transformers as tt
 
 import jaxquant.flax as jqf
 from jaxquant import recipes, scaling
+from jaxquant.flax._state import _delayed
 from jaxquant.quantizers import DelayedFloat8Quantizer
 from jaxquant.roles import QuantizerRole
 
@@ -18,7 +19,7 @@ ROLES = ("input", "weight", "grad_output")
 
 
 def _role_states(collections):
-  return jax.tree.leaves(collections, is_leaf=jqf.state.is_role_state)
+  return jax.tree.leaves(collections, is_leaf=jqf.is_role_state)
 
 
 def test_scanned_remat_state_is_per_layer_and_advances_once_per_step():
@@ -107,7 +108,7 @@ def _per_role_update(state, grad):
         one,
         scaling.DelayedScalingState(grad.scaling.amax_history[layer], grad.scaling.scale[layer]),
       )
-    one = scaling.update(one, jqf.state._delayed(state.quantizer))
+    one = scaling.update(one, _delayed(state.quantizer))
     s = scaling.DelayedScalingState(
       s.amax_history.at[layer].set(one.amax_history), s.scale.at[layer].set(one.scale)
     )
@@ -134,7 +135,7 @@ def test_update_advances_each_role_as_it_would_alone():
         hist.flat[rng.integers(0, hist.size, 4)] = rng.choice(special, 4)
         scale = rng.uniform(0.5, 2, layers).astype(np.float32)
         role = QuantizerRole("linear", t, f"m{i}{len(layers)}")
-        state = jqf.state.RoleState(
+        state = jqf.RoleState(
           scaling.DelayedScalingState(jnp.asarray(hist), jnp.asarray(scale)), role, q
         )
         grad_hist = np.zeros(shape, np.float32)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import recipes
-from jaxquant.flax.grouped import GroupedDense
+from jaxquant.flax._grouped import GroupedDense
 
 
 def route(logits: jax.Array, top_k: int):

@@ -1,15 +1,14 @@
 """One trace of a quantized model: its recipe and options, and what the swap-in found.
 
-`quantize_model`'s Linen wrapper and NNX model open a `Session` around each call of the
-model (`active(session)`); everything the swap-in does inside reads it through
-`current()`: stock layers, jaxquant's layers and hooks, and the handler of routed
-contractions (`jaxquant.flax.routed`) take the model recipe and `on_unfit` from it, and
-record each contraction they meet as a `Row` (what `swap_report` prints and what the
-no-GEMM check counts).
+The swap-in (`jaxquant.flax.swap`) opens a `Session` around each call of a quantized
+model (`active(session)`); everything that runs inside reads it through `current()`:
+jaxquant's layers, stock layers run by the swap-in, its hooks and the handler of routed
+contractions take the model recipe, `on_unfit` and `weight_gather` from it, and record
+each contraction they meet as a `Row` (what `swap_report` prints and what the no-GEMM
+check counts). The layers read it without knowing the swap-in: it sits below both.
 
-The framework side (Linen or NNX) supplies `find_weight(operand) -> WeightRef | None`:
-which param of the model an operand is, and the `Host` that owns it (where its
-delayed-scaling state lives and where a stochastic-rounding key comes from).
+The swap-in also supplies `find_weight(operand)`: which param of the model an operand
+is (a `jaxquant.flax.swap` weight reference), or None.
 """
 
 from __future__ import annotations
@@ -51,30 +50,13 @@ class Row:
     return self.role is not None
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightRef:
-  """A param the model's code contracted: its owner's path, its name, whether it is the
-  owner's only weight (then the role is named by the path alone), and the owner's host."""
-
-  path: str
-  param: str
-  only_weight: bool
-  host: Any
-
-  @property
-  def role_name(self) -> str:
-    if self.only_weight:
-      return self.path
-    return f"{self.path}/{self.param}" if self.path else self.param
-
-
 @dataclasses.dataclass
 class Session:
   recipe: Optional[recipes.CustomRecipe]
   on_unfit: OnUnfit = "error"
-  find_weight: Callable[[Any], Optional[WeightRef]] = lambda operand: None
+  find_weight: Callable[[Any], Any] = lambda operand: None
   rows: list[Row] = dataclasses.field(default_factory=list)
-  # quantize_model's weight_gather (a jaxquant.flax.weight_gather.ModelWeightGather), or None.
+  # quantize_model's weight_gather (a `ModelWeightGather`), or None.
   weight_gather: Any = None
 
   def record(self, row: Row) -> None:
@@ -118,19 +100,3 @@ def active(session: Optional[Session]):
 def check_on_unfit(on_unfit: str) -> None:
   if on_unfit not in ON_UNFIT:
     raise ValueError(f"on_unfit must be one of {ON_UNFIT}, got {on_unfit!r}")
-
-
-def check_found_gemms(session: Session, what: str) -> None:
-  """The no-silent-no-op rule: a recipe that quantizes must have found a weight GEMM."""
-  if any(row.is_weight_gemm for row in session.rows):
-    return
-  recipe = recipes.resolve(session.recipe)
-  probe = {**recipe.quantizers("linear", ""), **recipe.quantizers("grouped_linear", "")}
-  if all(q is None for q in probe.values()):
-    return  # e.g. bf16: nothing to quantize, nothing missed
-  raise ValueError(
-    f"{what}: the recipe {recipe.name!r} quantizes, but the model made no GEMM with a "
-    f"weight that the swap-in reaches ({len(session.rows)} contractions met, none with a "
-    "param operand), so it would run entirely in high precision. jaxquant.flax.swap_report "
-    "lists what was met. If this is intended, pass require_gemm=False to quantize_model"
-  )

@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import recipes
-from jaxquant.flax import interception, routed
-from jaxquant.flax import session as sessions
-from jaxquant.flax.linen_routing import LinenHost
-from jaxquant.flax.session import WeightRef
-from jaxquant.quantizers import needs_key, needs_state
+from jaxquant.flax import _routing_pause as routing_pause
+from jaxquant.flax import _session as sessions
+from jaxquant.flax.swap._calls import Call
+from jaxquant.flax.swap._hosts import HookHost, LinenHost, WeightRef
+from jaxquant.flax.swap._routed import handle
 
 
 def _contract(kind: str, args: tuple, kwargs: dict, weight: WeightRef, recipe, original):
@@ -46,9 +46,9 @@ def _contract(kind: str, args: tuple, kwargs: dict, weight: WeightRef, recipe, o
     find_weight=lambda operand: weight if operand is rhs else None,
     rows=outer.rows if outer else [],
   )
-  call = interception.Call(kind, args, kwargs, original)
-  with sessions.active(session), interception.paused():
-    return routed.handle(call)
+  call = Call(kind, args, kwargs, original)
+  with sessions.active(session), routing_pause.paused():
+    return handle(call)
 
 
 class JaxquantDotGeneral(nn.Module):
@@ -91,32 +91,10 @@ def dot_general_cls(recipe: Optional[recipes.CustomRecipe] = None):
   return functools.partial(JaxquantDotGeneral, recipe=recipe)
 
 
-def is_jaxquant_hook(cls: Any) -> bool:
+def uses_jaxquant_hook(module: nn.Module) -> bool:
+  """A stock Linen layer given jaxquant's `dot_general_cls` (it quantizes through it)."""
+  cls = getattr(module, "dot_general_cls", None)
   return isinstance(cls, functools.partial) and cls.func in (JaxquantDotGeneral, JaxquantEinsum)
-
-
-@dataclasses.dataclass(frozen=True)
-class _NnxHost:
-  """NNX hooks are plain functions: no state to hold, no RNG to draw from."""
-
-  def key(self, quantizers, what):
-    if any(needs_key(q) for q in quantizers.values()):
-      raise ValueError(
-        f"{what}: an NNX dot_general / einsum_op hook cannot draw keys for "
-        "stochastic rounding; use jaxquant.flax.nnx's layers or quantize_model"
-      )
-    return None
-
-  def state(self, param, roles, quantizers, what):
-    if any(needs_state(q) for q in quantizers.values()):
-      raise ValueError(
-        f"{what}: an NNX dot_general / einsum_op hook holds no delayed-scaling "
-        "state; use jaxquant.flax.nnx's layers or quantize_model"
-      )
-    return None
-
-  def write_state(self, param, new_state):
-    raise AssertionError("an NNX hook holds no state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +107,7 @@ class dot_general:  # noqa: N801 (used like a function: nnx.Linear(dot_general=.
   def __call__(
     self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
   ):
-    weight = WeightRef(self.name, "kernel", True, _NnxHost())
+    weight = WeightRef(self.name, "kernel", True, HookHost())
     return _contract(
       "dot_general",
       (lhs, rhs, dimension_numbers),
@@ -148,7 +126,7 @@ class einsum_op:  # noqa: N801 (used like a function: nnx.Einsum(einsum_op=...))
   recipe: Optional[recipes.CustomRecipe] = None
 
   def __call__(self, equation, lhs, rhs, **kwargs):
-    weight = WeightRef(self.name, "kernel", True, _NnxHost())
+    weight = WeightRef(self.name, "kernel", True, HookHost())
     return _contract("einsum", (equation, lhs, rhs), kwargs, weight, self.recipe, jnp.einsum)
 
 

@@ -1,9 +1,10 @@
 """The handler of routed contractions: a contraction with one weight operand, as a GEMM
 per the recipe.
 
-For each routed call (`interception.Call`) made while a `session.Session` is active:
+For each routed call (`_calls.Call`) made while a `jaxquant.flax._session.Session` is
+active:
 
-1. it is written as a two-operand contraction (`calls.contraction`); anything else runs
+1. it is written as a two-operand contraction (`_calls.contraction`); anything else runs
    as written, listed as not a weight GEMM;
 2. each operand is looked up among the model's params (`Session.find_weight`); with no
    param operand (attention scores, probabilities times values) or two, it runs as
@@ -24,9 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import ops, recipes
-from jaxquant.flax import calls, contraction
-from jaxquant.flax import session as sessions
-from jaxquant.flax.interception import Call
+from jaxquant.flax import _contraction as contraction
+from jaxquant.flax import _session as sessions
+from jaxquant.flax._module_types import LINEAR
+from jaxquant.flax.swap import _calls as calls
+from jaxquant.flax.swap._calls import Call
+from jaxquant.ops._grouped_dense import MODULE_TYPE as GROUPED_LINEAR
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import gemm_roles
@@ -66,7 +70,7 @@ def handle(call: Call):
   reason = contraction.not_a_gemm(x_l, w_l, found.out_letters)
   plan = None if reason else contraction.plan_contraction(x_l, w_l, found.out_letters)
   grouped = isinstance(plan, contraction.GroupedPlan)
-  module_type = "grouped_linear" if grouped else "linear"
+  module_type = GROUPED_LINEAR if grouped else LINEAR
   recipe = recipes.resolve(session.recipe)
   quantizers = recipe.quantizers(module_type, ref.role_name)
   row = lambda status: _row(ref.path, call, found, shapes, ref.role_name, quantizers, status)

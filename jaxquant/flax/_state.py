@@ -26,10 +26,12 @@ gradients with `combine_quant_state` (max) before step 3. States stacked by
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxquant import scaling
 from jaxquant.ops import _delayed_state as delayed_state
@@ -48,6 +50,10 @@ class RoleState:
   scaling: scaling.DelayedScalingState
   role: QuantizerRole = dataclasses.field(metadata=dict(static=True))
   quantizer: Quantizer = dataclasses.field(metadata=dict(static=True))
+
+
+class QuantState(nnx.Variable):
+  """Delayed-scaling state of one NNX layer: {tensor_type: RoleState}."""
 
 
 def is_role_state(x: Any) -> bool:
@@ -117,7 +123,7 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
     return [delayed_state.update(state, quantizer) for state in recorded]
   stacked = stack(states)
   new = _per_layer(advance, stacked, None if grads is None else stack(grads))
-  return [jax.tree.map(lambda leaf: leaf[i], new) for i in range(len(states))]
+  return [jax.tree.map(operator.itemgetter(i), new) for i in range(len(states))]
 
 
 def _advance_all(states: list, grads: list) -> list:
@@ -158,11 +164,7 @@ def update_quant_state(quant_state: Any, state_grads: Any = None) -> Any:
   Returns:
     The state for the next step: the new scales, the histories rolled.
   """
-  from flax import nnx  # only to recognise an NNX model
-
   if isinstance(quant_state, nnx.Module):
-    from jaxquant.flax.nnx import QuantState
-
     model = quant_state
     grads = None if state_grads is None else nnx.filter_state(state_grads, QuantState)
     new_state = update_quant_state(nnx.state(model, QuantState), grads)

@@ -1,8 +1,8 @@
 """GroupedDense for Linen and NNX: one [G, K, N] weight parameter for all experts.
 
 The weight carries its role (module_type "grouped_linear", tensor_type "weight", the
-module path as name) through `flax.metadata` (a `QuantizedWeight` box in Linen, Param
-metadata in NNX), so `metadata.weight_roles` lists it like any dense kernel. The call is
+module path as name) through `jaxquant.flax._metadata` (a `QuantizedWeight` box in Linen, Param
+metadata in NNX), so `weight_roles` lists it like any dense kernel. The call is
 `ops.grouped_dense`. The bias, when used, is [G, N] (one per expert).
 
 The recipe resolves like the dense layers': the module's own, then the model's
@@ -24,14 +24,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxquant import recipes
-from jaxquant.flax import interception
-from jaxquant.flax import session as sessions
-from jaxquant.flax.metadata import annotate_linen_weight, nnx_weight_metadata
+from jaxquant.flax import _routing_pause as routing_pause
+from jaxquant.flax import _session as sessions
+from jaxquant.flax._metadata import annotate_linen_weight, nnx_weight_metadata
+from jaxquant.flax._rng import draws_key, linen_key, nnx_key
 from jaxquant.ops._grouped_dense import MODULE_TYPE, grouped_dense
-from jaxquant.quantizers import needs_key, needs_state
+from jaxquant.quantizers import needs_state
 from jaxquant.roles import QuantizerRole
 
-QUANT_RNG = "quant"
 default_kernel_init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
 
@@ -92,7 +92,7 @@ def linen_call(
     if module.use_bias
     else None
   )
-  key = module.make_rng(QUANT_RNG) if any(map(needs_key, quantizers.values())) else None
+  key = linen_key(module, quantizers, what)
   return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name, key=key)
 
 
@@ -121,7 +121,7 @@ class NnxGroupedDense(nnx.Module):
     quantizers = self._resolve()[1]
     # The module's own stochastic-rounding recipe draws from `rngs`; a model recipe's
     # from the rngs given to `quantize_model`.
-    self.quant_rngs = nnx.data(rngs if any(map(needs_key, quantizers.values())) else None)
+    self.quant_rngs = nnx.data(rngs if draws_key(quantizers) else None)
     self.bind_role(name, None)
 
   def bind_role(self, name: str, model_recipe: Optional[recipes.CustomRecipe]) -> None:
@@ -135,17 +135,15 @@ class NnxGroupedDense(nnx.Module):
     return _quantizers(self.recipe, self.model_recipe, self.name, f"GroupedDense {self.name!r}")
 
   def _key(self, quantizers):
-    if not any(map(needs_key, quantizers.values())):
-      return None
-    if self.quant_rngs is None:
-      raise ValueError(
-        f"GroupedDense {self.name!r}: its recipe rounds stochastically; pass "
-        "rngs= to quantize_model (an nnx.Rngs with a 'quant' stream)"
-      )
-    return self.quant_rngs[QUANT_RNG]()
+    return nnx_key(
+      self.quant_rngs,
+      quantizers,
+      f"GroupedDense {self.name!r}",
+      "rngs= to quantize_model (an nnx.Rngs with a 'quant' stream)",
+    )
 
   def __call__(self, x, group_sizes):
-    with interception.paused():  # under a swap-in, this layer's GEMMs are its own
+    with routing_pause.paused():  # under a swap-in, this layer's GEMMs are its own
       return self._call(x, group_sizes)
 
   def _call(self, x, group_sizes):

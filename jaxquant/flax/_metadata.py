@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
-from flax import struct
+from flax import nnx, struct
 from flax.core import meta
 
 from jaxquant.quantizers import Quantizer
@@ -95,8 +95,6 @@ def weight_roles(tree_or_module: Any) -> dict[str, tuple[QuantizerRole, Optional
 
   Takes a Linen variable or param tree as `init` returns it (boxed), or an NNX module.
   """
-  from flax import nnx  # NNX only when asked about an NNX module
-
   if isinstance(tree_or_module, nnx.Module):
     found = {}
     for path, node in nnx.iter_graph(tree_or_module):

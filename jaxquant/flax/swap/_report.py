@@ -15,9 +15,13 @@ from typing import Any, Optional
 
 import flax.linen as nn
 import jax
+from flax import nnx
 
-from jaxquant.flax import session as sessions
-from jaxquant.flax.session import Row
+from jaxquant.flax import _session as sessions
+from jaxquant.flax._rng import QUANT_RNG
+from jaxquant.flax._session import Row
+from jaxquant.flax.swap._linen import QuantizedModel
+from jaxquant.flax.swap._nnx import PATH_ATTR
 from jaxquant.quantizers import Quantizer
 from jaxquant.roles import TENSOR_TYPES
 
@@ -70,8 +74,6 @@ def swap_report(model: Any, *args, **kwargs) -> SwapReport:
   `quantize_model` returned it and the variables of its `init`.
   NNX: `swap_report(quantized_model, *args, **kwargs)`.
   """
-  from jaxquant.flax.swap import QuantizedModel
-
   rows: list[Row] = []
   record = sessions.collecting(rows)
   if isinstance(model, nn.Module):
@@ -82,15 +84,11 @@ def swap_report(model: Any, *args, **kwargs) -> SwapReport:
       )
     variables, *args = args
     apply = lambda v, *a: model.apply(
-      v, *a, rngs={"quant": jax.random.key(0)}, mutable=True, **kwargs
+      v, *a, rngs={QUANT_RNG: jax.random.key(0)}, mutable=True, **kwargs
     )
     with record:
       jax.eval_shape(apply, variables, *args)
   else:
-    from flax import nnx
-
-    from jaxquant.flax.nnx_routing import PATH_ATTR
-
     if not hasattr(model, PATH_ATTR):
       raise TypeError("swap_report: pass an NNX model that jaxquant.flax.quantize_model quantized")
     with record:

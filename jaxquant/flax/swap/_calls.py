@@ -1,8 +1,8 @@
-"""A routed call (`interception.Call`) as a two-operand contraction in einsum letters.
+"""A routed call (`Call`) and its reading as a two-operand contraction in einsum letters.
 
 `lax.dot_general`, `jnp.einsum`, `jnp.dot` and `jnp.matmul` / `@` all contract axes of
 two arrays; written as einsum letters (`lhs,rhs->out`, in the output order the function
-itself produces) they share one planner (`contraction.plan_contraction`). A call that
+itself produces) they share one planner (`jaxquant.flax._contraction`). A call that
 is no two-operand contraction (a scalar product, a three-operand einsum, a broadcast
 matmul) gets a reason instead.
 """
@@ -11,14 +11,29 @@ from __future__ import annotations
 
 import dataclasses
 import string
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import opt_einsum
 
-from jaxquant.flax.interception import Call
-
 _LETTERS = string.ascii_letters
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One routed contraction: `kind` in ("dot_general", "einsum", "dot", "matmul").
+
+  For "matmul" (also `a @ b`) `args` is (a, b) in mathematical order.
+  """
+
+  kind: str
+  args: tuple
+  kwargs: dict
+  original: Callable[..., Any]
+
+  def fallback(self):
+    """The call as the model's code made it (never routed again)."""
+    return self.original(*self.args, **self.kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import ops
+from jaxquant.flax._module_types import LINEAR
 from jaxquant.ops._operands import FORWARD_USAGES, gemm_matrices, usages_to_quantize
 from jaxquant.quantizers import Quantizer, for_usage
 
@@ -243,7 +244,7 @@ def quantized_gemm(
       quantizers=dict(quantizers),
       backward=backward,
       name=name,
-      module_type="linear",
+      module_type=LINEAR,
       key=key,
       state=state,
       weight_gather=weight_gather,

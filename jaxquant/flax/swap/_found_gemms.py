@@ -1,0 +1,24 @@
+"""The no-silent-no-op rule: a recipe that quantizes must have met a weight GEMM."""
+
+from __future__ import annotations
+
+from jaxquant import recipes
+from jaxquant.flax._module_types import LINEAR
+from jaxquant.flax._session import Session
+from jaxquant.ops._grouped_dense import MODULE_TYPE as GROUPED_LINEAR
+
+
+def check_found_gemms(session: Session, what: str) -> None:
+  """Raises when `session`'s recipe quantizes but none of its rows is a weight GEMM."""
+  if any(row.is_weight_gemm for row in session.rows):
+    return
+  recipe = recipes.resolve(session.recipe)
+  probe = {**recipe.quantizers(LINEAR, ""), **recipe.quantizers(GROUPED_LINEAR, "")}
+  if all(q is None for q in probe.values()):
+    return  # e.g. bf16: nothing to quantize, nothing missed
+  raise ValueError(
+    f"{what}: the recipe {recipe.name!r} quantizes, but the model made no GEMM with a "
+    f"weight that the swap-in reaches ({len(session.rows)} contractions met, none with a "
+    "param operand), so it would run entirely in high precision. jaxquant.flax.swap_report "
+    "lists what was met. If this is intended, pass require_gemm=False to quantize_model"
+  )

@@ -1,0 +1,146 @@
+"""The Linen side of the swap-in: `QuantizedModel`, its method interceptor, and which
+module's param an operand is.
+
+`QuantizedModel(model, recipe)` shares the model's scope (`nn.share_scope`, so the param
+tree is the model's own) and runs it under `nn.intercept_methods`: the interceptor runs
+the layers of `_targets.LINEN_LAYERS` through their routes (Flax's Dense / DenseGeneral /
+Einsum computed by `linen.gemm_call` from their own attributes and params; jaxquant's
+own layers, GroupedDense included, with the model recipe as their fallback), and every
+other contraction of the model's code is routed to `_routed.handle`.
+
+`ModuleStack` holds the modules whose methods are running (pushed by the interceptor,
+innermost last). An operand is a weight when it is one of those modules' own params
+(`_provenance.find`: the param, or a cast / view of it), innermost module first; that
+module owns it (with `nn.share_scope`, the scope's module path) and is its `LinenHost`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import flax.linen as nn
+from flax.core import meta
+
+from jaxquant import recipes
+from jaxquant.flax import _routing_pause as routing_pause
+from jaxquant.flax._session import OnUnfit, Session, active
+from jaxquant.flax._weight_gather import ModelWeightGather
+from jaxquant.flax.swap import _provenance as provenance
+from jaxquant.flax.swap._found_gemms import check_found_gemms
+from jaxquant.flax.swap._hosts import LinenHost, WeightRef
+from jaxquant.flax.swap._interception import routing
+from jaxquant.flax.swap._routed import handle
+from jaxquant.flax.swap._targets import LINEN_LAYERS
+
+
+def _raw(value: Any) -> Any:
+  """A param as its module stores it, without boxes (and without their sharding
+  constraint: the walk from an operand passes through the constraint to this value)."""
+  while isinstance(value, meta.AxisMetadata):
+    value = value.value if hasattr(value, "value") else value.unbox()
+  return value
+
+
+def own_params(module: nn.Module) -> dict[str, Any]:
+  """The params of the module's own scope (not its children's), unboxed."""
+  params = module.variables.get("params", {})
+  return {name: _raw(v) for name, v in params.items() if not isinstance(v, Mapping)}
+
+
+def _is_weight_like(value) -> bool:
+  return len(getattr(value, "shape", ())) >= 2
+
+
+@dataclasses.dataclass
+class ModuleStack:
+  """The Linen modules whose methods are running, innermost last."""
+
+  modules: list = dataclasses.field(default_factory=list)
+
+  @contextlib.contextmanager
+  def running(self, module: nn.Module):
+    self.modules.append(module)
+    try:
+      yield
+    finally:
+      self.modules.pop()
+
+  def find_weight(self, operand) -> Optional[WeightRef]:
+    for module in reversed(self.modules):
+      if module.scope is None:
+        continue
+      params = own_params(module)
+      name = provenance.find(operand, params)
+      if name is not None:
+        weights = [n for n, v in params.items() if _is_weight_like(v)]
+        return WeightRef("/".join(module.path), name, weights == [name], LinenHost(module))
+    return None
+
+
+def _linen_interceptor(
+  recipe: Optional[recipes.CustomRecipe], annotate: bool, stack: Optional[ModuleStack] = None
+):
+
+  def intercept(next_fun, args, kwargs, context):
+    module = context.module
+    if stack is None:
+      return _dispatch(module, next_fun, args, kwargs, context.method_name)
+    with stack.running(module):
+      return _dispatch(module, next_fun, args, kwargs, context.method_name)
+
+  def _dispatch(module, next_fun, args, kwargs, method_name):
+    layer = method_name == "__call__" and next(
+      (layer for layer in LINEN_LAYERS if layer.matches(module)), None
+    )
+    if not layer:
+      return next_fun(*args, **kwargs)
+    with routing_pause.paused():
+      return layer.route(module, next_fun, args, kwargs, recipe=recipe, annotate=annotate)
+
+  return intercept
+
+
+class QuantizedModel(nn.Module):
+  """A Linen model whose GEMMs follow `recipe`: its Dense / DenseGeneral / Einsum layers
+  and every contraction its own code makes with a param operand.
+
+  Same params as `module`. Only `__call__` is quantized; to quantize the GEMMs of
+  another method, call it inside `intercepting(recipe)`. At init the model runs twice:
+  first as written, so that every param exists (and each routed weight's role name sees
+  all its module's weights), then quantized; the recipe is asked once per role.
+  """
+
+  module: nn.Module
+  recipe: Optional[recipes.CustomRecipe] = None
+  annotate: bool = False
+  on_unfit: OnUnfit = "error"
+  require_gemm: bool = True
+  weight_gather: Optional[ModelWeightGather] = None
+
+  def setup(self):
+    nn.share_scope(self, self.module)
+
+  def __call__(self, *args, **kwargs):
+    if self.is_initializing():
+      # As written (jaxquant's own layers without a recipe of their own in bf16): this
+      # creates every param, and asks the recipe nothing.
+      with recipes.autocast(recipes.bf16):
+        self.module(*args, **kwargs)
+    stack = ModuleStack()
+    session = Session(
+      self.recipe, self.on_unfit, stack.find_weight, weight_gather=self.weight_gather
+    )
+    with active(session), routing(handle):
+      with nn.intercept_methods(_linen_interceptor(self.recipe, self.annotate, stack)):
+        y = self.module(*args, **kwargs)
+    if self.require_gemm:
+      check_found_gemms(session, f"quantize_model({type(self.module).__name__})")
+    return y
+
+
+def intercepting(recipe: Optional[recipes.CustomRecipe], annotate: bool = False):
+  """Context in which every Linen Dense / DenseGeneral / Einsum call follows `recipe`."""
+  return nn.intercept_methods(_linen_interceptor(recipe, annotate))

@@ -1,0 +1,162 @@
+"""The NNX side of the swap-in: stock layers swapped, every other contraction routed.
+
+`quantize_nnx_model` replaces, in place, the stock layers of `_targets.NNX_LAYERS`
+(`nnx.Linear`, `nnx.Einsum`) by jaxquant's twins holding the *same* Param variables
+(`swap_modules`), binds every jaxquant layer (NnxGroupedDense included) to its module
+path and the model recipe, names every other module by its path (a static attribute,
+`PATH_ATTR`, which NNX carries through split / merge, so it is there inside `nnx.jit`,
+`nnx.scan` and `nnx.remat` too), and gives the model a subclass of its own class whose
+`__call__` runs under a `Session` with contractions routed to `_routed.handle`.
+
+NNX modules do not record which of them is running: the operand's owner is found among
+the `self` of the running methods on the Python stack (innermost first), as the module
+whose own `nnx.Param` the operand is (`_provenance.find`). Routed contractions of NNX
+models take no delayed-scaling recipe (their state would have to exist before the first
+trace); stochastic rounding draws from the `rngs` given to `quantize_model`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+from flax import nnx
+
+from jaxquant import recipes
+from jaxquant.flax._nnx_graph import path_str, replace_submodules
+from jaxquant.flax._session import Session, active
+from jaxquant.flax.swap import _provenance as provenance
+from jaxquant.flax.swap._found_gemms import check_found_gemms
+from jaxquant.flax.swap._hosts import NnxHost, WeightRef
+from jaxquant.flax.swap._interception import routing
+from jaxquant.flax.swap._routed import handle
+from jaxquant.flax.swap._targets import NNX_LAYERS, NNX_NATIVE_LAYERS
+
+PATH_ATTR = "jaxquant_path"
+RNGS_ATTR = "jaxquant_rngs"
+_BASE_ATTR = "_jaxquant_plain_class"
+
+
+def _own_params(module: nnx.Module) -> dict[str, Any]:
+  return {name: v.get_value() for name, v in vars(module).items() if isinstance(v, nnx.Param)}
+
+
+def _running_modules():
+  """The NNX modules (named by the swap-in) whose methods are on the stack, innermost first."""
+  frame = inspect.currentframe()
+  seen = set()
+  while frame is not None:
+    module = frame.f_locals.get("self")
+    if isinstance(module, nnx.Module) and hasattr(module, PATH_ATTR) and id(module) not in seen:
+      seen.add(id(module))
+      yield module
+    frame = frame.f_back
+
+
+def _finder(rngs):
+  def find_weight(operand) -> Optional[WeightRef]:
+    for module in _running_modules():
+      params = _own_params(module)
+      name = provenance.find(operand, params)
+      if name is not None:
+        weights = [n for n, v in params.items() if len(getattr(v, "shape", ())) >= 2]
+        return WeightRef(getattr(module, PATH_ATTR), name, weights == [name], NnxHost(rngs))
+    return None
+
+  return find_weight
+
+
+def _quantized_twin(module: nnx.Module, quant_rngs) -> nnx.Module:
+  """A jaxquant layer holding the very same Variables and attributes as `module`.
+
+  Built abstractly (no weights are initialised), then given the original's attributes.
+  """
+  cls = NNX_LAYERS[type(module)]
+  if issubclass(cls, nnx.Linear):
+    make = lambda: cls(
+      module.in_features, module.out_features, use_bias=module.use_bias, rngs=nnx.Rngs(0)
+    )
+  else:
+    make = lambda: cls(module.einsum_str, module.kernel_shape, module.bias_shape, rngs=nnx.Rngs(0))
+  twin = nnx.eval_shape(make)
+  for attr, value in vars(module).items():
+    if not attr.startswith("_pytree__"):
+      setattr(twin, attr, value)
+  twin.quant_rngs = nnx.data(quant_rngs)
+  return twin
+
+
+def swap_modules(
+  model: nnx.Module,
+  recipe: Optional[recipes.CustomRecipe],
+  *,
+  annotate: bool = False,
+  rngs: Optional[nnx.Rngs] = None,
+) -> nnx.Module:
+  """Replaces, in place, every nnx.Linear / nnx.Einsum reachable from `model` (every
+  reference to it) by its quantized twin, and binds every jaxquant layer to its module
+  path and the model recipe. Returns `model`."""
+  if type(model) in NNX_LAYERS:
+    raise TypeError(
+      f"quantize_model: the model itself is a {type(model).__name__}; wrap it "
+      "in a module, or build jaxquant.flax.nnx's layer directly"
+    )
+
+  def replace(child, path):
+    if type(child) in NNX_LAYERS:
+      twin = _quantized_twin(child, rngs)
+      twin.bind_role(path_str(path), recipe, annotate=annotate)
+      return twin
+    if isinstance(child, NNX_NATIVE_LAYERS):
+      child.bind_role(path_str(path), recipe)
+      if rngs is not None and child.quant_rngs is None:
+        child.quant_rngs = nnx.data(rngs)
+      return child
+    return None
+
+  replace_submodules(model, replace)
+  return model
+
+
+def _routed_class(cls: type, recipe, on_unfit, require_gemm) -> type:
+  """`cls` whose `__call__` runs the model with its contractions routed."""
+
+  def __call__(self, *args, **kwargs):
+    session = Session(recipe, on_unfit, _finder(getattr(self, RNGS_ATTR, None)))
+    with active(session), routing(handle):
+      y = cls.__call__(self, *args, **kwargs)
+    if require_gemm:
+      check_found_gemms(session, f"quantize_model({cls.__name__})")
+    return y
+
+  return type(
+    cls.__name__,
+    (cls,),
+    {
+      "__call__": __call__,
+      "__module__": cls.__module__,
+      "__qualname__": cls.__qualname__,
+      _BASE_ATTR: cls,
+    },
+  )
+
+
+def quantize_nnx_model(
+  model: nnx.Module,
+  recipe: Optional[recipes.CustomRecipe],
+  *,
+  annotate: bool,
+  rngs: Optional[nnx.Rngs],
+  on_unfit: str,
+  require_gemm: bool,
+) -> nnx.Module:
+  """In place: stock layers swapped, modules named, the model's calls routed. Returns it."""
+  swap_modules(model, recipe, annotate=annotate, rngs=rngs)
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module) and not isinstance(node, NNX_NATIVE_LAYERS):
+      setattr(node, PATH_ATTR, path_str(path))
+  if rngs is not None:
+    setattr(model, RNGS_ATTR, nnx.data(rngs))
+  base = getattr(type(model), _BASE_ATTR, type(model))  # quantized again: the plain class
+  model.__class__ = _routed_class(base, recipe, on_unfit, require_gemm)
+  return model
