@@ -13,6 +13,14 @@ import enum
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+  "Family",
+  "Format",
+  "ELEMENT_DTYPES",
+  "ELEMENT_MAX",
+  "INPUT_DTYPES",
+]
+
 
 class Family(str, enum.Enum):
   FP8_TENSOR = "fp8_tensor"  # one fp32 scale for the whole tensor (current or delayed)

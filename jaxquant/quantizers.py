@@ -13,6 +13,23 @@ from typing import Literal, Optional, Union
 from jaxquant.formats import Family, Format
 from jaxquant.tensor import Usage
 
+__all__ = [
+  "Float8Quantizer",
+  "DelayedFloat8Quantizer",
+  "BlockFloat8Quantizer",
+  "MXFP8Quantizer",
+  "NVFP4Quantizer",
+  "HybridQuantizer",
+  "BaseQuantizer",
+  "Quantizer",
+  "Fp8Element",
+  "BASE_QUANTIZER_TYPES",
+  "QUANTIZER_TYPES",
+  "for_usage",
+  "needs_state",
+  "needs_key",
+]
+
 Fp8Element = Literal["e4m3", "e5m2"]
 
 

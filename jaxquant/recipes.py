@@ -24,6 +24,33 @@ from jaxquant.quantizers import (
 )
 from jaxquant.roles import TENSOR_TYPES, QuantizerRole
 
+__all__ = [
+  "CustomRecipe",
+  "QFactory",
+  "BackwardMode",
+  "BACKWARD_MODES",
+  "GEMMS",
+  "FP8_FAST_ACCUMULATION",
+  "PRESETS",
+  "bf16",
+  "fp8_current",
+  "fp8_delayed",
+  "fp8_block",
+  "mxfp8",
+  "nvfp4",
+  "hybrid",
+  "bf16_factory",
+  "fp8_current_factory",
+  "fp8_delayed_factory",
+  "fp8_block_factory",
+  "mxfp8_factory",
+  "nvfp4_factory",
+  "hybrid_factory",
+  "get",
+  "autocast",
+  "resolve",
+]
+
 QFactory = Callable[[QuantizerRole], Optional[Quantizer]]
 # How the two backward GEMMs (dgrad, wgrad) take their operands:
 #   "quantized": each operand quantized for the usage its GEMM needs (the default);

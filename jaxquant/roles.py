@@ -5,6 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+__all__ = [
+  "QuantizerRole",
+  "TensorType",
+  "TENSOR_TYPES",
+  "gemm_roles",
+]
+
 TensorType = Literal["input", "weight", "grad_output"]
 TENSOR_TYPES: tuple[TensorType, ...] = ("input", "weight", "grad_output")
 

@@ -29,6 +29,14 @@ import jax.numpy as jnp
 
 from jaxquant.formats import Format
 
+__all__ = [
+  "QuantizedData",
+  "QuantizedTensor",
+  "Usage",
+  "USAGES",
+  "check_usages",
+]
+
 Usage = Literal["rowwise", "columnwise"]
 USAGES: tuple[Usage, ...] = ("rowwise", "columnwise")
 
