@@ -65,8 +65,8 @@ def _scaled_matmul_inputs(x, w, quantizer):
   def unpack(qd):
     data = qd.data
     if qd.format.packed:  # E2M1 codes -> float4_e2m1fn elements
-      codes = jaxquant.reference._elements.unpack_nibbles(data)
-      data = jaxquant.reference._elements.decode(codes, "e2m1").astype(jnp.float4_e2m1fn)
+      codes = jaxquant.reference.unpack_nibbles(data)
+      data = jaxquant.reference.decode(codes, "e2m1").astype(jnp.float4_e2m1fn)
     return data[None], qd.scale_inv[None]
 
   (ad, as_), (bd, bs) = unpack(a), unpack(b)

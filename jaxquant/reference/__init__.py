@@ -31,9 +31,14 @@ from jaxquant.reference import _hadamard as hadamard
 from jaxquant.reference import _mxfp8 as mxfp8
 from jaxquant.reference import _nvfp4 as nvfp4
 from jaxquant.reference import _scaling as scaling
+from jaxquant.reference._elements import decode, unpack_nibbles
+from jaxquant.reference._hadamard import apply_rht
 from jaxquant.tensor import QuantizedData, QuantizedTensor, Usage, check_usages
 
 __all__ = [
+  "apply_rht",
+  "decode",
+  "unpack_nibbles",
   "quantize",
   "dequantize",
   "dequantize_data",
