@@ -3,3 +3,5 @@
 from jaxquant.ops._dense import dense
 from jaxquant.ops._grouped_dense import grouped_dense
 from jaxquant.ops._weight_gather import WeightGather
+
+__all__ = ["dense", "grouped_dense", "WeightGather"]

@@ -1,14 +1,15 @@
 """The delayed-scaling update a train step runs: `scaling.update`, its exact divisions in
 the CUDA kernel where the kernels run (`kernels.delayed_scale`: the same bits, without
 the integer emulation XLA code needs), in the reference's XLA code otherwise. The choice
-follows `ops.quantize`'s (JAXQUANT_BACKEND, else "auto")."""
+is the backend's (ops/_backend.py: JAXQUANT_BACKEND, else "auto"; the kernel's name
+`delayed_scale` in JAXQUANT_DISABLE_KERNELS)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from jaxquant import kernels, scaling
-from jaxquant.ops._quantize import uses_kernels
+from jaxquant.ops._backend import read_backend
 from jaxquant.quantizers import DelayedFloat8Quantizer
 
 
@@ -19,12 +20,17 @@ def _kernel_next_scale(amax, scale, fmax: float, divisor: float):
   )
 
 
+def divides_in_kernel(implementation: Optional[str] = None) -> bool:
+  """Whether `update` divides in the kernel under the backend choice now."""
+  return read_backend(implementation).binds("delayed_scale")
+
+
 def update(
   state: scaling.DelayedScalingState,
   quantizer: DelayedFloat8Quantizer,
   implementation: Optional[str] = None,
 ) -> scaling.DelayedScalingState:
   """`scaling.update(state, quantizer)`, bit for bit; leading axes are groups of states."""
-  if not uses_kernels(implementation):
+  if not divides_in_kernel(implementation):
     return scaling.update(state, quantizer)
   return scaling.update(state, quantizer, next_scale_of=_kernel_next_scale)

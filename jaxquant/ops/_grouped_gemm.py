@@ -3,8 +3,8 @@
 Operands arrive as fp32 values (block scales applied, outer scales not) together with the
 narrow dtype that holds each of them exactly: the FP8 element type for per-tensor FP8
 codes, bfloat16 for values exact in bf16 (MXFP8, NVFP4, block FP8 with power-of-two
-scales, bf16 inputs), None otherwise. With the kernels available (`ops.quantize`'s
-implementation choice), a pair that the CUTLASS grouped kernel runs exactly goes there:
+scales, bf16 inputs), None otherwise. Where the kernel runs (the backend choice,
+ops/_backend.py), a pair that the CUTLASS grouped kernel runs exactly goes there:
 FP8 x FP8 on FP8 tensor cores, anything exact in bf16 on bf16 ones; every other pair,
 and every other platform, runs `ops.ragged.ragged_matmul`. Both form the same products;
 the bf16 kernel sums them in fp32 in another order, the FP8 one with Hopper's FP8
@@ -18,9 +18,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxquant import kernels
 from jaxquant.kernels import _grouped as kernel
-from jaxquant.ops._quantize import resolve_implementation
+from jaxquant.ops._backend import read_backend
 from jaxquant.reference._grouped import GroupLayout
 from jaxquant.reference._ragged import ragged_matmul
 
@@ -52,9 +51,9 @@ def grouped_matmul(
   implementation: Optional[str] = None,
 ) -> jax.Array:
   """fp32 [rows, N] from a [rows, K] and b [G, N, K] (rows of no group are zero)."""
-  choice = resolve_implementation(implementation)
+  runs = read_backend(implementation).runs("grouped_gemm")
   pair = kernel_dtypes(a_exact, b_exact, a.shape[1], b.shape[1])
-  if choice == "reference" or pair is None or not kernels.available():
+  if not runs or pair is None:
     return ragged_matmul(a, b, layout, tile=tile)
   ones = jnp.ones((layout.num_groups,), jnp.float32)
   return kernel.grouped_gemm(

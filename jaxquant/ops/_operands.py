@@ -27,12 +27,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import recipes, reference
-from jaxquant.formats import Family
+from jaxquant.formats import Family, Format
 from jaxquant.kernels import _gemm_values as gemm_values
-from jaxquant.ops._gemm import dequantizes_first
+from jaxquant.ops._backend import read_backend
+from jaxquant.ops._gemm import VALUES, operand_form
 
 # kernels where they run, else the reference
-from jaxquant.ops._quantize import cast_groups, quantize, resolve_implementation, uses_kernels
+from jaxquant.ops._quantize import cast_groups, quantize_with
 from jaxquant.quantizers import (
   BASE_QUANTIZER_TYPES,
   QUANTIZER_TYPES,
@@ -121,10 +122,10 @@ def check_role_args(tensor_type: str, quantizer, usages, *, key, state, what: st
 
 # A model's layers quantize operands of the same few shapes: as a nested jit, each
 # (quantizer, usages, shape) is traced once, not once per GEMM site (XLA then inlines the
-# calls; a sixth less time to trace and compile a train step). The implementation is
-# resolved outside, so the environment is read at every call, not only at the first trace.
+# calls; a sixth less time to trace and compile a train step). The backend choice is read
+# outside, so the environment is read at every call, not only at the first trace.
 _quantize_once_per_shape = jax.jit(
-  quantize, static_argnames=("quantizer", "usages", "implementation")
+  quantize_with, static_argnames=("backend", "quantizer", "usages")
 )
 
 
@@ -152,12 +153,12 @@ def quantize_operand(
   if not quantized:
     return operands, state
   out = _quantize_once_per_shape(
+    read_backend(),
     matrix,
     quantizer,
     quantized,
     key=key if needs_key(quantizer) else None,
     state=state if needs_state(quantizer) else None,
-    implementation=resolve_implementation(None),
   )
   qt, new_state = out if needs_state(quantizer) else (out, state)
   for u in quantized:
@@ -204,13 +205,13 @@ def quantize_transposed_operand(
   return {u: operands[_OTHER_USAGE[u]] for u in usages}, new_state
 
 
-def _values_family(quantizer: Optional[Quantizer]) -> Optional[Family]:
-  """The family a values kernel casts `quantizer` (a base quantizer) to: MXFP8, NVFP4 with
-  per-tensor global amaxes (no per_token), else None."""
-  if type(quantizer) is MXFP8Quantizer:
-    return Family.MXFP8
-  if type(quantizer) is NVFP4Quantizer and not quantizer.per_token:
-    return Family.NVFP4
+def _values_format(quantizer: Optional[Quantizer], usage: Usage) -> Optional[Format]:
+  """The format a values kernel casts `quantizer`'s usage to (a base quantizer's): MXFP8,
+  NVFP4 with per-tensor global amaxes (no per_token), else None."""
+  if type(quantizer) is MXFP8Quantizer or (
+    type(quantizer) is NVFP4Quantizer and not quantizer.per_token
+  ):
+    return quantizer.format(usage)
   return None
 
 
@@ -220,19 +221,22 @@ def takes_gemm_values(
   """Whether a linear layer's operands are cast straight to the bf16 values its GEMMs
   multiply (kernels/_gemm_values.py) instead of to codes and scales: every usage of every
   role MXFP8 or NVFP4 with per-tensor global amaxes (no per_token; hybrids of the two
-  too), all three GEMMs quantized, each one dequantizing first on this platform
-  (ops.gemm), and dims the values kernels take (their dtypes are those `dense` accepts).
+  too), all three GEMMs quantized, each one's route consuming values (ops.gemm
+  `operand_form`: it dequantizes first), the casts the kernels' (the cast kernel not
+  disabled), and dims the values kernels take (their dtypes are those `dense` accepts).
   The GEMM inputs are the same bits; what the backward pass keeps is bf16 values instead
   of 8- or 4-bit codes."""
-  if backward != "quantized" or not uses_kernels():
+  backend = read_backend()
+  if backward != "quantized" or not backend.binds("quantize_usages"):
     return False
-  family = {
-    (t, u): _values_family(for_usage(quantizers.get(t), u)) for t in TENSOR_TYPES for u in USAGES
+  formats = {
+    (t, u): _values_format(for_usage(quantizers.get(t), u), u) for t in TENSOR_TYPES for u in USAGES
   }
-  if None in family.values():
+  if None in formats.values():
     return False
   block = max(
-    gemm_values.BLOCK if f is Family.MXFP8 else gemm_values.NVFP4_BLOCK for f in family.values()
+    gemm_values.BLOCK if f.family is Family.MXFP8 else gemm_values.NVFP4_BLOCK
+    for f in formats.values()
   )
   if any(d % block for d in (m, k, n)):
     return False
@@ -242,7 +246,10 @@ def takes_gemm_values(
     (("grad_output", "rowwise"), ("weight", "columnwise"), m, k, n),
     (("input", "columnwise"), ("grad_output", "columnwise"), k, n, m),
   )
-  return all(dequantizes_first(family[a], family[b], ra, rb, kk) for a, b, ra, rb, kk in gemms)
+  return all(
+    operand_form(formats[a], formats[b], ra, rb, kk, backend) == VALUES
+    for a, b, ra, rb, kk in gemms
+  )
 
 
 def gemm_values_operand(

@@ -1,7 +1,7 @@
 """`quantize` / `dequantize`: the CUDA kernels where they run, the reference otherwise.
 
-Choosing the implementation (per call `implementation=`, else the environment variable
-JAXQUANT_BACKEND, else "auto"):
+The implementation follows the backend choice (ops/_backend.py: per call `implementation=`,
+else JAXQUANT_BACKEND, else "auto"; JAXQUANT_DISABLE_KERNELS):
 
 - "auto": the kernels when `jaxquant.kernels.available()` and they take this quantizer
   and shape; the reference otherwise.
@@ -14,32 +14,15 @@ Both produce the same bits (stochastic rounding: the same distribution).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax
 
 from jaxquant import kernels, reference
+from jaxquant.ops._backend import Backend, read_backend
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key, needs_state
 from jaxquant.scaling import DelayedScalingState, record_amax
 from jaxquant.tensor import QuantizedTensor, Usage, check_usages
-
-IMPLEMENTATIONS = ("auto", "reference", "kernel")
-ENV_VAR = "JAXQUANT_BACKEND"
-
-
-def resolve_implementation(implementation: Optional[str]) -> str:
-  choice = implementation or os.environ.get(ENV_VAR, "auto") or "auto"
-  if choice not in IMPLEMENTATIONS:
-    source = "implementation=" if implementation else f"{ENV_VAR}="
-    raise ValueError(f"{source}{choice!r}: must be one of {IMPLEMENTATIONS}")
-  return choice
-
-
-def uses_kernels(implementation: Optional[str] = None) -> bool:
-  """Whether an op takes the kernels: asked for them, or "auto" where they can run."""
-  choice = resolve_implementation(implementation)
-  return choice == "kernel" or (choice == "auto" and kernels.available())
 
 
 def quantize(
@@ -52,8 +35,20 @@ def quantize(
   implementation: Optional[str] = None,
 ):
   """Same contract as `jaxquant.reference.quantize`, dispatched to the kernels."""
-  choice = resolve_implementation(implementation)
-  if not uses_kernels(choice):
+  return quantize_with(read_backend(implementation), x, quantizer, usages, key=key, state=state)
+
+
+def quantize_with(
+  backend: Backend,
+  x: jax.Array,
+  quantizer: Quantizer,
+  usages=("rowwise", "columnwise"),
+  *,
+  key: Optional[jax.Array] = None,
+  state: Optional[DelayedScalingState] = None,
+):
+  """`quantize` under a backend choice already read."""
+  if not backend.binds("quantize_usages"):
     return reference.quantize(x, quantizer, usages, key=key, state=state)
   reference.check_input(x, quantizer)
   usages = check_usages(usages)
@@ -70,7 +65,7 @@ def quantize(
         slots["hp_" + usage] = x2d if usage == "rowwise" else x2d.T
       continue
     reason = kernels.unsupported_reason(base, *x2d.shape, x2d.dtype)
-    if reason and choice == "auto":
+    if reason and backend.choice == "auto":
       qt = reference.quantize(x, base, group, key=key, state=state)
       if isinstance(base, DelayedFloat8Quantizer):
         qt, new_state = qt
@@ -97,13 +92,13 @@ def dequantize(
   qt: QuantizedTensor, usage: Usage = "rowwise", dtype=None, *, implementation: Optional[str] = None
 ) -> jax.Array:
   """Same contract as `jaxquant.reference.dequantize`."""
-  choice = resolve_implementation(implementation)
+  backend = read_backend(implementation)
   stored = qt.usage(usage)
-  if not uses_kernels(choice) or stored is None or not hasattr(stored, "format"):
+  if not backend.binds("dequantize_data") or stored is None or not hasattr(stored, "format"):
     return reference.dequantize(qt, usage, dtype)
   dtype = dtype or qt.dtype
   rows, cols = stored.stored_shape
-  if cols % 16 and choice == "auto":
+  if cols % 16 and backend.choice == "auto":
     return reference.dequantize(qt, usage, dtype)
   matrix = kernels.dequantize_data(stored, dtype)
   if usage == "columnwise":

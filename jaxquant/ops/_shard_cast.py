@@ -26,6 +26,7 @@ from jaxquant.kernels._cast import cast_p
 from jaxquant.kernels._config import cast_config, unsupported_reason
 from jaxquant.kernels._reference_cast import reference_cast
 from jaxquant.kernels._sharding import pmax_amax
+from jaxquant.ops._backend import Backend
 from jaxquant.quantizers import (
   BaseQuantizer,
   DelayedFloat8Quantizer,
@@ -39,20 +40,19 @@ from jaxquant.tensor import QuantizedData, Usage
 Axes = tuple[str, ...]
 
 
-def _uses_kernel(quantizer: BaseQuantizer, shard: jax.Array, implementation: str) -> bool:
-  """The kernels where they run and take the shard (ops.quantize's rule, on the shard)."""
-  if implementation == "reference":
+def _uses_kernel(quantizer: BaseQuantizer, shard: jax.Array, backend: Backend) -> bool:
+  """The cast kernel where it runs and takes the shard (ops.quantize's rule, on the shard)."""
+  if not backend.binds("quantize_usages"):
     return False
   reason = unsupported_reason(quantizer, *shard.shape, shard.dtype)
-  if implementation == "kernel":
-    if reason:
-      raise ValueError(f"implementation='kernel': {reason} (a shard of the sharded matrix)")
-    return True
-  return reason is None and kernels.available()
+  if reason and backend.choice == "kernel":
+    raise ValueError(f"implementation='kernel': {reason} (a shard of the sharded matrix)")
+  return reason is None
 
 
 def _amax(shard, *, use_kernel: bool, per_row: bool = False, rht: bool = False):
-  """This shard's amax: per tensor, per row, or of its RHT'd columnwise data."""
+  """This shard's amax: per tensor, per row, or of its RHT'd columnwise data; the amax
+  kernel's where the cast is the kernel's and the amax kernel is not disabled."""
   if use_kernel:
     return kernels.amax(shard, per_row=per_row, rht=rht)
   values = fp32.widen(shard)
@@ -96,22 +96,24 @@ def cast_shard(
   *,
   row_axes: Axes,
   col_axes: Axes,
-  implementation: str,
+  backend: Backend,
   scale: Optional[jax.Array] = None,
 ):
   """Quantizes this device's shard of a [M, K] matrix for `usages` (in the matrix's
   rowwise / columnwise layouts), as the whole matrix's cast does on this shard.
 
   `row_axes` / `col_axes`: the mesh axes splitting the matrix's rows and cols (the amaxes
-  reduce over them). `scale`: delayed scaling's scale. Returns `({usage: QuantizedData of
-  the shard}, recorded)`, `recorded` the whole matrix's amax for delayed scaling, else None.
+  reduce over them). `backend`: the choice of kernels (ops/_backend.py). `scale`: delayed
+  scaling's scale. Returns `({usage: QuantizedData of the shard}, recorded)`, `recorded`
+  the whole matrix's amax for delayed scaling, else None.
   """
   if getattr(quantizer, "stochastic_rounding", False):
     raise ValueError(
       f"{quantizer!r}: a shard cannot draw its part of the whole matrix's "
       "stochastic-rounding stream"
     )
-  use_kernel = _uses_kernel(quantizer, shard, implementation)
+  use_kernel = _uses_kernel(quantizer, shard, backend)
+  use_amax_kernel = use_kernel and backend.binds("amax")
   every_axis = row_axes + col_axes
   zero = jnp.zeros((), jnp.float32)
   row_amax = col_amax = zero
@@ -119,9 +121,11 @@ def cast_shard(
   if isinstance(quantizer, DelayedFloat8Quantizer):
     row_amax = col_amax = scale
   elif isinstance(quantizer, Float8Quantizer):
-    row_amax = col_amax = pmax_amax(_amax(shard, use_kernel=use_kernel), every_axis)
+    row_amax = col_amax = pmax_amax(_amax(shard, use_kernel=use_amax_kernel), every_axis)
   elif isinstance(quantizer, NVFP4Quantizer):
-    row_amax, col_amax = _nvfp4_amaxes(shard, quantizer, usages, row_axes, col_axes, use_kernel)
+    row_amax, col_amax = _nvfp4_amaxes(
+      shard, quantizer, usages, row_axes, col_axes, use_amax_kernel
+    )
   config = cast_config(quantizer, usages)
   cast = (
     functools.partial(cast_p.bind, config=config)

@@ -30,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxquant.formats import Family
 from jaxquant.kernels._sharding import axes_size, pspec
+from jaxquant.ops._backend import read_backend
 from jaxquant.ops._operands import stored, treats_usages_alike
-from jaxquant.ops._quantize import cast_groups, resolve_implementation
+from jaxquant.ops._quantize import cast_groups
 from jaxquant.ops._shard_cast import cast_shard
 from jaxquant.quantizers import Quantizer, for_usage, needs_state
 from jaxquant.scaling import record_amax
@@ -220,7 +221,7 @@ def quantize_shards(
   reason = unshardable_reason(gather, quantizer, quantized, kernel.shape)
   if reason:
     raise ValueError(f"quantize_shards: {reason}")
-  implementation = resolve_implementation(implementation)
+  backend = read_backend(implementation)
   k_axes, n_axes = gather.kernel_axes()
   formats = {u: for_usage(quantizer, u).format(u) for u in quantized}
 
@@ -237,7 +238,7 @@ def quantize_shards(
           row_axes=k_axes,
           col_axes=n_axes,
           scale=scale,
-          implementation=implementation,
+          backend=backend,
         )
         results.update({_OTHER_USAGE[u]: qd for u, qd in out.items()})
       else:
@@ -248,7 +249,7 @@ def quantize_shards(
           row_axes=n_axes,
           col_axes=k_axes,
           scale=scale,
-          implementation=implementation,
+          backend=backend,
         )
         results.update(out)
       recorded = amax if amax is not None else recorded  # both usages see one tensor amax

@@ -21,6 +21,7 @@ from kernel_cases import DELAYED, QUANTIZERS, SR_QUANTIZERS, assert_same_bits, r
 from jaxquant import kernels, reference, scaling
 from jaxquant.kernels._config import KernelConfig, cast_config
 from jaxquant.ops import _quantize as ops
+from jaxquant.ops._backend import read_backend
 from jaxquant.quantizers import BlockFloat8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 
 # One per code path; compiling the reference dominates on the CPU.
@@ -309,7 +310,7 @@ def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
   its own; the bits are those of the grouped update without the kernel, for the states of
   one step and for the same states stacked as nn.scan stacks a layer's (one per layer)."""
   from jaxquant.flax import update_quant_state
-  from jaxquant.ops._quantize import uses_kernels
+  from jaxquant.ops._delayed_state import divides_in_kernel
 
   state, grads = _two_layer_delayed_step()
   layers = lambda tree: jax.tree.map(lambda a: jnp.stack([a, a * 3.0, a * 0.25]), tree)
@@ -319,7 +320,7 @@ def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
   update = lambda: jax.jit(lambda s, g: update_quant_state(s, g))
   want = {name: update()(*args) for name, args in cases.items()}
   monkeypatch.setattr(kernels, "available", lambda: True)
-  assert uses_kernels()
+  assert divides_in_kernel()
   for name, args in cases.items():
     jaxpr = str(jax.make_jaxpr(lambda s, g: update_quant_state(s, g))(*args))
     assert jaxpr.count("jaxquant_delayed_scale") == 6, name  # grouped: one call a group, 2
@@ -457,8 +458,8 @@ def test_implementation_switch(monkeypatch):
   with pytest.raises(ValueError, match="JAXQUANT_BACKEND"):
     ops.quantize(jnp.ones((32, 32)), MXFP8Quantizer())
   monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
-  assert ops.resolve_implementation(None) == "reference"
-  assert ops.resolve_implementation("kernel") == "kernel"
+  assert read_backend(None).choice == "reference"
+  assert read_backend("kernel").choice == "kernel"
 
 
 def test_availability_is_explained():

@@ -1,6 +1,7 @@
 """A linear layer whose GEMMs all dequantize MXFP8 or NVFP4 (or hybrids of the two) first
-takes its operands as bf16 values (operands.takes_gemm_values, kernels.gemm_values): when it does, that the program
-casts to values and dequantizes nothing, and that the numbers are those of the
+takes its operands as bf16 values (operands.takes_gemm_values, asking ops.gemm's
+operand_form; kernels/_gemm_values.py): when it does, that the program casts to values and
+dequantizes nothing, and that the numbers are those of the
 codes-and-scales path.
 
 Without a GPU the choice is stood in for (the kernels' availability, the GPU's GEMM routes);
@@ -30,8 +31,10 @@ def gpu_routes(monkeypatch):
   """The kernels' availability and the GPU's GEMM routes, on this machine."""
   monkeypatch.setattr(library, "load_error", lambda: None)
   monkeypatch.setattr(kernels, "available", lambda: True)
-  select = gemm_ops._select
-  monkeypatch.setattr(gemm_ops, "_select", lambda platform, fa, fb: select("gpu", fa, fb))
+  select = gemm_ops.select
+  monkeypatch.setattr(
+    gemm_ops, "select", lambda problem, _, backend: select(problem, "gpu", backend)
+  )
 
 
 def _mxfp8(**kw):

@@ -59,8 +59,10 @@ def _kernel_calls(monkeypatch, loss, *args):
   """{GEMM: its fast_accumulation attribute} of `loss`'s value and gradient lowered for CUDA."""
   monkeypatch.setattr(library, "load_error", lambda: None)
   monkeypatch.setattr(kernels, "available", lambda: True)
-  select = gemm_ops._select
-  monkeypatch.setattr(gemm_ops, "_select", lambda platform, fa, fb: select("gpu", fa, fb))
+  select = gemm_ops.select
+  monkeypatch.setattr(
+    gemm_ops, "select", lambda problem, _, backend: select(problem, "gpu", backend)
+  )
   grad = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
   text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   calls = [line for line in text.splitlines() if "@jaxquant_fp8_tensor_gemm(" in line]
