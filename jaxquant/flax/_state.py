@@ -35,7 +35,6 @@ from flax import nnx
 
 from jaxquant import scaling
 from jaxquant.ops import _delayed_state as delayed_state
-from jaxquant.ops._quantize import uses_kernels
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_state
 from jaxquant.roles import QuantizerRole
 
@@ -109,7 +108,7 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
       state = scaling.record_grad_amax(state, grad)
     return delayed_state.update(state, quantizer)
 
-  if uses_kernels():  # delayed_state.update divides in the kernel
+  if delayed_state.divides_in_kernel():
     # Layers stacked by scan go to the kernel as one vector (update's leading axes), not
     # one call per layer as vmap would make them.
     recorded = (
