@@ -4,10 +4,19 @@
 //
 // Per-tensor results combine across CTAs (tile.cuh's publish_cta_amax) into an output
 // zeroed on the same stream.
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
 namespace jaxquant {
+
+// Mirror of jaxquant.kernels._amax.AmaxConfig, decoded from the FFI attributes of the same
+// names: which amax (the RHT one is per tensor; Python refuses both).
+struct AmaxConfig {
+  int32_t per_row;  // per row instead of per tensor
+  int32_t rht;      // of the Hadamard-transformed columnwise data
+};
+
 namespace {
 
 template <typename T>
@@ -82,11 +91,11 @@ __global__ __launch_bounds__(kThreads) void amax_rht_kernel(const T* __restrict_
 }
 
 ffi::Error amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> result,
-                KernelConfig cfg) {
+                AmaxConfig cfg) {
   int64_t M, K;
   if (!matrix_dims(x, M, K)) return invalid("amax: x must be rank 2");
   float* out = reinterpret_cast<float*>(result->untyped_data());
-  if (cfg.amax_per_row) {
+  if (cfg.per_row) {
     if (M == 0) return ffi::Error::Success();
     if (K == 0) {
       cudaMemsetAsync(out, 0, M * sizeof(float), stream);
@@ -104,7 +113,7 @@ ffi::Error amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffe
     if (cfg.rht) {
       const dim3 grid(M / 16, (K / 2 + kThreads - 1) / kThreads);
       amax_rht_kernel<T><<<grid, kThreads, 0, stream>>>(xp, M, K, out);
-    } else if (cfg.amax_per_row) {
+    } else if (cfg.per_row) {
       amax_row_kernel<T><<<(M + kWarps - 1) / kWarps, kThreads, 0, stream>>>(xp, M, K, out);
     } else {
       const int64_t vectors = M * K / kVec<T>;
@@ -117,10 +126,12 @@ ffi::Error amax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffe
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantAmax, jaxquant::amax,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attrs<jaxquant::KernelConfig>(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxquant::AmaxConfig,
+                                      ::xla::ffi::StructMember<int32_t>("per_row"),
+                                      ::xla::ffi::StructMember<int32_t>("rht"));
+
+JAXQUANT_DEFINE_HANDLER(JaxquantAmax, jaxquant::amax,
+                        jaxquant::stream_binding()
+                            .Arg<xla::ffi::AnyBuffer>()
+                            .Ret<xla::ffi::AnyBuffer>()
+                            .Attrs<jaxquant::AmaxConfig>());

@@ -3,6 +3,7 @@
 // fp32 division is an instruction; written as XLA code it is an integer emulation (XLA:GPU
 // divides approximately), which a delayed-scaling train step inlined for every group of
 // states it updates.
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/numerics.cuh"
 
@@ -39,12 +40,10 @@ ffi::Error delayed_scale(cudaStream_t stream, ffi::Buffer<ffi::F32> amax,
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantDelayedScale, jaxquant::delayed_scale,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<float>("fmax")
-                                  .Attr<float>("divisor"),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantDelayedScale, jaxquant::delayed_scale,
+                        jaxquant::stream_binding()
+                            .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // amax
+                            .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // scale
+                            .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                            .Attr<float>("fmax")
+                            .Attr<float>("divisor"));

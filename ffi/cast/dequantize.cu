@@ -7,10 +7,23 @@
 // as the reference.
 // With `block_scales_only` the NVFP4 outer scale S_dec is left out: the values a GEMM
 // multiplies (E2M1 times an E4M3 scale: exact in bf16), S_dec applied after the sum.
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
 
 namespace jaxquant {
+
+// Mirror of jaxquant.kernels._dequantize.DequantizeConfig, decoded from the FFI attributes
+// of the same names: the stored usage's format (the output buffer's dtype says the rest).
+struct DequantizeConfig {
+  int32_t family;      // Family
+  int32_t element;     // Element
+  int32_t block_rows;  // scaling block in the stored layout
+  int32_t block_cols;
+  int32_t row_scaled;         // NVFP4 per-token: one global amax per stored row
+  int32_t block_scales_only;  // leave the outer scale (NVFP4's S_dec) out
+};
+
 namespace {
 
 struct DequantArgs {
@@ -116,7 +129,8 @@ int block_shift(int32_t size) {
 }
 
 ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
-                      ffi::AnyBuffer amax, ffi::Result<ffi::AnyBuffer> result, KernelConfig cfg) {
+                      ffi::AnyBuffer amax, ffi::Result<ffi::AnyBuffer> result,
+                      DequantizeConfig cfg) {
   int64_t rows, cols;
   if (!matrix_dims(*result, rows, cols)) return invalid("dequantize: output must be rank 2");
   if (cols % 16) return invalid("dequantize: cols must be a multiple of 16");
@@ -169,12 +183,18 @@ ffi::Error dequantize(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer s
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantDequantize, jaxquant::dequantize,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attrs<jaxquant::KernelConfig>(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxquant::DequantizeConfig,
+                                      ::xla::ffi::StructMember<int32_t>("family"),
+                                      ::xla::ffi::StructMember<int32_t>("element"),
+                                      ::xla::ffi::StructMember<int32_t>("block_rows"),
+                                      ::xla::ffi::StructMember<int32_t>("block_cols"),
+                                      ::xla::ffi::StructMember<int32_t>("row_scaled"),
+                                      ::xla::ffi::StructMember<int32_t>("block_scales_only"));
+
+JAXQUANT_DEFINE_HANDLER(JaxquantDequantize, jaxquant::dequantize,
+                        jaxquant::stream_binding()
+                            .Arg<xla::ffi::AnyBuffer>()  // data
+                            .Arg<xla::ffi::AnyBuffer>()  // scales
+                            .Arg<xla::ffi::AnyBuffer>()  // NVFP4's global amax: [] or [rows]
+                            .Ret<xla::ffi::AnyBuffer>()
+                            .Attrs<jaxquant::DequantizeConfig>());

@@ -27,7 +27,7 @@ struct BlockScale {
 };
 
 template <typename T>
-__device__ __forceinline__ BlockScale block_scale(float amax, const KernelConfig& cfg) {
+__device__ __forceinline__ BlockScale block_scale(float amax, const CastConfig& cfg) {
   const float s = fp8_scale_from_amax<T>(amax, element_max(cfg.element), cfg.eps, cfg.pow2_scales);
   return {s, 1.0f / s};
 }
@@ -83,8 +83,7 @@ __device__ __forceinline__ float block_amaxes_across_lanes(float (&part)[kRows])
 template <typename T, bool kTile2d>
 __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __restrict__ x,
                                                                      int64_t M, int64_t K,
-                                                                     KernelConfig cfg,
-                                                                     BlockOut out) {
+                                                                     CastConfig cfg, BlockOut out) {
   constexpr int V = kVec<T>, TC = kTileCols<T>, kRowPasses = kTileRows / kWarps;
   constexpr int kTilesAcross = TC / kBlock;
   extern __shared__ uint4 smem[];  // one declaration for every T: extern shared arrays alias
@@ -200,7 +199,7 @@ __global__ __launch_bounds__(kThreads, 1) void fp8_block_cast_kernel(const T* __
 
 ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*row_amax*/,
                           ffi::AnyBuffer /*col_amax*/, ffi::AnyBuffer /*seed*/,
-                          ffi::RemainingRets rets, KernelConfig cfg) {
+                          ffi::RemainingRets rets, CastConfig cfg) {
   int64_t M, K;
   if (!matrix_dims(x, M, K)) return invalid("fp8_block_cast: x must be rank 2");
   // Partial 128-blocks are fine; 16-byte vectors and stores need multiples of 16.
@@ -231,5 +230,4 @@ ffi::Error fp8_block_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8BlockCast, jaxquant::fp8_block_cast,
-                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantFp8BlockCast, jaxquant::fp8_block_cast, jaxquant::cast_binding());

@@ -43,7 +43,7 @@ struct TensorScale {
 
 template <typename T, int32_t kElement>
 __device__ __forceinline__ TensorScale tensor_scale(const float* amax_or_scale,
-                                                    const KernelConfig& cfg,
+                                                    const CastConfig& cfg,
                                                     const Fp8TensorOut& out) {
   const float scale =
       cfg.given_scale
@@ -85,7 +85,7 @@ __device__ __forceinline__ float store_row_vector(const Vec16<T>& v, const Tenso
 template <typename T, int32_t kElement>
 __global__ __launch_bounds__(kThreads) void fp8_tensor_rows_kernel(
     const T* __restrict__ x, const float* __restrict__ amax_or_scale, int64_t vectors,
-    KernelConfig cfg, Fp8TensorOut out) {
+    CastConfig cfg, Fp8TensorOut out) {
   constexpr int V = kVec<T>;
   const TensorScale s = tensor_scale<T, kElement>(amax_or_scale, cfg, out);
   const Vec16<T>* xv = reinterpret_cast<const Vec16<T>*>(x);
@@ -111,7 +111,7 @@ __global__ __launch_bounds__(kThreads) void fp8_tensor_rows_kernel(
 template <typename T, int32_t kElement>
 __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_kernel(
     const T* __restrict__ x, const float* __restrict__ amax_or_scale, int64_t M, int64_t K,
-    KernelConfig cfg, Fp8TensorOut out) {
+    CastConfig cfg, Fp8TensorOut out) {
   constexpr int V = kVec<T>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const TensorScale s = tensor_scale<T, kElement>(amax_or_scale, cfg, out);
@@ -164,7 +164,7 @@ __global__ __launch_bounds__(kCastThreads, kCastMinBlocks) void fp8_tensor_cast_
 
 ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax_or_scale,
                            ffi::AnyBuffer /*col_amax: the same*/, ffi::AnyBuffer /*seed*/,
-                           ffi::RemainingRets rets, KernelConfig cfg) {
+                           ffi::RemainingRets rets, CastConfig cfg) {
   int64_t M, K;
   if (!matrix_dims(x, M, K)) return invalid("fp8_tensor_cast: x must be rank 2");
   if (M % 16 || K % 16) return invalid("fp8_tensor_cast: dims must be multiples of 16");
@@ -218,5 +218,4 @@ ffi::Error fp8_tensor_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8TensorCast, jaxquant::fp8_tensor_cast,
-                              jaxquant::cast_binding(), JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantFp8TensorCast, jaxquant::fp8_tensor_cast, jaxquant::cast_binding());

@@ -188,7 +188,7 @@ ffi::Error check_mxfp8_input(ffi::AnyBuffer x, int32_t element, int64_t& M, int6
 
 ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*row_amax*/,
                       ffi::AnyBuffer /*col_amax*/, ffi::AnyBuffer /*seed*/, ffi::RemainingRets rets,
-                      KernelConfig cfg) {
+                      CastConfig cfg) {
   int64_t M, K;
   if (auto err = check_mxfp8_input(x, cfg.element, M, K, "mxfp8_cast"); err.failure()) return err;
   Mxfp8Out out{};
@@ -198,7 +198,7 @@ ffi::Error mxfp8_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer /*ro
 }
 
 // Results: the rowwise values [M, K] if `rowwise`, then the columnwise values [K, M] if
-// `columnwise`, bf16 (kernels/gemm_values.py).
+// `columnwise`, bf16 (kernels/_gemm_values.py).
 ffi::Error mxfp8_values(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets,
                         int32_t element, int32_t rowwise, int32_t columnwise) {
   int64_t M, K;
@@ -217,8 +217,7 @@ ffi::Error mxfp8_values(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRet
 }
 
 auto mxfp8_values_binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+  return stream_binding()
       .Arg<ffi::AnyBuffer>()  // x
       .RemainingRets()
       .Attr<int32_t>("element")
@@ -229,7 +228,6 @@ auto mxfp8_values_binding() {
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantMxfp8Cast, jaxquant::mxfp8_cast, jaxquant::cast_binding(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantMxfp8Values, jaxquant::mxfp8_values,
-                              jaxquant::mxfp8_values_binding(), JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantMxfp8Cast, jaxquant::mxfp8_cast, jaxquant::cast_binding());
+JAXQUANT_DEFINE_HANDLER(JaxquantMxfp8Values, jaxquant::mxfp8_values,
+                        jaxquant::mxfp8_values_binding());

@@ -12,7 +12,7 @@
 // and scales, each usage's block-scaled values in bf16 (E2M1 times its E4M3 block scale,
 // exact in bf16; S_dec left out), what a GEMM that dequantizes first multiplies: the
 // dequantize kernel's products with `block_scales_only`, bit for bit, with no dequantize
-// pass of their own (kernels/gemm_values.py).
+// pass of their own (kernels/_gemm_values.py).
 #include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/tile.cuh"
@@ -372,8 +372,8 @@ namespace {
 
 // Checks the operands both handlers share; M and K come back.
 ffi::Error check_nvfp4_operands(ffi::AnyBuffer x, ffi::AnyBuffer row_amax, ffi::AnyBuffer col_amax,
-                                ffi::AnyBuffer seed, const KernelConfig& cfg,
-                                const std::string& what, int64_t& M, int64_t& K) {
+                                ffi::AnyBuffer seed, const CastConfig& cfg, const std::string& what,
+                                int64_t& M, int64_t& K) {
   if (!matrix_dims(x, M, K)) return invalid(what + ": x must be rank 2");
   if (M % kBlock || K % kBlock) return invalid(what + ": dims must be multiples of 16");
   const bool tile_2d = cfg.block_rows == kBlock;
@@ -394,7 +394,7 @@ ffi::Error check_nvfp4_operands(ffi::AnyBuffer x, ffi::AnyBuffer row_amax, ffi::
 template <bool kValues>
 ffi::Error launch_nvfp4(cudaStream_t stream, ffi::AnyBuffer x, int64_t M, int64_t K,
                         ffi::AnyBuffer row_amax, ffi::AnyBuffer col_amax, ffi::AnyBuffer seed,
-                        const KernelConfig& cfg, const Nvfp4Out& out, const char* what) {
+                        const CastConfig& cfg, const Nvfp4Out& out, const char* what) {
   Nvfp4Args args{};
   args.row_amax = reinterpret_cast<const float*>(row_amax.untyped_data());
   args.col_amax = reinterpret_cast<const float*>(col_amax.untyped_data());
@@ -436,7 +436,7 @@ ffi::Error launch_nvfp4(cudaStream_t stream, ffi::AnyBuffer x, int64_t M, int64_
 
 ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_amax,
                       ffi::AnyBuffer col_amax, ffi::AnyBuffer seed, ffi::RemainingRets rets,
-                      KernelConfig cfg) {
+                      CastConfig cfg) {
   int64_t M, K;
   if (auto err = check_nvfp4_operands(x, row_amax, col_amax, seed, cfg, "nvfp4_cast", M, K);
       err.failure()) {
@@ -449,10 +449,10 @@ ffi::Error nvfp4_cast(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_
 }
 
 // The cast's operands and attributes; results: the rowwise values [M, K] if `rowwise`,
-// then the columnwise values [K, M] if `columnwise`, bf16 (kernels/gemm_values.py).
+// then the columnwise values [K, M] if `columnwise`, bf16 (kernels/_gemm_values.py).
 ffi::Error nvfp4_values(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_amax,
                         ffi::AnyBuffer col_amax, ffi::AnyBuffer seed, ffi::RemainingRets rets,
-                        KernelConfig cfg) {
+                        CastConfig cfg) {
   int64_t M, K;
   if (auto err = check_nvfp4_operands(x, row_amax, col_amax, seed, cfg, "nvfp4_values", M, K);
       err.failure()) {
@@ -474,7 +474,5 @@ ffi::Error nvfp4_values(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Cast, jaxquant::nvfp4_cast, jaxquant::cast_binding(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4Values, jaxquant::nvfp4_values, jaxquant::cast_binding(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantNvfp4Cast, jaxquant::nvfp4_cast, jaxquant::cast_binding());
+JAXQUANT_DEFINE_HANDLER(JaxquantNvfp4Values, jaxquant::nvfp4_values, jaxquant::cast_binding());

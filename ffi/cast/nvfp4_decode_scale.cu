@@ -2,6 +2,7 @@
 // scale a GEMM multiplies its fp32 sums by. Here an IEEE fp32 division is an instruction;
 // written as XLA code it is an integer emulation (XLA:GPU divides approximately), which a
 // train step inlined twice for every GEMM, multiplying its compile time.
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/numerics.cuh"
 
@@ -34,9 +35,7 @@ ffi::Error nvfp4_decode_scale(cudaStream_t stream, ffi::Buffer<ffi::F32> amax,
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantNvfp4DecodeScale, jaxquant::nvfp4_decode_scale,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantNvfp4DecodeScale, jaxquant::nvfp4_decode_scale,
+                        jaxquant::stream_binding()
+                            .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // global amaxes
+                            .Ret<xla::ffi::Buffer<xla::ffi::F32>>());

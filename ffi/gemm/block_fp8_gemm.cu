@@ -150,8 +150,7 @@ int64_t JaxquantBlockFp8GemmWorkspaceBytes(int64_t m, int64_t n, int64_t k, int3
       workspace_layout(m, n, k, b_block_rows, f32_out != 0, device).total());
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantBlockFp8Gemm, jaxquant::block_fp8_gemm_detail::block_fp8_gemm,
-                              jaxquant::scaled_gemm_binding()
-                                  .Ret<xla::ffi::AnyBuffer>()  // workspace
-                                  .Attr<int32_t>("b_block_rows"),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantBlockFp8Gemm, jaxquant::block_fp8_gemm_detail::block_fp8_gemm,
+                        jaxquant::scaled_gemm_binding()
+                            .Ret<xla::ffi::AnyBuffer>()  // workspace
+                            .Attr<int32_t>("b_block_rows"));

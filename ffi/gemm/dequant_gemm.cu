@@ -22,6 +22,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "jaxquant/bindings.h"
 #include "jaxquant/ffi_glue.h"
 #include "jaxquant/numerics.cuh"
 
@@ -485,19 +486,17 @@ int64_t JaxquantDequantGemmWorkspaceBytes(int64_t m, int64_t n, int64_t k, int32
   return splits.has_value() ? workspace_bytes(m, n, *splits) : -1;
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantDequantGemm, jaxquant::dequant_gemm_detail::dequant_gemm,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // A codes
-                                  .Arg<xla::ffi::AnyBuffer>()  // A block scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // A's NVFP4 global amax: [] or [M]
-                                  .Arg<xla::ffi::AnyBuffer>()  // B codes
-                                  .Arg<xla::ffi::AnyBuffer>()  // B block scales
-                                  .Arg<xla::ffi::AnyBuffer>()  // B's NVFP4 global amax: [] or [N]
-                                  .Ret<xla::ffi::AnyBuffer>()  // D
-                                  .Ret<xla::ffi::AnyBuffer>()  // workspace: fp32 partial sums
-                                  .Attr<int32_t>("a_element")
-                                  .Attr<int32_t>("b_element")
-                                  .Attr<int32_t>("a_scale_row_shift")
-                                  .Attr<int32_t>("b_scale_row_shift"),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantDequantGemm, jaxquant::dequant_gemm_detail::dequant_gemm,
+                        jaxquant::stream_binding()
+                            .Arg<xla::ffi::AnyBuffer>()  // A codes
+                            .Arg<xla::ffi::AnyBuffer>()  // A block scales
+                            .Arg<xla::ffi::AnyBuffer>()  // A's NVFP4 global amax: [] or [M]
+                            .Arg<xla::ffi::AnyBuffer>()  // B codes
+                            .Arg<xla::ffi::AnyBuffer>()  // B block scales
+                            .Arg<xla::ffi::AnyBuffer>()  // B's NVFP4 global amax: [] or [N]
+                            .Ret<xla::ffi::AnyBuffer>()  // D
+                            .Ret<xla::ffi::AnyBuffer>()  // workspace: fp32 partial sums
+                            .Attr<int32_t>("a_element")
+                            .Attr<int32_t>("b_element")
+                            .Attr<int32_t>("a_scale_row_shift")
+                            .Attr<int32_t>("b_scale_row_shift"));

@@ -72,6 +72,5 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantFp8TensorGemm, jaxquant::fp8_tensor_gemm,
-                              jaxquant::scaled_gemm_binding().Attr<bool>("fast_accumulation"),
-                              JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantFp8TensorGemm, jaxquant::fp8_tensor_gemm,
+                        jaxquant::scaled_gemm_binding().Attr<bool>("fast_accumulation"));

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "grouped_gemm.cuh"
+#include "jaxquant/bindings.h"
 
 JAXQUANT_GROUPED_GEMM_PAIR(extern, jaxquant::grouped_gemm_detail::bf16,
                            jaxquant::grouped_gemm_detail::bf16)
@@ -86,13 +87,11 @@ int64_t JaxquantGroupedGemmWorkspaceBytes(int32_t num_groups) {
   return jaxquant::grouped_gemm_detail::largest_workspace_bytes(num_groups);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantGroupedGemm, jaxquant::grouped_gemm_detail::grouped_gemm,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>()   // D
-                                  .Ret<xla::ffi::AnyBuffer>(),  // workspace
-                              JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantGroupedGemm, jaxquant::grouped_gemm_detail::grouped_gemm,
+                        jaxquant::stream_binding()
+                            .Arg<xla::ffi::AnyBuffer>()              // A
+                            .Arg<xla::ffi::AnyBuffer>()              // B
+                            .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group sizes
+                            .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // alpha per group
+                            .Ret<xla::ffi::AnyBuffer>()              // D
+                            .Ret<xla::ffi::AnyBuffer>());            // workspace

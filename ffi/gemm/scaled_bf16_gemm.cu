@@ -53,8 +53,7 @@ ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 }
 
 auto scaled_bf16_gemm_binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+  return stream_binding()
       .Ctx<ffi::DeviceOrdinal>()
       .Arg<ffi::AnyBuffer>()         // A
       .Arg<ffi::AnyBuffer>()         // B
@@ -65,5 +64,5 @@ auto scaled_bf16_gemm_binding() {
 }  // namespace
 }  // namespace jaxquant
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxquantScaledBf16Gemm, jaxquant::scaled_bf16_gemm,
-                              jaxquant::scaled_bf16_gemm_binding(), JAXQUANT_CMD_BUFFER_SAFE);
+JAXQUANT_DEFINE_HANDLER(JaxquantScaledBf16Gemm, jaxquant::scaled_bf16_gemm,
+                        jaxquant::scaled_bf16_gemm_binding());

@@ -2,26 +2,26 @@
 
 Each primitive lowers to its CUDA kernel on GPUs and to the pure-JAX reference elsewhere,
 batches under `vmap` and partitions under sharded `jit` (Shardy). Importing this package
-loads the CUDA library, when it was built, and registers its FFI targets.
+loads the CUDA library, when it was built, and registers the kernels' FFI targets.
 
 `available()` says whether the kernels can run here, `unavailable_reason()` why not.
 """
 
-from jaxquant.kernels import _library as library
+from jaxquant.kernels import _targets
 from jaxquant.kernels._amax import amax
 from jaxquant.kernels._bf16_gemm import scaled_bf16_gemm
 from jaxquant.kernels._block_gemm import block_fp8_gemm
-from jaxquant.kernels._config import KernelConfig, unsupported_reason
+from jaxquant.kernels._config import CastConfig, unsupported_reason
 from jaxquant.kernels._decode_scale import decode_scale
 from jaxquant.kernels._delayed_scale import delayed_scale
 from jaxquant.kernels._dequantize import dequantize_data
 from jaxquant.kernels._fused_dequant import dequant_gemm
 from jaxquant.kernels._grouped import grouped_gemm
-from jaxquant.kernels._library import available, unavailable_reason
 from jaxquant.kernels._quantize import quantize_usages, quantize_usages_and_amax
+from jaxquant.kernels._targets import available, unavailable_reason
 from jaxquant.kernels._tensor_gemm import fp8_tensor_gemm
 
-library.load_error()  # register the FFI targets now, when the library exists
+_targets.registration_error()  # register the FFI targets now, when the library exists
 
 __all__ = [
   "available",
@@ -37,6 +37,6 @@ __all__ = [
   "dequant_gemm",
   "fp8_tensor_gemm",
   "scaled_bf16_gemm",
-  "KernelConfig",
+  "CastConfig",
   "unsupported_reason",
 ]

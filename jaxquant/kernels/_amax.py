@@ -9,31 +9,41 @@ for `tensor_amax` itself).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-from jax._src.core import ShapedArray
+import numpy as np
+from jax.core import ShapedArray
 
-from jaxquant.formats import Family, Format
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
-from jaxquant.kernels._config import KernelConfig
 from jaxquant.kernels._validate import check_matrix
 from jaxquant.reference import _fp32 as fp32
 from jaxquant.reference import _hadamard as hadamard
 
-# The config only says which amax; the format is a placeholder the FFI struct requires.
-_NO_FORMAT = Format(Family.FP8_TENSOR, "e4m3")
+
+@dataclasses.dataclass(frozen=True)
+class AmaxConfig:
+  """Which amax: per row instead of per tensor, or of the Hadamard-transformed columnwise
+  data (per tensor); ffi/cast/amax.cu decodes the struct of the same name."""
+
+  per_row: bool = False
+  rht: bool = False
+
+  def ffi_attributes(self) -> dict:
+    return dict(per_row=np.int32(self.per_row), rht=np.int32(self.rht))
 
 
 def _abstract_eval(x, *, config):
-  return [ShapedArray((x.shape[0],) if config.amax_per_row else (), jnp.float32)]
+  return [ShapedArray((x.shape[0],) if config.per_row else (), jnp.float32)]
 
 
 def _reference(x, *, config):
   xf = x.astype(jnp.float32)
   if config.rht:
     return [fp32.abs_max(hadamard.apply_rht(xf.T, x.dtype))]
-  return [fp32.abs_max(xf, axis=1) if config.amax_per_row else fp32.abs_max(xf)]
+  return [fp32.abs_max(xf, axis=1) if config.per_row else fp32.abs_max(xf)]
 
 
 def _partition(config, mesh, arg_shapes, result_shape):
@@ -42,7 +52,7 @@ def _partition(config, mesh, arg_shapes, result_shape):
   m_axes = sharding.keep_if_whole(mesh, m_axes, m, 16 if config.rht else 1)
   k_axes = sharding.keep_if_whole(mesh, k_axes, k, 16)
   arg_specs = [sharding.pspec(m_axes, k_axes)]
-  if config.amax_per_row:
+  if config.per_row:
     result_specs = [sharding.pspec(m_axes)]
     reduced = k_axes
   else:
@@ -56,21 +66,19 @@ def _partition(config, mesh, arg_shapes, result_shape):
 
 
 def _sharding_rule(config, shapes, mesh_size):
-  if config.amax_per_row:
+  if config.per_row:
     return sharding.rule([("m", "k")], [("m",)], {}, reduction_factors=("k",))
   return sharding.rule([("m", "k")], [()], {}, reduction_factors=("m", "k"))
 
 
-amax_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_amax",
-    ffi_target=lambda config: "jaxquant_amax",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_amax",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
 )
+amax_p = primitive.define(SPEC)
 
 
 def amax(x: jax.Array, *, per_row: bool = False, rht: bool = False) -> jax.Array:
@@ -79,8 +87,7 @@ def amax(x: jax.Array, *, per_row: bool = False, rht: bool = False) -> jax.Array
   if per_row and rht:
     raise ValueError("amax: the RHT amax is per tensor (per_row=True and rht=True given)")
   check_matrix(x, "amax", rows_multiple=16 if rht else 1, cols_multiple=16)
-  config = KernelConfig(format=_NO_FORMAT, rht=rht, amax_per_row=per_row)
-  return amax_p.bind(x, config=config)[0]
+  return amax_p.bind(x, config=AmaxConfig(per_row=per_row, rht=rht))[0]
 
 
 def tensor_amax(x: jax.Array) -> jax.Array:

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 from jaxquant.kernels import _library as library
 from jaxquant.kernels import _primitive as primitive
@@ -132,17 +132,15 @@ def _workspace_bytes(config, a, b, sfa, sfb):
   return library.workspace_bytes("jaxquant_block_fp8_gemm", m, n, k, config.b_block_rows, f32_out)
 
 
-block_gemm_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_block_fp8_gemm",
-    ffi_target=lambda config: "jaxquant_block_fp8_gemm",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-    workspace_bytes=_workspace_bytes,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_block_fp8_gemm",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
+  workspace_bytes=_workspace_bytes,
 )
+block_gemm_p = primitive.define(SPEC)
 
 
 def unsupported_reason(m: int, n: int, k: int, b_block_rows: int, out_dtype) -> str | None:

@@ -13,12 +13,12 @@ casts only its own shard.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 from jaxquant.formats import Family
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
-from jaxquant.kernels._config import KernelConfig
+from jaxquant.kernels._config import CastConfig
 from jaxquant.kernels._reference_cast import reference_cast
 
 TARGETS = {
@@ -33,7 +33,7 @@ def stored_shape(usage: str, m: int, k: int) -> tuple[int, int]:
   return (m, k) if usage == "rowwise" else (k, m)
 
 
-def _abstract_eval(x, row_amax, col_amax, seed, *, config: KernelConfig):
+def _abstract_eval(x, row_amax, col_amax, seed, *, config: CastConfig):
   m, k = x.shape
   out = []
   for usage in config.usages:
@@ -46,7 +46,7 @@ def _abstract_eval(x, row_amax, col_amax, seed, *, config: KernelConfig):
   return out
 
 
-def _blocks(config: KernelConfig) -> tuple[int, int]:
+def _blocks(config: CastConfig) -> tuple[int, int]:
   """(M extent, K extent) of the blocks a shard must hold whole (and the kernels' 16/32
   alignment): the rowwise block along K, the columnwise block along M."""
   fmt = config.format
@@ -57,7 +57,7 @@ def _blocks(config: KernelConfig) -> tuple[int, int]:
   return max(align, bc if config.columnwise else br), max(align, bc)
 
 
-def _factors(config: KernelConfig, m: int, k: int):
+def _factors(config: CastConfig, m: int, k: int):
   """Each tensor's dims as Shardy factors, and every factor's size.
 
   M = (mb mi) and K = (kb ki) with mi, ki the block extents, so that a scale dim of M / mi
@@ -88,12 +88,12 @@ def _factors(config: KernelConfig, m: int, k: int):
   return operands, results, sizes
 
 
-def _whole_blocks(config: KernelConfig, m: int, k: int) -> bool:
+def _whole_blocks(config: CastConfig, m: int, k: int) -> bool:
   mi, ki = _blocks(config)
   return m % mi == 0 and k % ki == 0
 
 
-def _sharding_rule(config: KernelConfig, shapes, mesh_size):
+def _sharding_rule(config: CastConfig, shapes, mesh_size):
   m, k = shapes[0]
   mi, ki = _blocks(config)
   if not _whole_blocks(config, m, k) or (m // mi) % mesh_size or (k // ki) % mesh_size:
@@ -115,7 +115,7 @@ def _sharding_rule(config: KernelConfig, shapes, mesh_size):
   return sharding.rule(operands, results, sizes, need_replication_factors=replicated)
 
 
-def partition(config: KernelConfig, mesh, arg_shapes, result_shape):
+def partition(config: CastConfig, mesh, arg_shapes, result_shape):
   m, k = arg_shapes[0].shape
   mi, ki = _blocks(config)
   m_axes, k_axes = sharding.spec_axes(arg_shapes[0].sharding, 2)
@@ -151,13 +151,13 @@ def partition(config: KernelConfig, mesh, arg_shapes, result_shape):
   return arg_specs, result_specs, local
 
 
-cast_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_cast",
-    ffi_target=lambda config: TARGETS[config.format.family],
-    abstract_eval=_abstract_eval,
-    reference=reference_cast,
-    partition=partition,
-    sharding_rule=_sharding_rule,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_cast",
+  abstract_eval=_abstract_eval,
+  reference=reference_cast,
+  partition=partition,
+  sharding_rule=_sharding_rule,
+  ffi_targets=tuple(TARGETS.values()),
+  pick_target=lambda config: TARGETS[config.format.family],
 )
+cast_p = primitive.define(SPEC)

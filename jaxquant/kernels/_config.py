@@ -1,9 +1,10 @@
-"""The static options of one kernel call, as one frozen config.
+"""The cast kernels' static options, as one frozen config, and the codes formats travel as.
 
-`KernelConfig` is hashable (a primitive parameter) and turns into the FFI attributes that
-ffi/include/jaxquant/ffi_glue.h decodes into the C++ struct of the same name: every
+`CastConfig` is hashable (a primitive parameter) and turns into the FFI attributes that
+ffi/include/jaxquant/bindings.h decodes into the C++ struct of the same name: every
 field, every call, so the two sides cannot drift apart silently (XLA rejects a call whose
-attribute set differs from the struct's).
+attribute set differs from the struct's; tests/kernels/test_ffi_bindings.py compares them).
+The other kernels' configs live with their kernels.
 """
 
 from __future__ import annotations
@@ -17,17 +18,29 @@ from jaxquant.formats import Family, Format
 from jaxquant.quantizers import BaseQuantizer, DelayedFloat8Quantizer, NVFP4Quantizer
 from jaxquant.tensor import Usage
 
+# The codes of ffi_glue.h's Family and Element enums.
 FAMILY_CODES = {Family.FP8_TENSOR: 0, Family.FP8_BLOCK: 1, Family.MXFP8: 2, Family.NVFP4: 3}
 ELEMENT_CODES = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """What one cast / amax / dequantize call computes.
+def format_attributes(fmt: Format) -> dict:
+  """The FFI attributes that say a format, in the cast's and the dequantize's configs."""
+  i32 = np.int32
+  return dict(
+    family=i32(FAMILY_CODES[fmt.family]),
+    element=i32(ELEMENT_CODES[fmt.element]),
+    block_rows=i32(fmt.block[0]),
+    block_cols=i32(fmt.block[1]),
+    row_scaled=i32(fmt.row_scaled),
+  )
 
-  `format` is the rowwise format of the quantizer (for dequantize: the stored usage's);
-  the columnwise usage of the same quantizer differs only where NUMERICS.md says so
-  (no row scales; RHT when `rht`).
+
+@dataclasses.dataclass(frozen=True)
+class CastConfig:
+  """What one cast computes (every cast family, and the NVFP4 values cast).
+
+  `format` is the rowwise format of the quantizer; the columnwise usage of the same
+  quantizer differs only where NUMERICS.md says so (no row scales; RHT when `rht`).
   """
 
   format: Format
@@ -38,31 +51,21 @@ class KernelConfig:
   given_scale: bool = False  # FP8 per-tensor: the scalar input is the (delayed) scale
   rht: bool = False  # NVFP4: Hadamard transform on the columnwise usage
   stochastic_rounding: bool = False
-  amax_per_row: bool = False  # amax kernel only
-  block_scales_only: bool = False  # dequantize only: leave the outer scale (NVFP4 S_dec) out
-  # Per-tensor FP8 cast only: one more result, the input's amax, taken as the cast reads it
+  # Per-tensor FP8 only: one more result, the input's amax, taken as the cast reads it
   # (delayed scaling records it; current scaling needs it before the cast).
   observe_amax: bool = False
-  out_dtype: Optional[str] = None  # dequantize only; not an FFI attribute (the output
-  # buffer's dtype says it on the C++ side)
 
   def ffi_attributes(self) -> dict:
     i32 = np.int32
     return dict(
-      family=i32(FAMILY_CODES[self.format.family]),
-      element=i32(ELEMENT_CODES[self.format.element]),
+      **format_attributes(self.format),
       rowwise=i32(self.rowwise),
       columnwise=i32(self.columnwise),
-      block_rows=i32(self.format.block[0]),
-      block_cols=i32(self.format.block[1]),
       pow2_scales=i32(self.pow2_scales),
       eps=np.float32(self.eps),
       given_scale=i32(self.given_scale),
       rht=i32(self.rht),
       stochastic_rounding=i32(self.stochastic_rounding),
-      row_scaled=i32(self.format.row_scaled),
-      amax_per_row=i32(self.amax_per_row),
-      block_scales_only=i32(self.block_scales_only),
       observe_amax=i32(self.observe_amax),
     )
 
@@ -76,11 +79,11 @@ class KernelConfig:
     return self.format
 
 
-def cast_config(quantizer: BaseQuantizer, usages: tuple[Usage, ...]) -> KernelConfig:
+def cast_config(quantizer: BaseQuantizer, usages: tuple[Usage, ...]) -> CastConfig:
   """The cast config of a base quantizer producing `usages` in one pass."""
   # Row scales (per-token) belong to the rowwise usage only.
   fmt = quantizer.format("rowwise" if "rowwise" in usages else "columnwise")
-  return KernelConfig(
+  return CastConfig(
     format=fmt,
     rowwise="rowwise" in usages,
     columnwise="columnwise" in usages,

@@ -13,7 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
@@ -40,16 +40,14 @@ def _reference(amax, *, config):
 _partition, _sharding_rule = sharding.elementwise(1)
 
 
-decode_scale_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_nvfp4_decode_scale",
-    ffi_target=lambda config: "jaxquant_nvfp4_decode_scale",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_nvfp4_decode_scale",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
 )
+decode_scale_p = primitive.define(SPEC)
 
 
 def decode_scale(amax: jax.Array) -> jax.Array:

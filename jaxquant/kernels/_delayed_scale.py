@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 from jaxquant import scaling
 from jaxquant.kernels import _primitive as primitive
@@ -45,16 +45,14 @@ def _reference(amax, scale, *, config):
 _partition, _sharding_rule = sharding.elementwise(2)
 
 
-delayed_scale_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_delayed_scale",
-    ffi_target=lambda config: "jaxquant_delayed_scale",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_delayed_scale",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
 )
+delayed_scale_p = primitive.define(SPEC)
 
 
 def delayed_scale(amax: jax.Array, scale: jax.Array, fmax: float, divisor: float) -> jax.Array:

@@ -11,17 +11,36 @@ wherever every shard holds whole scaling blocks, and are gathered otherwise.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-from jax._src.core import ShapedArray
+import numpy as np
+from jax.core import ShapedArray
 
 from jaxquant import reference
 from jaxquant.formats import Family, Format
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
-from jaxquant.kernels._config import KernelConfig
+from jaxquant.kernels._config import format_attributes
 from jaxquant.kernels._validate import check_array
 from jaxquant.tensor import QuantizedData
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantizeConfig:
+  """The stored usage's format and the result's dtype (which the result buffer says on the
+  C++ side, so it is no attribute); ffi/cast/dequantize.cu decodes the struct of the same
+  name."""
+
+  format: Format
+  out_dtype: str
+  block_scales_only: bool = False  # leave the outer scale (NVFP4's S_dec) out
+
+  def ffi_attributes(self) -> dict:
+    return dict(
+      **format_attributes(self.format), block_scales_only=np.int32(self.block_scales_only)
+    )
 
 
 def _stored(data, config):
@@ -98,16 +117,14 @@ def _partition(config, mesh, arg_shapes, result_shape):
   return ([data_spec, scale_spec, amax_spec], [data_spec], lambda kernel, *shards: kernel(*shards))
 
 
-dequantize_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_dequantize",
-    ffi_target=lambda config: "jaxquant_dequantize",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_dequantize",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
 )
+dequantize_p = primitive.define(SPEC)
 
 
 def dequantize_data(qd: QuantizedData, dtype, *, block_scales_only: bool = False) -> jax.Array:
@@ -129,7 +146,5 @@ def dequantize_data(qd: QuantizedData, dtype, *, block_scales_only: bool = False
   if fmt.family is Family.NVFP4 and not block_scales_only:
     check_array(qd.amax, "dequantize global amax", (rows,) if fmt.row_scaled else (), jnp.float32)
     amax = qd.amax
-  config = KernelConfig(
-    format=fmt, out_dtype=jnp.dtype(dtype).name, block_scales_only=block_scales_only
-  )
+  config = DequantizeConfig(fmt, jnp.dtype(dtype).name, block_scales_only)
   return dequantize_p.bind(qd.data, qd.scale_inv, amax, config=config)[0]

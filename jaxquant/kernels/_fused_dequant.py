@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 from jaxquant.formats import Family, Format
 from jaxquant.kernels import _library as library
@@ -119,17 +119,15 @@ def _workspace_bytes(config, a, sa, amax_a, b, sb, amax_b):
   )
 
 
-dequant_gemm_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_dequant_gemm",
-    ffi_target=lambda config: "jaxquant_dequant_gemm",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-    workspace_bytes=_workspace_bytes,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_dequant_gemm",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
+  workspace_bytes=_workspace_bytes,
 )
+dequant_gemm_p = primitive.define(SPEC)
 
 
 def shape_reason(a_rows: int, k: int) -> str | None:

@@ -21,12 +21,12 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 from jaxquant.kernels import _cast as cast
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
-from jaxquant.kernels._config import ELEMENT_CODES, KernelConfig, cast_config
+from jaxquant.kernels._config import ELEMENT_CODES, CastConfig, cast_config
 from jaxquant.kernels._quantize import cast_seed, nvfp4_amaxes
 from jaxquant.kernels._reference_cast import reference_cast
 from jaxquant.quantizers import MXFP8Quantizer, NVFP4Quantizer
@@ -122,16 +122,14 @@ def _partition(config: ValuesConfig, mesh, arg_shapes, result_shape):
   )
 
 
-values_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_mxfp8_values",
-    ffi_target=lambda config: "jaxquant_mxfp8_values",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-  )
+MXFP8_VALUES_SPEC = primitive.KernelSpec(
+  name="jaxquant_mxfp8_values",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
 )
+values_p = primitive.define(MXFP8_VALUES_SPEC)
 
 
 def unsupported_reason(quantizer, rows: int, cols: int, dtype) -> str | None:
@@ -171,11 +169,11 @@ def mxfp8_values(x2d: jax.Array, quantizer: MXFP8Quantizer, usages) -> dict[Usag
 # ---- NVFP4 ----
 
 
-def _nvfp4_abstract_eval(x, row_amax, col_amax, seed, *, config: KernelConfig):
+def _nvfp4_abstract_eval(x, row_amax, col_amax, seed, *, config: CastConfig):
   return [ShapedArray(_stored(u, *x.shape), jnp.bfloat16) for u in config.usages]
 
 
-def _nvfp4_reference(x, row_amax, col_amax, seed, *, config: KernelConfig):
+def _nvfp4_reference(x, row_amax, col_amax, seed, *, config: CastConfig):
   """The cast's reference, each usage's codes times their block scales, in bf16."""
   outs = reference_cast(x, row_amax, col_amax, seed, config=config)
   values = []
@@ -186,30 +184,28 @@ def _nvfp4_reference(x, row_amax, col_amax, seed, *, config: KernelConfig):
   return values
 
 
-def _nvfp4_sharding_rule(config: KernelConfig, shapes, mesh_size):
+def _nvfp4_sharding_rule(config: CastConfig, shapes, mesh_size):
   # The row amax ([M] per token, else a scalar), the column amax, the seed (replicated).
   seed = ("seed",) if config.stochastic_rounding else ()
   more = lambda M: [(M,) if config.format.row_scaled else (), (), seed]
   return _values_rule(config.usages, *shapes[0], NVFP4_BLOCK, mesh_size, more, seed)
 
 
-def _nvfp4_partition(config: KernelConfig, mesh, arg_shapes, result_shape):
+def _nvfp4_partition(config: CastConfig, mesh, arg_shapes, result_shape):
   # The cast's partitioning (whole blocks per shard, a random stream per shard), with one
   # result per usage: the values take their codes' specs.
   arg_specs, cast_specs, local = cast.partition(config, mesh, arg_shapes, result_shape)
   return arg_specs, cast_specs[::2], local
 
 
-nvfp4_values_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_nvfp4_values",
-    ffi_target=lambda config: "jaxquant_nvfp4_values",
-    abstract_eval=_nvfp4_abstract_eval,
-    reference=_nvfp4_reference,
-    partition=_nvfp4_partition,
-    sharding_rule=_nvfp4_sharding_rule,
-  )
+NVFP4_VALUES_SPEC = primitive.KernelSpec(
+  name="jaxquant_nvfp4_values",
+  abstract_eval=_nvfp4_abstract_eval,
+  reference=_nvfp4_reference,
+  partition=_nvfp4_partition,
+  sharding_rule=_nvfp4_sharding_rule,
 )
+nvfp4_values_p = primitive.define(NVFP4_VALUES_SPEC)
 
 
 def nvfp4_unsupported_reason(quantizer, rows: int, cols: int, dtype) -> Optional[str]:

@@ -17,7 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 from jaxquant.kernels import _library as library
 from jaxquant.kernels import _primitive as primitive
@@ -59,17 +59,15 @@ def _workspace_bytes(config, a, b, group_sizes, alpha):
   return library.workspace_bytes("jaxquant_grouped_gemm", b.shape[0])
 
 
-grouped_gemm_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_grouped_gemm",
-    ffi_target=lambda config: "jaxquant_grouped_gemm",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-    workspace_bytes=_workspace_bytes,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_grouped_gemm",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
+  workspace_bytes=_workspace_bytes,
 )
+grouped_gemm_p = primitive.define(SPEC)
 
 
 def unsupported_reason(a_dtype, b_dtype, k: int, n: int, out_dtype) -> str | None:

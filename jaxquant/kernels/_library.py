@@ -1,8 +1,9 @@
 """Loads the CUDA FFI library built next to this file and registers its targets.
 
+The kernel specs name the targets (kernels/_targets.py collects them); each one's handler
+is the library's export of the same name in CamelCase (`handler_symbol`, handlers.h).
 Registration happens once, when `jaxquant.kernels` is imported; it needs no GPU (XLA
-keeps targets for a platform until that platform's backend starts). Whether the kernels
-can actually run is `unavailable_reason()`: None, or a sentence saying what is missing.
+keeps targets for a platform until that platform's backend starts).
 """
 
 from __future__ import annotations
@@ -17,39 +18,25 @@ import jax
 from jaxlib import xla_client
 
 LIBRARY_NAME = "libjaxquant_ffi.so"
-# FFI target name -> exported handler symbol (ffi/include/jaxquant/handlers.h).
-TARGETS = {
-  "jaxquant_amax": "JaxquantAmax",
-  "jaxquant_fp8_tensor_cast": "JaxquantFp8TensorCast",
-  "jaxquant_fp8_block_cast": "JaxquantFp8BlockCast",
-  "jaxquant_mxfp8_cast": "JaxquantMxfp8Cast",
-  "jaxquant_mxfp8_values": "JaxquantMxfp8Values",
-  "jaxquant_nvfp4_cast": "JaxquantNvfp4Cast",
-  "jaxquant_nvfp4_values": "JaxquantNvfp4Values",
-  "jaxquant_nvfp4_decode_scale": "JaxquantNvfp4DecodeScale",
-  "jaxquant_delayed_scale": "JaxquantDelayedScale",
-  "jaxquant_dequantize": "JaxquantDequantize",
-  "jaxquant_grouped_gemm": "JaxquantGroupedGemm",
-  "jaxquant_block_fp8_gemm": "JaxquantBlockFp8Gemm",
-  "jaxquant_dequant_gemm": "JaxquantDequantGemm",
-  "jaxquant_fp8_tensor_gemm": "JaxquantFp8TensorGemm",
-  "jaxquant_scaled_bf16_gemm": "JaxquantScaledBf16Gemm",
-}
-# Plain C functions that size a target's workspace, the result buffer its lowering adds
-# (primitive.KernelSpec.workspace_bytes; handlers.h): target -> (symbol, argument types).
+# The argument types of the plain C functions that size a target's workspace, the result
+# buffer its lowering adds (primitive.KernelSpec.workspace_bytes; handlers.h), each the
+# target's handler symbol followed by WorkspaceBytes.
 WORKSPACE_QUERIES = {
-  "jaxquant_grouped_gemm": ("JaxquantGroupedGemmWorkspaceBytes", (ctypes.c_int32,)),
-  "jaxquant_dequant_gemm": (
-    "JaxquantDequantGemmWorkspaceBytes",
-    (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
-  ),
-  "jaxquant_block_fp8_gemm": (
-    "JaxquantBlockFp8GemmWorkspaceBytes",
-    (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
-  ),
+  "jaxquant_grouped_gemm": (ctypes.c_int32,),
+  "jaxquant_dequant_gemm": (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
+  "jaxquant_block_fp8_gemm": (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
 }
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
+
+
+def handler_symbol(target: str) -> str:
+  """The exported handler of an FFI target: jaxquant_fp8_tensor_cast -> JaxquantFp8TensorCast."""
+  return "".join(part.capitalize() for part in target.split("_"))
+
+
+def _workspace_query_symbol(target: str) -> str:
+  return handler_symbol(target) + "WorkspaceBytes"
 
 
 def library_path() -> pathlib.Path:
@@ -60,7 +47,7 @@ def library_path() -> pathlib.Path:
 
 @functools.cache
 def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
-  """(the library, None) once it is loaded and its targets registered; (None, why not)."""
+  """(the library, None) once it is loaded; (None, why not)."""
   path = library_path()
   if not path.exists():
     return None, (
@@ -72,33 +59,44 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib = ctypes.CDLL(str(path))
   except OSError as e:
     return None, f"could not load {path}: {e}"
-  queries = [symbol for symbol, _ in WORKSPACE_QUERIES.values()]
-  missing = [s for s in (*TARGETS.values(), *queries) if not hasattr(lib, s)]
+  missing = [s for s in map(_workspace_query_symbol, WORKSPACE_QUERIES) if not hasattr(lib, s)]
   if missing:
     return None, f"{path} lacks {', '.join(missing)}: it was built from other sources"
-  for symbol, argtypes in WORKSPACE_QUERIES.values():
-    query = getattr(lib, symbol)
+  for target, argtypes in WORKSPACE_QUERIES.items():
+    query = getattr(lib, _workspace_query_symbol(target))
     query.argtypes, query.restype = list(argtypes), ctypes.c_int64
-  for target, symbol in TARGETS.items():
+  return lib, None
+
+
+def register(targets: tuple[str, ...]) -> Optional[str]:
+  """Registers the FFI targets with their handlers; returns why it could not (no library,
+  or one without some target's handler: then none is registered), or None."""
+  lib, error = _load()
+  if error:
+    return error
+  missing = [handler_symbol(t) for t in targets if not hasattr(lib, handler_symbol(t))]
+  if missing:
+    return f"{library_path()} lacks {', '.join(missing)}: it was built from other sources"
+  for target in targets:
     # Every target may be traced into XLA's command buffers (CUDA graphs) along with the
     # fusions around it: the same kernels for the same attributes and shapes, no host
     # synchronization while captured, and no scratch memory (XLA's scratch allocator frees
     # its memory when the call returns, a captured graph would keep the address): the GEMMs
     # that need workspace take it as one more result buffer, which XLA allocates with the
     # call (WORKSPACE_QUERIES). The handlers report the same trait in their FFI metadata
-    # (ffi_glue.h, JAXQUANT_CMD_BUFFER_SAFE); tests/kernels/test_command_buffers.py checks
+    # (bindings.h, JAXQUANT_DEFINE_HANDLER); tests/kernels/test_command_buffers.py checks
     # on the GPU that their kernels run from XLA's CUDA graphs.
     jax.ffi.register_ffi_target(
       target,
-      jax.ffi.pycapsule(getattr(lib, symbol)),
+      jax.ffi.pycapsule(getattr(lib, handler_symbol(target))),
       platform="CUDA",
       traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE,
     )
-  return lib, None
+  return None
 
 
 def load_error() -> Optional[str]:
-  """Loads and registers the library once; returns why that failed, or None."""
+  """Loads the library once; returns why that failed, or None."""
   return _load()[1]
 
 
@@ -110,7 +108,7 @@ def workspace_bytes(target: str, *dims: int) -> int:
   lib, error = _load()
   if error:
     raise RuntimeError(f"{target}: {error}")
-  size = getattr(lib, WORKSPACE_QUERIES[target][0])(*dims)
+  size = getattr(lib, _workspace_query_symbol(target))(*dims)
   if size < 0:
     raise RuntimeError(
       f"{target}: could not size the workspace for dims {dims}: the CUDA "
@@ -119,12 +117,8 @@ def workspace_bytes(target: str, *dims: int) -> int:
   return size
 
 
-@functools.cache
-def unavailable_reason() -> Optional[str]:
-  """None when the kernels can run here; otherwise why not."""
-  error = load_error()
-  if error:
-    return error
+def device_reason() -> Optional[str]:
+  """None when this machine has GPUs the library's code runs on; otherwise why not."""
   try:
     gpus = jax.devices("cuda")
   except RuntimeError:
@@ -136,7 +130,3 @@ def unavailable_reason() -> Optional[str]:
       f"GPUs report {sorted(capabilities)}"
     )
   return None
-
-
-def available() -> bool:
-  return unavailable_reason() is None

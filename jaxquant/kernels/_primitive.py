@@ -9,8 +9,11 @@ Each kernel is two primitives:
   collectives the kernel's partitioning rule adds), and it has the batching rule
   (`custom_partitioning` has none).
 
-Static options travel as one hashable `config` parameter (kernels/_config.py), encoded as
-FFI attributes on CUDA.
+Static options travel as one hashable `config` parameter, a frozen dataclass of the
+kernel's own (`ffi_attributes()` encodes it as the FFI attributes its handler binds on CUDA).
+The specs name the FFI targets, the one list of them (kernels/_targets.py registers them
+with the library; tests/kernels/test_ffi_bindings.py checks them, and each config's
+attributes, against the handlers ffi/ declares and binds).
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+
+# Only for prim_requires_devices_during_lowering (see define): JAX has no public way to ask
+# for the device assignment while lowering a primitive.
 from jax._src import dispatch
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import batching, mlir, xla
 
 from jaxquant.kernels import _library as library
 
@@ -42,13 +48,25 @@ class KernelSpec:
   (a dim of blocks divisible by it shards evenly on any axes).
   """
 
-  name: str
-  ffi_target: Callable  # config -> FFI target name
+  name: str  # the primitive's, and its FFI target's unless `ffi_targets` names several
   abstract_eval: Callable
   reference: Callable
   partition: Callable
   sharding_rule: Callable
   workspace_bytes: Optional[Callable] = None
+  # A kernel of several FFI targets (the cast, one per family) lists them all and picks the
+  # one of each call: config -> target.
+  ffi_targets: tuple[str, ...] = ()
+  pick_target: Optional[Callable] = None
+
+  @property
+  def targets(self) -> tuple[str, ...]:
+    """Every FFI target the kernel may call."""
+    return self.ffi_targets or (self.name,)
+
+  def target(self, config) -> str:
+    """The FFI target of one call."""
+    return self.pick_target(config) if self.pick_target else self.name
 
 
 def _cuda_lowering(spec: KernelSpec):
@@ -56,7 +74,7 @@ def _cuda_lowering(spec: KernelSpec):
     error = library.load_error()
     if error:
       raise RuntimeError(f"{spec.name}: cannot lower to the CUDA kernel: {error}")
-    ffi = jax.ffi.ffi_lowering(spec.ffi_target(config))
+    ffi = jax.ffi.ffi_lowering(spec.target(config))
     if spec.workspace_bytes is None:
       return ffi(ctx, *args, **config.ffi_attributes())
     # The workspace is the call's last result, which nothing reads after it.
@@ -87,7 +105,7 @@ def define(spec: KernelSpec) -> Primitive:
   """Builds the inner and outer primitives of a kernel; returns the outer one."""
   inner = Primitive(spec.name + "_shard")
   inner.multiple_results = True
-  inner.def_impl(functools.partial(dispatch.apply_primitive, inner))
+  inner.def_impl(functools.partial(xla.apply_primitive, inner))
   inner.def_abstract_eval(spec.abstract_eval)
   mlir.register_lowering(
     inner,
@@ -124,7 +142,7 @@ def define(spec: KernelSpec) -> Primitive:
 
   outer = Primitive(spec.name)
   outer.multiple_results = True
-  outer.def_impl(functools.partial(dispatch.apply_primitive, outer))
+  outer.def_impl(functools.partial(xla.apply_primitive, outer))
   outer.def_abstract_eval(spec.abstract_eval)
   lower_whole = mlir.lower_fun(
     lambda *a, config: inner.bind(*a, config=config), multiple_results=True

@@ -16,7 +16,7 @@ from jaxquant.formats import Family
 from jaxquant.kernels._amax import amax as amax_kernel
 from jaxquant.kernels._amax import tensor_amax
 from jaxquant.kernels._cast import cast_p, stored_shape
-from jaxquant.kernels._config import KernelConfig, cast_config, unsupported_reason
+from jaxquant.kernels._config import CastConfig, cast_config, unsupported_reason
 from jaxquant.kernels._validate import check_array, check_matrix
 from jaxquant.quantizers import BaseQuantizer, DelayedFloat8Quantizer, NVFP4Quantizer
 from jaxquant.reference import _fp32 as fp32
@@ -35,7 +35,7 @@ def seed_from_key(key: jax.Array) -> jax.Array:
   return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def cast_seed(config: KernelConfig, key: Optional[jax.Array]) -> jax.Array:
+def cast_seed(config: CastConfig, key: Optional[jax.Array]) -> jax.Array:
   """The cast's seed operand: the key's uint32[2] with stochastic rounding (the key is then
   required), else an unread scalar (XLA embeds a scalar constant, while a uint32[2] of
   zeros costs a broadcast kernel before every cast)."""

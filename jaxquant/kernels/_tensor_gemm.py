@@ -17,7 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax._src.core import ShapedArray
+from jax.core import ShapedArray
 
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
@@ -73,16 +73,14 @@ def _partition(config, mesh, arg_shapes, result_shape):
   )
 
 
-tensor_gemm_p = primitive.define(
-  primitive.KernelSpec(
-    name="jaxquant_fp8_tensor_gemm",
-    ffi_target=lambda config: "jaxquant_fp8_tensor_gemm",
-    abstract_eval=_abstract_eval,
-    reference=_reference,
-    partition=_partition,
-    sharding_rule=_sharding_rule,
-  )
+SPEC = primitive.KernelSpec(
+  name="jaxquant_fp8_tensor_gemm",
+  abstract_eval=_abstract_eval,
+  reference=_reference,
+  partition=_partition,
+  sharding_rule=_sharding_rule,
 )
+tensor_gemm_p = primitive.define(SPEC)
 
 
 def unsupported_reason(a_dtype, b_dtype, n: int, k: int, out_dtype) -> str | None:

@@ -1,5 +1,5 @@
-// XLA FFI glue shared by every handler: the static config decoded from FFI attributes,
-// input dtype dispatch, and CUDA error reporting.
+// XLA FFI glue shared by every handler: the codes formats travel as in FFI attributes,
+// input dtype dispatch, workspaces, and CUDA error reporting.
 #pragma once
 
 #include <cstdint>
@@ -17,34 +17,7 @@ namespace jaxquant {
 
 namespace ffi = xla::ffi;
 
-// Mirror of jaxquant.kernels.config.KernelConfig: one frozen config, every field an FFI
-// attribute of the same name. Values were validated in Python; handlers only re-check
-// what would make a kernel touch memory out of bounds.
-struct KernelConfig {
-  int32_t family;      // 0 fp8_tensor, 1 fp8_block, 2 mxfp8, 3 nvfp4
-  int32_t element;     // Element
-  int32_t rowwise;     // produce the rowwise usage
-  int32_t columnwise;  // produce the columnwise (transposed) usage
-  int32_t block_rows;  // scaling block in the rowwise stored layout
-  int32_t block_cols;
-  int32_t pow2_scales;
-  float eps;
-  int32_t given_scale;  // FP8 per-tensor: the scalar input is the scale, not the amax
-  int32_t rht;          // NVFP4: Hadamard transform on the columnwise usage
-  int32_t stochastic_rounding;
-  int32_t row_scaled;         // NVFP4 per-token: one global amax per rowwise row
-  int32_t amax_per_row;       // amax kernel: per row instead of per tensor
-  int32_t block_scales_only;  // dequantize: leave the outer scale (NVFP4 S_dec) out
-  int32_t observe_amax;       // FP8 per-tensor cast: one more result, the input's amax
-};
-
-// Traits of every handler: for the same attributes and buffer shapes it launches the same
-// kernels, never synchronizes with the host while XLA captures it, and takes no scratch
-// memory (freed when the call returns, while a captured graph would keep the address): the
-// GEMMs that need workspace take it as a result buffer that XLA allocates with the call.
-// XLA may trace them into its command buffers (CUDA graphs) with the fusions around them.
-#define JAXQUANT_CMD_BUFFER_SAFE {::xla::ffi::Traits::kCmdBufferCompatible}
-
+// jaxquant.kernels._config's FAMILY_CODES (the element codes are numerics.cuh's Element).
 enum Family : int32_t { kFp8Tensor = 0, kFp8Block = 1, kMxfp8 = 2, kNvfp4 = 3 };
 
 // Device memory a GEMM call may use: its workspace result buffer, which XLA allocates with
@@ -122,17 +95,3 @@ ffi::ErrorOr<T*> result_ptr(ffi::RemainingRets& rets, size_t index) {
 }
 
 }  // namespace jaxquant
-
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ::jaxquant::KernelConfig, ::xla::ffi::StructMember<int32_t>("family"),
-    ::xla::ffi::StructMember<int32_t>("element"), ::xla::ffi::StructMember<int32_t>("rowwise"),
-    ::xla::ffi::StructMember<int32_t>("columnwise"),
-    ::xla::ffi::StructMember<int32_t>("block_rows"),
-    ::xla::ffi::StructMember<int32_t>("block_cols"),
-    ::xla::ffi::StructMember<int32_t>("pow2_scales"), ::xla::ffi::StructMember<float>("eps"),
-    ::xla::ffi::StructMember<int32_t>("given_scale"), ::xla::ffi::StructMember<int32_t>("rht"),
-    ::xla::ffi::StructMember<int32_t>("stochastic_rounding"),
-    ::xla::ffi::StructMember<int32_t>("row_scaled"),
-    ::xla::ffi::StructMember<int32_t>("amax_per_row"),
-    ::xla::ffi::StructMember<int32_t>("block_scales_only"),
-    ::xla::ffi::StructMember<int32_t>("observe_amax"));

@@ -1,7 +1,10 @@
 // The FFI handler symbols this library exports, one per target. The library is built with
 // hidden visibility; declaring the handlers here first makes exactly these visible.
-// Python registers each under the target name "jaxquant_<snake_case>" (kernels/library.py). Every
-// cast handler takes the same operands, and the scaled FP8 GEMMs share theirs (bindings.h).
+// The Python kernel specs name the targets, and Python registers each target
+// "jaxquant_<snake_case>" with the handler of that name in CamelCase, Jaxquant<CamelCase>
+// (kernels/_library.py); tests/kernels/test_ffi_bindings.py checks that this list holds
+// exactly the handlers of the specs' targets. The handlers are defined with
+// JAXQUANT_DEFINE_HANDLER (bindings.h).
 #pragma once
 
 #include <cstdint>
@@ -30,19 +33,19 @@ JAXQUANT_HANDLER(JaxquantScaledBf16Gemm);
 #undef JAXQUANT_HANDLER
 
 // Bytes of the workspace result the grouped GEMM needs for this many groups on the current
-// device (Python sizes the buffer with it when lowering; kernels/grouped.py); -1 when the
+// device (Python sizes the buffer with it when lowering; kernels/_grouped.py); -1 when the
 // device cannot be queried.
 extern "C" __attribute__((visibility("default"))) int64_t
 JaxquantGroupedGemmWorkspaceBytes(int32_t num_groups);
 
 // Bytes of the workspace result the fused-dequantize GEMM needs for A [M, K] x B [N, K] with
-// these element codes on the current device (kernels/fused_dequant.py); -1 when the device
+// these element codes on the current device (kernels/_fused_dequant.py); -1 when the device
 // cannot be queried or an element code is unknown.
 extern "C" __attribute__((visibility("default"))) int64_t JaxquantDequantGemmWorkspaceBytes(
     int64_t m, int64_t n, int64_t k, int32_t a_element, int32_t b_element);
 
 // Bytes of the workspace result the block FP8 GEMM needs for A [M, K] x B [N, K] with B in
 // 1x128 or 128x128 blocks and a bf16 (f32_out = 0) or fp32 output, on the current device
-// (kernels/block_gemm.py); -1 when the device cannot be queried or the blocks are neither.
+// (kernels/_block_gemm.py); -1 when the device cannot be queried or the blocks are neither.
 extern "C" __attribute__((visibility("default"))) int64_t JaxquantBlockFp8GemmWorkspaceBytes(
     int64_t m, int64_t n, int64_t k, int32_t b_block_rows, int32_t f32_out);
