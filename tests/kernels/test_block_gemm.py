@@ -179,8 +179,9 @@ def test_partition_keeps_whole_block_rows_sharded(
   eight_devices, a_spec, b_spec, n, b_block_rows, a_kept, b_kept
 ):
   """What each device gets: its rows of A and of B when they split into whole blocks, and
-  the whole of K (which no case splits into whole blocks alike). (Checked on the partitioner itself: on the CPU, XLA may optimise a
-  gather of the reference lowering away, which it cannot do around the CUDA kernel.)"""
+  the whole of K (which no case splits into whole blocks alike). (Checked on the
+  partitioner itself: on the CPU, XLA may optimise a gather of the reference lowering away,
+  which it cannot do around the CUDA kernel.)"""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 

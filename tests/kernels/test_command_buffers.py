@@ -73,7 +73,8 @@ def check(label, fn, make_args, compare=assert_same_bits, gemm_kernel=None):
   inside, outside = kernels_by_launch(f, make_args(0))
   assert not outside, f"{label}: launched outside a command buffer: {outside}"
   if gemm_kernel:
-    assert any(gemm_kernel in name for name in inside), f"{label}: no {gemm_kernel} kernel in {inside}"
+    assert any(gemm_kernel in name for name in inside), (
+      f"{label}: no {gemm_kernel} kernel in {inside}")
   assert_same_bits(f("kernel", *make_args(0)), first, f"{label}: replayed vs first call")
   for seed in range(3):
     args = make_args(seed)
@@ -135,7 +136,8 @@ for w_blocks in ("block_128x128", "block_1x128"):  # fprop / dgrad and wgrad blo
         functools.partial(fp8_gemm, x_quantizer="block_1x128", w_quantizer=w_blocks),
         gemm_args, compare=within(FP8_MMA_TOLERANCE), gemm_kernel="nvjet")
   print(f"block_fp8_gemm_{w_blocks} ok", flush=True)
-for dtype, tolerance in ((jnp.bfloat16, BF16_MMA_TOLERANCE), (jnp.float8_e4m3fn, FP8_MMA_TOLERANCE)):
+for dtype, tolerance in ((jnp.bfloat16, BF16_MMA_TOLERANCE),
+                         (jnp.float8_e4m3fn, FP8_MMA_TOLERANCE)):
   check(f"grouped_gemm {jnp.dtype(dtype).name}", grouped_gemm, grouped_args(dtype),
         compare=within(tolerance), gemm_kernel="cutlass::")
   print(f"grouped_gemm_{jnp.dtype(dtype).name} ok", flush=True)

@@ -208,7 +208,7 @@ def test_kernel_is_the_dequantized_cast(element, dt):
     assert_same_bits(got, want, f"{name} vs the reference lowering")
   x = random_input(12, (512, 256), DTYPES[dt])
   for usage in USAGES:
-    alone = jax.jit(lambda x: mxfp8_values(x, quantizer, (usage,))[usage])(x)
+    alone = jax.jit(lambda x, usage=usage: mxfp8_values(x, quantizer, (usage,))[usage])(x)
     assert_same_bits(alone, values(x)[usage], f"{usage} alone")
 
 
@@ -241,5 +241,7 @@ def test_nvfp4_kernel_is_the_dequantized_cast(name, dt):
       assert_same_bits(got, values(cpu(x)), f"{case} vs the reference lowering")
   x = random_input(12, (512, 256), DTYPES[dt])
   for usage in USAGES:
-    alone = jax.jit(lambda x: nvfp4_values(x, quantizer, (usage,), key=SR_KEY)[usage])(x)
+    alone = jax.jit(lambda x, usage=usage: nvfp4_values(x, quantizer, (usage,), key=SR_KEY)[usage])(
+      x
+    )
     assert_same_bits(alone, values(x)[usage], f"{usage} alone")

@@ -378,10 +378,11 @@ def test_dequantize_bit_exact(name, out_dtype):
   )
   for usage in ("rowwise", "columnwise"):
     f = jax.jit(
-      lambda qt, impl: ops.dequantize(qt, usage, out_dtype, implementation=impl), static_argnums=1
+      lambda qt, impl, usage=usage: ops.dequantize(qt, usage, out_dtype, implementation=impl),
+      static_argnums=1,
     )
     kernel = f(jax.device_put(qt, jax.devices()[0]), "kernel")
-    want = reference_on_cpu(lambda qt: f(qt, "reference"), qt)
+    want = reference_on_cpu(lambda qt, f=f: f(qt, "reference"), qt)
     assert_same_bits(kernel, want, f"dequantize {name} {usage}")
     stored = qt.usage(usage)
     if name.startswith("fp8_"):

@@ -99,8 +99,8 @@ def test_rejects_bad_input():
 
 
 # (A spec, B spec, N, A stays row-sharded, B stays row-sharded, K stays split): a K split
-# alike in A and B stays split; a K split otherwise is gathered; one mesh axis cannot split both output dims; 24 rows over 4
-# shards are kept whole.
+# alike in A and B stays split; a K split otherwise is gathered; one mesh axis cannot split
+# both output dims; 24 rows over 4 shards are kept whole.
 SHARDED_CASES = [
   (("data", None), ("model", None), 256, True, True, False),
   (("data", None), (None, None), 256, True, False, False),
@@ -227,7 +227,9 @@ def test_kernel_fast_accumulation_takes_effect_within_its_accuracy():
       )
     want = oracle(a, b, sa, sb)
     for fast in (False, True):
-      got = jax.jit(lambda *x: tg.fp8_tensor_gemm(*x, fast_accumulation=fast))(a, b, sa, sb)
+      got = jax.jit(lambda *x, fast=fast: tg.fp8_tensor_gemm(*x, fast_accumulation=fast))(
+        a, b, sa, sb
+      )
       errors[data, fast] = relative_error(got, want)
   assert errors["signed", False] <= FP8_MMA_TOLERANCE, errors
   assert errors["signed", True] <= 2.0**-8, errors
