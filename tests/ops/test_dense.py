@@ -195,7 +195,7 @@ def test_roles_and_usages_recorded(monkeypatch):
       }[op.format.family.value]
       tags.append(_TAG_OF[(q_name, op.format.element, op.format.block)])
     gemms.append(tuple(tags))
-    return jq.ops.gemm.gemm(a, b, **kw)
+    return gemm_ops.gemm(a, b, **kw)
 
   monkeypatch.setattr(dense_vjp, "gemm", recording_gemm)
   x, kernel, bias, dy = _data()
