@@ -76,6 +76,7 @@ def test_gemma_bf16_is_the_plain_model_and_compiles_to_its_hlo(gemma):
 
 
 @pytest.mark.parametrize("factory", TRAINED, ids=lambda f: f.__name__)
+@pytest.mark.slow
 def test_gemma_trains(gemma, factory):
   params, data = gemma
   model = jqf.quantize_model(cl.GemmaStyleLM(), head_in_bf16(factory, cl.HEAD_ROLE))
@@ -84,6 +85,7 @@ def test_gemma_trains(gemma, factory):
   assert np.mean(losses[-3:]) < 0.8 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_gemma_fp8_grads_equal_stock_layers(gemma):
   data = gemma[1]
   stock_params, _ = tt.linen_init(cl.StockGemmaLM(), data)
@@ -183,6 +185,7 @@ class Experts(nn.Module):
     return jnp.einsum("ETD,EDF->ETF", x, w)
 
 
+@pytest.mark.slow
 def test_per_expert_weights_run_as_grouped_gemm():
   x = jax.random.normal(jax.random.key(1), (4, 32, 64), jnp.bfloat16)
   seen = []
@@ -250,6 +253,7 @@ def test_maxtext_bf16_is_the_plain_model(maxtext, route):
   [("swap", f) for f in TRAINED] + [("hook", TRAINED[0])],
   ids=lambda v: getattr(v, "__name__", v),
 )
+@pytest.mark.slow
 def test_maxtext_trains(maxtext, route, factory):
   params, data = maxtext
   model = maxtext_model(route, head_in_bf16(factory, cl.MAXTEXT_HEAD_ROLE))
@@ -258,6 +262,7 @@ def test_maxtext_trains(maxtext, route, factory):
   assert np.mean(losses[-3:]) < 0.8 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_maxtext_fp8_grads_equal_stock_layers(maxtext):
   """Both routes give the grads of the same weights in stock nn.DenseGeneral layers."""
   params, data = maxtext

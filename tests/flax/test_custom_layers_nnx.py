@@ -60,6 +60,7 @@ def test_roles_bf16_identity_and_report():
 
 
 @pytest.mark.parametrize("factory", TRAINED, ids=lambda f: f.__name__)
+@pytest.mark.slow
 def test_trains(factory):
   model = jqf.quantize_model(
     cl.NnxCustomLM(nnx.Rngs(0)), head_in_bf16(factory), rngs=nnx.Rngs(quant=1)
@@ -86,6 +87,7 @@ _VALUE_DEPRECATION = pytest.mark.filterwarnings(
 @pytest.mark.parametrize(
   "read_value", [False, pytest.param(True, marks=_VALUE_DEPRECATION)], ids=["w[...]", "w.value"]
 )
+@pytest.mark.slow
 def test_fp8_grads_equal_stock_layers(read_value):
   data = windows()
   recipe = head_in_bf16(recipes.fp8_current_factory)

@@ -54,6 +54,7 @@ def _fsdp(model, params, windows):
   [(recipes.bf16, 8), (recipes.fp8_current, 2)],
   ids=lambda v: getattr(v, "name", str(v)),
 )
+@pytest.mark.slow
 def test_fsdp_losses_match_one_device(recipe, steps):
   data = windows()
   model = jqf.quantize_model(cl.GemmaStyleLM(dtype=jnp.float32), recipe)

@@ -35,6 +35,7 @@ def plain():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+@pytest.mark.slow
 def test_trains_under_recipe(plain, recipe):
   params, plain_losses, windows = plain
   model = jqf.quantize_model(tt.LinenLM(), recipe)
@@ -67,6 +68,7 @@ def test_recipe_sees_every_role_once_per_trace():
   assert {r.module_type for r in seen} == {"linear"}
 
 
+@pytest.mark.slow
 def test_params_interchange_both_ways():
   windows = tt.batch()
   tokens = windows[:, :-1]
@@ -133,6 +135,7 @@ def test_quantizer_that_does_not_fit_a_dim_names_module_and_dim():
     )
 
 
+@pytest.mark.slow
 def test_few_tokens_run_forward_and_are_refused_for_training():
   """Inference of 8 tokens under MXFP8 needs no columnwise blocks along the tokens; a
   gradient does, and its error names the layer and the rule."""

@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jaxquant.flax as jqf
@@ -44,6 +45,7 @@ def test_permute_unpermute_is_a_weighted_identity():
   np.testing.assert_allclose(unpermute(xs, order, weights), x, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_trains():
   # bf16 keeps this fast; quantized recipes run the same grouped_dense (tests/ops), but
   # three of them cost minutes of CPU tracing and compiling.
@@ -86,6 +88,7 @@ def test_quantize_model_gives_grouped_dense_the_model_recipe():
   assert quantizers == {"experts/kernel": Float8Quantizer("e4m3"), "own/kernel": None}
 
 
+@pytest.mark.slow
 def test_nnx_quantize_model_binds_grouped_dense_to_path_and_recipe():
   class Model(nnx.Module):
     def __init__(self, rngs):

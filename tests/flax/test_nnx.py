@@ -35,6 +35,7 @@ def plain_losses():
 @pytest.mark.parametrize(
   "recipe", [recipes.bf16, recipes.fp8_delayed, recipes.nvfp4, CUSTOM], ids=lambda r: r.name
 )
+@pytest.mark.slow
 def test_trains_under_recipe(plain_losses, recipe):
   plain = tt.NnxLM(nnx.Rngs(0))
   params = nnx.state(plain, nnx.Param)

@@ -104,6 +104,7 @@ def _fsdp(model, params, collections, windows):
   [(recipes.bf16, 8), (recipes.fp8_current, 4)],
   ids=lambda v: getattr(v, "name", str(v)),
 )
+@pytest.mark.slow
 def test_fsdp_losses_match_one_device(recipe, steps):
   windows = tt.batch(batch_size=8)
   model = jqf.quantize_model(tt.LinenLM(dtype=jnp.float32), recipe)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 import tiny_transformers as tt
 
 import jaxquant.flax as jqf
@@ -77,6 +78,7 @@ def test_gradient_accumulation_combines_by_max():
     assert s.scaling.amax_history[-1] > 0 and s.scaling.amax_history[0] == 0
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_then_identical_next_step(tmp_path):
   windows = tt.batch()
   model = jqf.quantize_model(tt.LinenLM(), recipes.fp8_delayed)

@@ -79,6 +79,7 @@ def _placed(model, x, mesh):
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "nvfp4"])
+@pytest.mark.slow
 def test_gathered_model_matches_and_gathers_codes(recipe):
   mesh = _mesh()
   x = jax.device_put(

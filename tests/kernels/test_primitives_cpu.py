@@ -343,6 +343,7 @@ DEQUANTIZE_SHARDED_CASES = [
 
 @pytest.mark.parametrize("name,usage,spec,whole", DEQUANTIZE_SHARDED_CASES, ids=str)
 @pytest.mark.parametrize("block_scales_only", [False, True], ids=["all_scales", "block_scales"])
+@pytest.mark.slow
 def test_sharded_dequantize(name, usage, spec, whole, block_scales_only, eight_devices):
   """Each device dequantizes its shard (same bits as one device) and keeps the operand's
   sharding wherever whole scaling blocks allow; tiles a shard would split are gathered."""

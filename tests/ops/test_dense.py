@@ -110,6 +110,7 @@ def _both(x, kernel, bias, dy, recipe, key, state):
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.slow
 def test_matches_fake_quant(name):
   recipe = RECIPES[name]
   x, kernel, bias, dy = _data()
@@ -279,6 +280,7 @@ def test_errors_name_the_problem():
 
 
 @pytest.mark.parametrize("recipe", [recipes.mxfp8, recipes.nvfp4], ids=lambda r: r.name)
+@pytest.mark.slow
 def test_forward_alone_takes_few_tokens(recipe):
   """Inference with 8 tokens: no columnwise blocks along tokens are needed, so none are
   checked (the forward equals the reference emulation of its two rowwise operands)."""

@@ -133,6 +133,7 @@ def _value_and_grads(monkeypatch, values: bool, name: str, device=None):
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.slow
 def test_values_path_gives_the_codes_path_bits(gpu_routes, monkeypatch, name):
   """Both paths on the kernels' CPU lowerings: the same bf16 GEMM inputs (NVFP4: the same
   random bits, the same S_dec), the same sums."""

@@ -87,6 +87,7 @@ def _run_both(recipe):
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8_current", "mxfp8", "nvfp4", "hybrid"])
+@pytest.mark.slow
 def test_matches_per_expert_dense(name):
   (y, dx, dw, db), (yo, dxo, dwo, dbo) = _run_both(_recipe(name))
   tol = dict(rtol=2e-5, atol=2e-5 * float(np.abs(np.asarray(yo)).max()))

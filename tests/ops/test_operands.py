@@ -42,6 +42,7 @@ def _bits(tree):
 
 
 @pytest.mark.parametrize("name", list(QUANTIZERS))
+@pytest.mark.slow
 def test_transposed_operand_is_the_transposes_operand(name):
   quantizer, direct = QUANTIZERS[name]
   assert ops_operands.treats_usages_alike(quantizer) == direct

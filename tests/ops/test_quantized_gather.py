@@ -85,6 +85,7 @@ def _kernel():
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.slow
 def test_gathered_codes_and_scales_are_gather_then_quantize(name, eight_devices):
   quantizer, spec = CASES[name]
   mesh = _mesh(eight_devices)
@@ -150,6 +151,7 @@ def _dense_step(recipe, weight_gather):
 
 
 @pytest.mark.parametrize("name", sorted(recipes.PRESETS))
+@pytest.mark.slow
 def test_sharded_dense_step(name, eight_devices):
   recipe = recipes.get(name)
   mesh = _mesh(eight_devices)
