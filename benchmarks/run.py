@@ -27,13 +27,7 @@ import numpy as np
 from records import ResultFile, results_path
 from timing import device_seconds
 
-from jaxquant import kernels
-from jaxquant.kernels._amax import amax
-from jaxquant.kernels._cast import cast_p
-from jaxquant.kernels._config import cast_config
-from jaxquant.kernels._quantize import cast_seed, nvfp4_amaxes
-from jaxquant.kernels._reference_cast import reference_cast
-from jaxquant.ops import _quantize as ops
+from jaxquant import kernels, ops
 from jaxquant.quantizers import (
   BlockFloat8Quantizer,
   DelayedFloat8Quantizer,
@@ -56,17 +50,11 @@ def nbytes(tree) -> int:
 def cast_only(q, usages):
   """The cast kernel alone, global amaxes given (as with delayed scaling or an amax fused
   upstream), and the same computation through the XLA reference lowering."""
-  config = cast_config(q, usages)
-  seed = cast_seed(config, jax.random.key(0))
-
-  def amaxes(x):
-    if isinstance(q, NVFP4Quantizer):
-      return nvfp4_amaxes(x, q, usages)
-    one = jnp.float32(3.0) if isinstance(q, DelayedFloat8Quantizer) else amax(x)
-    return one, one
-
-  kernel = jax.jit(lambda x, r, c: cast_p.bind(x, r, c, seed, config=config))
-  xla = jax.jit(lambda x, r, c: reference_cast(x, r, c, seed, config=config))
+  scale = jnp.float32(3.0) if isinstance(q, DelayedFloat8Quantizer) else None
+  amaxes = functools.partial(kernels.cast_amaxes, quantizer=q, usages=usages, scale=scale)
+  cast = functools.partial(kernels.cast, quantizer=q, usages=usages, key=jax.random.key(0))
+  kernel = jax.jit(lambda x, r, c: cast(x, row_amax=r, col_amax=c))
+  xla = jax.jit(lambda x, r, c: cast(x, row_amax=r, col_amax=c, implementation="reference"))
   return amaxes, kernel, xla
 
 
@@ -173,9 +161,11 @@ def main():
     qt = ops.quantize(x, q, ("rowwise",), implementation="kernel")
     moved = nbytes(qt.rowwise) + x.nbytes
     measured.append((op, moved, time_ms(deq, qt, **reps), time_ms(deq_xla, qt, **reps)))
-  measured.append(("amax_tensor", x.nbytes, time_ms(jax.jit(amax), x, **reps), float("nan")))
+  measured.append(
+    ("amax_tensor", x.nbytes, time_ms(jax.jit(kernels.amax), x, **reps), float("nan"))
+  )
   # The columnwise global amax of NVFP4 with RHT: the amax of the transformed data.
-  amax_rht = jax.jit(functools.partial(amax, rht=True))
+  amax_rht = jax.jit(functools.partial(kernels.amax, rht=True))
   measured.append(("amax_rht", x.nbytes, time_ms(amax_rht, x, **reps), float("nan")))
 
   copy_ms.append(time_ms(copy, x, **reps))

@@ -63,7 +63,7 @@ build() {
   if [ $status -ne 0 ]; then tail -40 "$log"; return 1; fi
   # The source tree shadows the installed package; point it at the library pip just built.
   local built
-  built=$(cd /tmp && PYTHONPATH= python3 -c "import jaxquant.kernels._library as l; print(l.library_path())")
+  built=$(cd /tmp && PYTHONPATH= python3 -c "import jaxquant.kernels as k; print(k.library_path())")
   mkdir -p "$(dirname "$kept")" && cp "$built" "$kept"
   export JAXQUANT_FFI_LIBRARY=$kept
   kernels_load

@@ -17,7 +17,13 @@ from jaxquant.kernels._delayed_scale import delayed_scale
 from jaxquant.kernels._dequantize import dequantize_data
 from jaxquant.kernels._fused_dequant import dequant_gemm
 from jaxquant.kernels._grouped import grouped_gemm
-from jaxquant.kernels._quantize import quantize_usages, quantize_usages_and_amax
+from jaxquant.kernels._library import library_path
+from jaxquant.kernels._quantize import (
+  cast,
+  cast_amaxes,
+  quantize_usages,
+  quantize_usages_and_amax,
+)
 from jaxquant.kernels._targets import available, unavailable_reason
 from jaxquant.kernels._tensor_gemm import fp8_tensor_gemm
 
@@ -26,6 +32,9 @@ _targets.registration_error()  # register the FFI targets now, when the library 
 __all__ = [
   "available",
   "unavailable_reason",
+  "library_path",
+  "cast",
+  "cast_amaxes",
   "amax",
   "quantize_usages",
   "quantize_usages_and_amax",

@@ -17,6 +17,7 @@ from jaxquant.kernels._amax import amax as amax_kernel
 from jaxquant.kernels._amax import tensor_amax
 from jaxquant.kernels._cast import cast_p, stored_shape
 from jaxquant.kernels._config import CastConfig, cast_config, unsupported_reason
+from jaxquant.kernels._reference_cast import reference_cast
 from jaxquant.kernels._validate import check_array, check_matrix
 from jaxquant.quantizers import BaseQuantizer, DelayedFloat8Quantizer, NVFP4Quantizer
 from jaxquant.reference import _fp32 as fp32
@@ -78,24 +79,53 @@ def quantize_usages_and_amax(
   reason = unsupported_reason(quantizer, m, k, x2d.dtype)
   if reason:
     raise ValueError(reason)
-  config = cast_config(quantizer, usages)
-  family = config.format.family
+  row_amax, col_amax = cast_amaxes(x2d, quantizer, usages, scale=scale)
+  return cast(x2d, quantizer, usages, row_amax, col_amax, key=key)
+
+
+def cast_amaxes(x2d: jax.Array, quantizer: BaseQuantizer, usages, *, scale=None):
+  """The cast's two scalar operands (rowwise, columnwise): per-tensor FP8's amax, or the
+  delayed-scaling `scale`; NVFP4's global amaxes (per row with per-token scaling); unread
+  zeros for the other families."""
+  family = quantizer.format("rowwise").family
   zero = jnp.zeros((), jnp.float32)
-  row_amax = col_amax = zero
   if family is Family.FP8_TENSOR:
     if isinstance(quantizer, DelayedFloat8Quantizer):
       if scale is None:
         raise ValueError("DelayedFloat8Quantizer: the kernel needs the state's scale")
       check_array(scale, "delayed scale", (), jnp.float32)
-      row_amax = col_amax = scale
-    else:
-      row_amax = col_amax = tensor_amax(x2d)
-  elif family is Family.NVFP4:
-    row_amax, col_amax = nvfp4_amaxes(x2d, quantizer, usages)
+      return scale, scale
+    amax = tensor_amax(x2d)
+    return amax, amax
+  if family is Family.NVFP4:
+    return nvfp4_amaxes(x2d, quantizer, usages)
+  return zero, zero
+
+
+def cast(
+  x2d: jax.Array,
+  quantizer: BaseQuantizer,
+  usages: tuple[Usage, ...],
+  row_amax: jax.Array,
+  col_amax: jax.Array,
+  *,
+  key: Optional[jax.Array] = None,
+  implementation: str = "kernel",
+):
+  """The cast alone, its scalar operands given (`cast_amaxes`): ({usage: QuantizedData},
+  the input's amax where the config observes it, else None). `implementation="reference"`
+  runs the cast's pure-JAX lowering on any platform instead of its primitive."""
+  if implementation not in ("kernel", "reference"):
+    raise ValueError(f"implementation={implementation!r}: must be 'kernel' or 'reference'")
+  config = cast_config(quantizer, usages)
+  family = config.format.family
   if config.stochastic_rounding and key is None:
     raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
   seed = cast_seed(config, key)
-  outs = cast_p.bind(x2d, row_amax, col_amax, seed, config=config)
+  if implementation == "reference":
+    outs = reference_cast(x2d, row_amax, col_amax, seed, config=config)
+  else:
+    outs = cast_p.bind(x2d, row_amax, col_amax, seed, config=config)
   result = {}
   for i, usage in enumerate(config.usages):
     global_amax = None
