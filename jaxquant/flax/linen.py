@@ -39,6 +39,8 @@ from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import gemm_roles
 
+__all__ = ["Dense", "DenseGeneral", "Einsum"]
+
 
 def module_path(module: nn.Module) -> str:
   return "/".join(module.path)

@@ -31,6 +31,8 @@ from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import gemm_roles
 
+__all__ = ["Linear", "Einsum"]
+
 
 class _QuantizedGemm:
   """What Linear and Einsum share: recipe resolution, state, keys, the GEMM call."""
