@@ -106,13 +106,24 @@ def _private_uses(path: pathlib.Path) -> list[str]:
   return sorted(set(found))
 
 
+# Files that reach private names by design, with the reason: each must still need them.
+_PRIVATE_BY_DESIGN = {
+  "benchmarks/placement.py": "times per-tensor FP8 quantization placed elsewhere inside the "
+  "ops, by swapping the private functions that place it: no public name places it",
+}
+
+
 @pytest.mark.parametrize(
   "path",
   sorted((_ROOT / "examples").rglob("*.py")) + sorted((_ROOT / "benchmarks").rglob("*.py")),
   ids=lambda p: str(p.relative_to(_ROOT)),
 )
 def test_examples_and_benchmarks_use_public_names(path):
-  assert _private_uses(path) == []
+  uses = _private_uses(path)
+  if str(path.relative_to(_ROOT)) in _PRIVATE_BY_DESIGN:
+    assert uses, "no longer uses private names: take it off _PRIVATE_BY_DESIGN"
+  else:
+    assert uses == []
 
 
 def test_the_private_use_check_finds_private_names(tmp_path):
