@@ -55,6 +55,7 @@ def test_trains_under_recipe(plain_losses, recipe):
       assert s.scaling.scale != 1.0 and s.scaling.amax_history[-1] > 0, s.role
 
 
+@pytest.mark.slow
 def test_scanned_remat_state_is_per_layer_and_advances_once_per_step():
   model = jqf.quantize_model(tt.NnxScannedLM(nnx.Rngs(0)), recipes.fp8_delayed)
   states = jax.tree.leaves(nnx.state(model, jqf.QuantState), is_leaf=jqf.is_role_state)

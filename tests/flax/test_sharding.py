@@ -56,6 +56,7 @@ def _preset_quantizers():
   return list(found.values())
 
 
+@pytest.mark.slow
 def test_quantizing_a_sharded_tensor_gives_the_unsharded_bits():
   quantizers = _preset_quantizers()
   # Magnitudes spread over decades, the largest in one shard only: a per-shard amax

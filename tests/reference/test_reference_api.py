@@ -77,6 +77,7 @@ def _leaves_bits(tree):
 @pytest.mark.parametrize(
   "q,dt", list(zip(ALL, ["bf16", "fp16", "fp32", "fp32", "bf16", "fp16"], strict=False)), ids=str
 )
+@pytest.mark.slow
 def test_jit_matches_eager(q, dt):
   rng = np.random.default_rng(33)
   x = rc.random_input(rng, (32, 64), rc.DTYPES[dt])
