@@ -38,9 +38,8 @@ from records import ResultFile, results_path
 from timing import Call, batched, interleaved_seconds, speedup
 
 import jaxquant
-from jaxquant import kernels
+from jaxquant import kernels, ops
 from jaxquant import quantizers as Q
-from jaxquant.ops import _gemm as gemm_ops
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (2048, 8192, 8192), (16, 8192, 8192))
 QUICK_SHAPES = ((1024, 1024, 1024), (16, 1024, 1024))
@@ -163,7 +162,7 @@ def gemm_records(shapes, records):
     ):
       pairs = [_quantized_pair(x, w, *quantizers) for x, w in operands]
       calls[f"gemm_{name}_prequantized"] = batched(
-        lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16), pairs
+        lambda a, b: ops.gemm(a, b, out_dtype=jnp.bfloat16), pairs
       )
       if name == "fp8_tensor":
         calls.update(_fp8_spellings(pairs))

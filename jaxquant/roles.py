@@ -6,11 +6,17 @@ import dataclasses
 from typing import Literal
 
 __all__ = [
+  "GROUPED_LINEAR",
+  "LINEAR",
   "QuantizerRole",
   "TensorType",
   "TENSOR_TYPES",
   "gemm_roles",
 ]
+
+# The module types of jaxquant's GEMM modules: a recipe maps (module type, name) to quantizers.
+LINEAR = "linear"  # a dense GEMM: Dense, DenseGeneral, Einsum, Linear, a routed contraction
+GROUPED_LINEAR = "grouped_linear"  # one GEMM per group of rows (MoE experts)
 
 TensorType = Literal["input", "weight", "grad_output"]
 TENSOR_TYPES: tuple[TensorType, ...] = ("input", "weight", "grad_output")

@@ -25,9 +25,8 @@ from jaxquant.flax import (
   quantize_model,
   update_quant_state,
 )
-from jaxquant.ops._grouped_dense import MODULE_TYPE as GROUPED_LINEAR
 from jaxquant.quantizers import Quantizer, needs_state
-from jaxquant.roles import QuantizerRole
+from jaxquant.roles import GROUPED_LINEAR, QuantizerRole
 from lm.model import SCANNED_LAYERS, ModelConfig
 
 PLAIN_RECIPE = "bf16"

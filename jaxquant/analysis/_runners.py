@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxquant import recipes
 from jaxquant.analysis import _capture as capture
 from jaxquant.flax import QUANT_RNG, QuantizedModel, quantize_model
-from jaxquant.flax._module_types import LINEAR
+from jaxquant.roles import LINEAR
 
 LossFn = Callable[[Callable[..., Any], Any], jax.Array]
 PARAMS = "params"

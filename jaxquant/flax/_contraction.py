@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import ops
-from jaxquant.flax._module_types import LINEAR
 from jaxquant.ops._operands import FORWARD_USAGES, gemm_matrices, usages_to_quantize
 from jaxquant.quantizers import Quantizer, for_usage
+from jaxquant.roles import LINEAR
 
 # The logical matrix of each role and the GEMM dim each of its axes is.
 _ROLE_DIMS = {

@@ -28,16 +28,16 @@ from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import annotate_linen_weight, nnx_weight_metadata
 from jaxquant.flax._rng import draws_key, linen_key, nnx_key
-from jaxquant.ops._grouped_dense import MODULE_TYPE, grouped_dense
+from jaxquant.ops import grouped_dense
 from jaxquant.quantizers import needs_state
-from jaxquant.roles import QuantizerRole
+from jaxquant.roles import GROUPED_LINEAR, QuantizerRole
 
 default_kernel_init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
 
 def _quantizers(recipe, model_recipe, name, what):
   recipe = recipes.resolve(recipe, model_recipe)
-  quantizers = recipe.quantizers(MODULE_TYPE, name)
+  quantizers = recipe.quantizers(GROUPED_LINEAR, name)
   delayed = sorted(t for t, q in quantizers.items() if needs_state(q))
   if delayed:
     raise ValueError(
@@ -85,7 +85,7 @@ def linen_call(
     module.param_dtype,
   )
   annotate_linen_weight(
-    module, "kernel", QuantizerRole(MODULE_TYPE, "weight", name), quantizers["weight"]
+    module, "kernel", QuantizerRole(GROUPED_LINEAR, "weight", name), quantizers["weight"]
   )
   bias = (
     module.param("bias", module.bias_init, (module.num_groups, module.features), module.param_dtype)
@@ -128,7 +128,7 @@ class NnxGroupedDense(nnx.Module):
     """Names the roles and records the model's recipe (the module's own still wins)."""
     self.name, self.model_recipe = name, model_recipe
     quantizers = self._resolve()[1]
-    role = QuantizerRole(MODULE_TYPE, "weight", name)
+    role = QuantizerRole(GROUPED_LINEAR, "weight", name)
     self.kernel.set_metadata(**nnx_weight_metadata(role, quantizers["weight"]))
 
   def _resolve(self):

@@ -32,12 +32,11 @@ from jaxquant import recipes
 from jaxquant.flax import _contraction as contraction
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import annotate_linen_weight
-from jaxquant.flax._module_types import LINEAR
 from jaxquant.flax._rng import linen_key
 from jaxquant.flax._state import QUANT_STATE, init_role_states
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
-from jaxquant.roles import gemm_roles
+from jaxquant.roles import LINEAR, gemm_roles
 
 __all__ = ["Dense", "DenseGeneral", "Einsum"]
 

@@ -24,12 +24,11 @@ from jaxquant.flax import _contraction as contraction
 from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import nnx_weight_metadata
-from jaxquant.flax._module_types import LINEAR
 from jaxquant.flax._rng import nnx_key
 from jaxquant.flax._state import QuantState, init_role_states, stacked_role_states
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
-from jaxquant.roles import gemm_roles
+from jaxquant.roles import LINEAR, gemm_roles
 
 __all__ = ["Linear", "Einsum"]
 

@@ -33,7 +33,7 @@ from jaxquant.ops._operands import (
   usages_to_quantize,
 )
 from jaxquant.quantizers import Quantizer, needs_key
-from jaxquant.roles import TENSOR_TYPES
+from jaxquant.roles import LINEAR, TENSOR_TYPES
 
 
 def _check_shapes(x, kernel, bias, what: str) -> None:
@@ -65,7 +65,7 @@ def dense(
   recipe: Optional[recipes.CustomRecipe] = None,
   quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
   name: str = "",
-  module_type: str = "linear",
+  module_type: str = LINEAR,
   backward: Optional[str] = None,
   key: Optional[jax.Array] = None,
   state: Optional[Mapping[str, object]] = None,

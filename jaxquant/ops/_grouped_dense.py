@@ -47,9 +47,8 @@ from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, ne
 from jaxquant.reference import _fp32 as fp32
 from jaxquant.reference import _grouped as ref
 from jaxquant.reference._ragged import ragged_contract
-from jaxquant.roles import TENSOR_TYPES
+from jaxquant.roles import GROUPED_LINEAR, TENSOR_TYPES
 
-MODULE_TYPE = "grouped_linear"
 RESIDUAL_NAMES = {"input": "jaxquant_grouped_dense_input"}
 
 
@@ -390,7 +389,9 @@ def grouped_dense(
   what = f"grouped_dense {name!r}"
   _check_args(x, kernel, group_sizes, bias, what)
   # Grouped GEMMs (CUTLASS) have no fast-accumulation mode: the recipe's choice is moot here.
-  quantizers, default_backward, _ = resolve_quantizers(recipe, quantizers, MODULE_TYPE, name, what)
+  quantizers, default_backward, _ = resolve_quantizers(
+    recipe, quantizers, GROUPED_LINEAR, name, what
+  )
   backward = default_backward if backward is None else backward
   if backward not in recipes.BACKWARD_MODES:
     raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")

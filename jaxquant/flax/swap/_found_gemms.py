@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from jaxquant import recipes
-from jaxquant.flax._module_types import LINEAR
 from jaxquant.flax._session import Session
-from jaxquant.ops._grouped_dense import MODULE_TYPE as GROUPED_LINEAR
+from jaxquant.roles import GROUPED_LINEAR, LINEAR
 
 
 def check_found_gemms(session: Session, what: str) -> None:

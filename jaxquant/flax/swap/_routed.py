@@ -27,13 +27,11 @@ import numpy as np
 from jaxquant import ops, recipes
 from jaxquant.flax import _contraction as contraction
 from jaxquant.flax import _session as sessions
-from jaxquant.flax._module_types import LINEAR
 from jaxquant.flax.swap import _calls as calls
 from jaxquant.flax.swap._calls import Call
-from jaxquant.ops._grouped_dense import MODULE_TYPE as GROUPED_LINEAR
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
-from jaxquant.roles import gemm_roles
+from jaxquant.roles import GROUPED_LINEAR, LINEAR, gemm_roles
 
 
 def _row(path, call, found, shapes, role=None, quantizers=None, status=sessions.NOT_A_WEIGHT_GEMM):
