@@ -1,5 +1,6 @@
 """kernels.cast and kernels.cast_amaxes: the cast alone, its scalar operands given, is
-quantize_usages split in two, through the primitive or its pure-JAX lowering alike."""
+quantize_usages split in two, through the primitive or its pure-JAX lowering alike (on a GPU
+too, stochastic rounding aside)."""
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,12 @@ def test_cast_with_its_amaxes_is_quantize_usages(quantizer):
     x, quantizer, usages, row_amax, col_amax, key=key, implementation="reference"
   )
   composed = kernels.quantize_usages_and_amax(x, quantizer, usages, key=key, scale=scale)
-  for got in (reference, composed):
+  # Stochastic rounding draws its bits from the CUDA kernel's own stream on a GPU: there the
+  # reference lowering gives other (equally distributed) codes.
+  stochastic = getattr(quantizer, "stochastic_rounding", False)
+  for got in (
+    (composed,) if stochastic and jax.default_backend() == "gpu" else (reference, composed)
+  ):
     for a, b in zip(_bits(kernel), _bits(got), strict=True):
       np.testing.assert_array_equal(a, b)
 

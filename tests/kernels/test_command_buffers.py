@@ -34,8 +34,8 @@ FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_
 CHILD = r'''
 import functools, glob, gzip, json, os, tempfile
 import jax, jax.numpy as jnp, numpy as np
-from jaxquant.kernels import fused_dequant, gemm_values, grouped as grouped_kernel
-from jaxquant.ops import gemm as gemm_ops, quantize as ops
+from jaxquant import kernels, ops
+from jaxquant.kernels import _gemm_values as gemm_values
 from kernel_cases import (BF16_MMA_TOLERANCE, FP8_MMA_TOLERANCE, QUANTIZERS, assert_same_bits,
                           random_input, relative_error)
 
@@ -90,7 +90,7 @@ def quantize(impl, x, key, *, q):
 def fp8_gemm(impl, x, w, *, x_quantizer="fp8_e4m3", w_quantizer="fp8_e4m3"):
   a, b = (ops.quantize(t, QUANTIZERS[q], ("rowwise",), implementation=impl).rowwise
           for t, q in ((x, x_quantizer), (w, w_quantizer)))
-  return gemm_ops.gemm(a, b, out_dtype=jnp.float32, implementation=impl) + 1
+  return ops.gemm(a, b, out_dtype=jnp.float32, implementation=impl) + 1
 
 
 def within(tolerance):
@@ -103,11 +103,11 @@ def within(tolerance):
 def dequant_gemm(impl, x, w):  # MXFP8 x NVFP4, 32 rows: the fused-dequantize kernel
   a = ops.quantize(x, QUANTIZERS["mxfp8_e4m3"], ("rowwise",), implementation=impl).rowwise
   b = ops.quantize(w, QUANTIZERS["nvfp4"], ("rowwise",), implementation=impl).rowwise
-  return fused_dequant.dequant_gemm(a, b, out_dtype=jnp.float32) + 1
+  return kernels.dequant_gemm(a, b, out_dtype=jnp.float32) + 1
 
 
 def grouped_gemm(impl, a, b, sizes, alpha):  # the CPU lowering is the reference
-  return grouped_kernel.grouped_gemm(a, b, sizes, alpha, out_dtype=jnp.float32) + 1
+  return kernels.grouped_gemm(a, b, sizes, alpha, out_dtype=jnp.float32) + 1
 
 
 def grouped_args(dtype):
