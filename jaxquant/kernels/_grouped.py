@@ -4,7 +4,7 @@ A [M, K], B [G, N, K] ("TN", like `ops.gemm`), group_sizes int32 [G], alpha fp32
 D [M, N] in bfloat16 or float32. Group g owns the group_sizes[g] rows after those of the
 groups before it (sizes clipped at M, as `reference.grouped.group_layout`); rows of no
 group are zero. On CUDA this is the CUTLASS Hopper pointer-array kernel
-(ffi/gemm/grouped_gemm.cuh); elsewhere `ops.ragged.ragged_matmul`, which defines the
+(ffi/gemm/grouped_gemm.cuh); elsewhere `reference._ragged.ragged_matmul`, which defines the
 numbers. The kernel matches it up to fp32 summation order for bf16 operands, and within
 Hopper's FP8 accumulation (about 1e-4 relative, normwise) for FP8 pairs: docs/numerics.md.
 

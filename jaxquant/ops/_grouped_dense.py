@@ -10,14 +10,15 @@ on the host, so it may be traced). The three GEMMs and their usages are those of
 
 with the per-group scales and the block rule of `reference.grouped` (per-tensor scales
 become per group, columnwise blocks never straddle a group boundary: each group is
-zero-padded to its block). fprop and dgrad run on `ops.grouped_gemm` (the CUTLASS grouped
-kernel on Hopper for operands it holds exactly, `ops.ragged` otherwise); wgrad on
-`ops.ragged.ragged_contract`. Both are fp32 products of block-scaled values, outer scales
-after, in memory that does not grow with G.
+zero-padded to its block). fprop and dgrad run on `_grouped_gemm.py` (the CUTLASS grouped
+kernel on Hopper for operands it holds exactly, `reference._ragged` otherwise); wgrad on
+`reference._ragged.ragged_contract`. Both are fp32 products of block-scaled values, outer
+scales after, in memory that does not grow with G.
 
 Delayed scaling keeps one state per group: `{tensor_type: DelayedScalingState}` with
-`amax_history [G, L]` and `scale [G]` (`init_grouped_state`); `flax.state` and
-`scaling` functions apply per group through their leading-axis handling.
+`amax_history [G, L]` and `scale [G]` (`init_grouped_state`); `jaxquant.flax`'s
+`update_quant_state` and the `scaling` functions apply per group through their
+leading-axis handling.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class GroupedDenseConfig:
   backward: str
   kernel_dtype: jnp.dtype
   bias_dtype: Optional[jnp.dtype]
-  tile: int  # rows per work item of ops.ragged (0: automatic)
+  tile: int  # rows per work item of reference._ragged (0: automatic)
 
   def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
     return dict(self.quantizers)[tensor_type]
@@ -77,7 +78,8 @@ def _delayed_side(q: Quantizer) -> DelayedFloat8Quantizer:
 
 def init_grouped_state(quantizers: Mapping[str, Optional[Quantizer]], num_groups: int):
   """{tensor_type: DelayedScalingState with amax_history [G, L] and scale [G]} for the
-  delayed-scaling roles. Advance it with `update_grouped_state` (or flax.state)."""
+  delayed-scaling roles. Advance it with `update_grouped_state` (or
+  `jaxquant.flax.update_quant_state`)."""
   out = {}
   for t, q in quantizers.items():
     if q is not None and any(

@@ -6,7 +6,7 @@ codes, bfloat16 for values exact in bf16 (MXFP8, NVFP4, block FP8 with power-of-
 scales, bf16 inputs), None otherwise. Where the kernel runs (the backend choice,
 ops/_backend.py), a pair that the CUTLASS grouped kernel runs exactly goes there:
 FP8 x FP8 on FP8 tensor cores, anything exact in bf16 on bf16 ones; every other pair,
-and every other platform, runs `ops.ragged.ragged_matmul`. Both form the same products;
+and every other platform, runs `reference._ragged.ragged_matmul`. Both form the same products;
 the bf16 kernel sums them in fp32 in another order, the FP8 one with Hopper's FP8
 accumulation (about 1e-4 relative, docs/numerics.md).
 """
