@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import time
 from unittest import mock
 
@@ -34,6 +33,9 @@ import step
 import step_variants
 from step_model import SHAPES, DecoderStack
 
+from jaxquant.ops import _dense as ops_dense
+from jaxquant.ops import _grouped_dense as ops_grouped_dense
+
 TOKENS = {"8b": (4, 4096), "1b": (4, 4096), "tiny": (1, 256)}
 
 
@@ -43,11 +45,9 @@ def _keep_state(variant):
 
 @contextlib.contextmanager
 def _module_key_for_every_role():
-  # The modules, not the functions of the same names that jaxquant.ops exports.
-  users = [importlib.import_module(f"jaxquant.ops.{name}") for name in ("dense", "grouped_dense")]
   same = lambda key, tensor_type: key
   with contextlib.ExitStack() as stack:
-    for module in users:
+    for module in (ops_dense, ops_grouped_dense):
       stack.enter_context(mock.patch.object(module, "role_key", same))
     yield
 

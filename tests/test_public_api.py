@@ -110,6 +110,8 @@ def _private_uses(path: pathlib.Path) -> list[str]:
 _PRIVATE_BY_DESIGN = {
   "benchmarks/placement.py": "times per-tensor FP8 quantization placed elsewhere inside the "
   "ops, by swapping the private functions that place it: no public name places it",
+  "benchmarks/compile_probe.py": "removes suspected compile-time costs from jaxquant's own "
+  "traces by swapping private functions of the ops (a diagnostic of the ops themselves)",
 }
 
 
