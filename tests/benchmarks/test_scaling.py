@@ -21,7 +21,8 @@ HLO = """
   %all-gather = f32[256,512]{1,0} all-gather(f32[64,512]{1,0} %p), channel_id=1, dimensions={0}
   %ags = (bf16[2,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(bf16[2,8]{1,0} %q), dimensions={0}
   %agd = bf16[8,8]{1,0} all-gather-done((bf16[2,8]{1,0}, bf16[8,8]{1,0}) %ags)
-  %agc = ((u8[2,4]{1,0}, f8e4m3fn[2,2]{1,0}), (u8[8,4]{1,0}, f8e4m3fn[8,2]{1,0})) all-gather-start(u8[2,4]{1,0} %a, f8e4m3fn[2,2]{1,0} %b)
+  %agc = ((u8[2,4]{1,0}, f8e4m3fn[2,2]{1,0}), (u8[8,4]{1,0}, f8e4m3fn[8,2]{1,0})) \
+all-gather-start(u8[2,4]{1,0} %a, f8e4m3fn[2,2]{1,0} %b)
   %ar = f32[1024]{0} all-reduce(f32[1024]{0} %r), to_apply=%add
   %fusion = bf16[9,9]{1,0} fusion(bf16[9,9]{1,0} %all-gather.1), kind=kLoop
 """
