@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 
-from jaxquant.kernels import _library as library
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
 from jaxquant.kernels import _validate as validate
@@ -125,11 +124,11 @@ def _partition(config, mesh, arg_shapes, result_shape):
   )
 
 
-def _workspace_bytes(config, a, b, sfa, sfb):
-  """B's tile scales in cuBLASLt's layout and cuBLASLt's (or CUTLASS's) own workspace."""
+def _workspace_dims(config, a, b, sfa, sfb):
+  """For B's tile scales in cuBLASLt's layout and cuBLASLt's (or CUTLASS's) own workspace."""
   (m, k), n = a.shape, b.shape[0]
   f32_out = int(jnp.dtype(config.out_dtype) == jnp.float32)
-  return library.workspace_bytes("jaxquant_block_fp8_gemm", m, n, k, config.b_block_rows, f32_out)
+  return m, n, k, config.b_block_rows, f32_out
 
 
 SPEC = primitive.KernelSpec(
@@ -138,7 +137,7 @@ SPEC = primitive.KernelSpec(
   reference=_reference,
   partition=_partition,
   sharding_rule=_sharding_rule,
-  workspace_bytes=_workspace_bytes,
+  workspace_dims=_workspace_dims,
 )
 block_gemm_p = primitive.define(SPEC)
 

@@ -22,7 +22,6 @@ import numpy as np
 from jax.core import ShapedArray
 
 from jaxquant.formats import Family, Format
-from jaxquant.kernels import _library as library
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
 from jaxquant.kernels import _validate as validate
@@ -111,12 +110,10 @@ def _partition(config, mesh, arg_shapes, result_shape):
   return arg_specs, [sharding.pspec((), n_axes)], lambda kernel, *shards: kernel(*shards)
 
 
-def _workspace_bytes(config, a, sa, amax_a, b, sb, amax_b):
+def _workspace_dims(config, a, sa, amax_a, b, sb, amax_b):
   (m, k), n = _rows_k(a, config.a_format), b.shape[0]
   attrs = config.ffi_attributes()
-  return library.workspace_bytes(
-    "jaxquant_dequant_gemm", m, n, k, int(attrs["a_element"]), int(attrs["b_element"])
-  )
+  return m, n, k, int(attrs["a_element"]), int(attrs["b_element"])
 
 
 SPEC = primitive.KernelSpec(
@@ -125,7 +122,7 @@ SPEC = primitive.KernelSpec(
   reference=_reference,
   partition=_partition,
   sharding_rule=_sharding_rule,
-  workspace_bytes=_workspace_bytes,
+  workspace_dims=_workspace_dims,
 )
 dequant_gemm_p = primitive.define(SPEC)
 

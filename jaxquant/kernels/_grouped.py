@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax.core import ShapedArray
 
-from jaxquant.kernels import _library as library
 from jaxquant.kernels import _primitive as primitive
 from jaxquant.kernels import _sharding as sharding
 from jaxquant.kernels import _validate as validate
@@ -55,8 +54,8 @@ def _reference(a, b, group_sizes, alpha, *, config):
 _partition, _sharding_rule = sharding.kept_whole(4)
 
 
-def _workspace_bytes(config, a, b, group_sizes, alpha):
-  return library.workspace_bytes("jaxquant_grouped_gemm", b.shape[0])
+def _workspace_dims(config, a, b, group_sizes, alpha):
+  return (b.shape[0],)
 
 
 SPEC = primitive.KernelSpec(
@@ -65,7 +64,7 @@ SPEC = primitive.KernelSpec(
   reference=_reference,
   partition=_partition,
   sharding_rule=_sharding_rule,
-  workspace_bytes=_workspace_bytes,
+  workspace_dims=_workspace_dims,
 )
 grouped_gemm_p = primitive.define(SPEC)
 

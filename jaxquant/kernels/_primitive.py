@@ -53,7 +53,9 @@ class KernelSpec:
   reference: Callable
   partition: Callable
   sharding_rule: Callable
-  workspace_bytes: Optional[Callable] = None
+  # (config, *avals) -> the dims the library's workspace query of the target takes, for a
+  # kernel whose lowering adds a workspace result (`_library.workspace_bytes` sizes it).
+  workspace_dims: Optional[Callable] = None
   # A kernel of several FFI targets (the cast, one per family) lists them all and picks the
   # one of each call: config -> target.
   ffi_targets: tuple[str, ...] = ()
@@ -75,10 +77,11 @@ def _cuda_lowering(spec: KernelSpec):
     if error:
       raise RuntimeError(f"{spec.name}: cannot lower to the CUDA kernel: {error}")
     ffi = jax.ffi.ffi_lowering(spec.target(config))
-    if spec.workspace_bytes is None:
+    if spec.workspace_dims is None:
       return ffi(ctx, *args, **config.ffi_attributes())
     # The workspace is the call's last result, which nothing reads after it.
-    size = spec.workspace_bytes(config, *ctx.avals_in)
+    target = spec.target(config)
+    size = library.workspace_bytes(target, *spec.workspace_dims(config, *ctx.avals_in))
     with_workspace = ctx.replace(avals_out=[*ctx.avals_out, ShapedArray((size,), jnp.uint8)])
     return ffi(with_workspace, *args, **config.ffi_attributes())[:-1]
 
