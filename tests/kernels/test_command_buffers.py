@@ -4,8 +4,9 @@ grouped and fused-dequantize GEMMs inside XLA's command buffers.
 Every target is registered as command-buffer compatible (kernels/_library.py), so XLA
 may trace them into a CUDA graph once and replay it. Command buffers are a backend
 option read when the GPU backend starts, so the checks run in a fresh process whose
-XLA_FLAGS put every fusion and custom call into one: a profile of a call must show every
-jaxquant kernel launched from the command buffer's CUDA graph, and the results of several
+XLA_FLAGS put every fusion and custom call into one: a profile of a call (one of three,
+as XLA may run an execution op by op) must show every jaxquant kernel launched from the
+command buffer's CUDA graph, and the results of several
 calls with fresh inputs (new buffers: the graph is updated and replayed) must equal the
 reference's bit for bit (the GEMMs' within their tensor cores' tolerance), and a replayed
 call the first call's. The grouped GEMM's group sizes change from call to call: the graph
@@ -70,8 +71,15 @@ def check(label, fn, make_args, compare=assert_same_bits, gemm_kernel=None):
   """`gemm_kernel`: part of the name of the GEMM kernel that must run from the graph."""
   f = jax.jit(fn, static_argnums=0)
   first = f("kernel", *make_args(0))  # before XLA records the graph
-  inside, outside = kernels_by_launch(f, make_args(0))
-  assert not outside, f"{label}: launched outside a command buffer: {outside}"
+  # What jaxquant controls is that its targets may be captured: then XLA launches them
+  # from the graph. XLA may still run one execution op by op (it did when eight test
+  # processes shared the GPU), so one of three profiled calls must have every kernel in
+  # the graph; a target XLA cannot capture is outside in all three.
+  for _ in range(3):
+    inside, outside = kernels_by_launch(f, make_args(0))
+    if not outside:
+      break
+  assert not outside, f"{label}: launched outside a command buffer in 3 calls: {outside}"
   if gemm_kernel:
     assert any(gemm_kernel in name for name in inside), (
       f"{label}: no {gemm_kernel} kernel in {inside}")
