@@ -2,7 +2,12 @@
 
 NUMERICS.md, "Delayed scaling": a quantize step uses the stored `scale` and records the
 step's amax into `amax_history[0]`; `update` runs once per training step and turns the
-history into the next scale. The numbers are the reference's (`jaxquant/reference/_scaling.py`).
+history into the next scale. The numbers are the reference's (`jaxquant/reference/_scaling.py`),
+with this project's two rules beside NUMERICS.md's (docs/numerics.md, "Delayed scaling"):
+the history's max ignores non-finite entries, and no scale is ever inf, NaN or zero.
+`update(..., finite=False)` hands back the state as a skipped step found it;
+`recorded_amaxes_finite` tells a train step's finiteness check about an inf or NaN input
+that the FP8 casts saturated.
 """
 
 from jaxquant.reference._scaling import (
@@ -16,6 +21,7 @@ from jaxquant.reference._scaling import (
   next_scale,
   record_amax,
   record_grad_amax,
+  recorded_amaxes_finite,
   scale_divisor,
   update,
   with_current_slot,
@@ -32,6 +38,7 @@ __all__ = [
   "next_scale",
   "record_amax",
   "record_grad_amax",
+  "recorded_amaxes_finite",
   "scale_divisor",
   "update",
   "with_current_slot",

@@ -8,7 +8,8 @@
   (`jaxquant.flax.swap`); `weight_gather=ModelWeightGather(mesh, param_specs)` (Linen)
   all-gathers FSDP weights in their quantized form.
 - `update_quant_state` / `combine_quant_state`: advance delayed-scaling state once per
-  train step (`RoleState` per role, in the `QUANT_STATE` collection or a `QuantState`).
+  train step (`RoleState` per role, in the `QUANT_STATE` collection or a `QuantState`);
+  `recorded_amaxes_finite`: whether a step's amaxes are finite, for its finiteness check.
 - `weight_roles(tree_or_module)`: every annotated GEMM weight with its role and quantizer.
 - `swap_report(model, ...)`: every contraction a quantized model makes, and how it runs.
 - `dot_general_cls(recipe)` (Linen), `dot_general` / `einsum_op` (NNX),
@@ -29,6 +30,7 @@ from jaxquant.flax._state import (
   RoleState,
   combine_quant_state,
   is_role_state,
+  recorded_amaxes_finite,
   update_quant_state,
 )
 from jaxquant.flax._weight_gather import ModelWeightGather
@@ -66,6 +68,7 @@ __all__ = [
   "linen",
   "nnx",
   "quantize_model",
+  "recorded_amaxes_finite",
   "swap",
   "swap_report",
   "update_quant_state",

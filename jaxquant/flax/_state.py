@@ -16,7 +16,10 @@ recipe or the model. Per step (NUMERICS.md, "Delayed scaling"):
 2. the grad_output amax, known only in backward, comes back as the gradient of the loss
    with respect to the state the step started from;
 3. `update_quant_state(forward_state, state_grads)` folds (2) into (1) and runs
-   `scaling.update` once.
+   `scaling.update` once; `finite=False` (a step the optimizer skipped) hands every
+   state back as the step found it. `recorded_amaxes_finite(forward_state, state_grads)`
+   says whether every amax the step recorded is finite, for the step's finiteness check
+   (an FP8 cast saturates an inf input, so neither the loss nor the gradients show it).
 
 Under gradient accumulation, merge the micro-batches' forward states and state
 gradients with `combine_quant_state` (max) before step 3. States stacked by
@@ -93,7 +96,7 @@ def _per_layer(fn, *states: scaling.DelayedScalingState):
   return fn(*states)
 
 
-def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
+def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, finite):
   """One step of `len(states)` states of one quantizer and shape. Where the update's exact
   fp32 division is the kernel's, each state on its own. Where it is the reference's
   integer emulation, one vectorized computation for the group: a copy of the emulation
@@ -106,7 +109,7 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
   def advance(state, grad):
     if grad is not None:
       state = scaling.record_grad_amax(state, grad)
-    return delayed_state.update(state, quantizer)
+    return delayed_state.update(state, quantizer, finite=finite)
 
   if delayed_state.divides_in_kernel():
     # Layers stacked by scan go to the kernel as one vector (update's leading axes), not
@@ -119,13 +122,13 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads):
         for state, grad in zip(states, grads, strict=False)
       ]
     )
-    return [delayed_state.update(state, quantizer) for state in recorded]
+    return [delayed_state.update(state, quantizer, finite=finite) for state in recorded]
   stacked = stack(states)
   new = _per_layer(advance, stacked, None if grads is None else stack(grads))
   return [jax.tree.map(operator.itemgetter(i), new) for i in range(len(states))]
 
 
-def _advance_all(states: list, grads: list) -> list:
+def _advance_all(states: list, grads: list, finite) -> list:
   """`update_quant_state` on flat lists of RoleStates and their gradients (or Nones),
   grouped by what can share one computation."""
   groups: dict[Any, list[int]] = {}
@@ -139,13 +142,30 @@ def _advance_all(states: list, grads: list) -> list:
       quantizer,
       [states[i].scaling for i in members],
       [grads[i].scaling for i in members] if records_grad else None,
+      finite,
     )
     for i, scaled in zip(members, advanced, strict=False):
       new[i] = dataclasses.replace(states[i], scaling=scaled)
   return new
 
 
-def update_quant_state(quant_state: Any, state_grads: Any = None) -> Any:
+def _role_states_and_grads(quant_state: Any, state_grads: Any):
+  """(treedef, leaves, grad leaves or Nones, the leaves' indices that are RoleStates)."""
+  leaves, treedef = jax.tree.flatten(quant_state, is_leaf=is_role_state)
+  if state_grads is None:
+    grad_leaves = [None] * len(leaves)
+  else:
+    grad_leaves = treedef.flatten_up_to(state_grads)
+  at = [i for i, leaf in enumerate(leaves) if is_role_state(leaf)]  # e.g. params beside it
+  return treedef, leaves, grad_leaves, at
+
+
+def _nnx_quant_states(model: nnx.Module, state_grads: Any):
+  grads = None if state_grads is None else nnx.filter_state(state_grads, QuantState)
+  return nnx.state(model, QuantState), grads
+
+
+def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True) -> Any:
   """Advances every `RoleState` in `quant_state` by one training step.
 
   For an NNX model, pass the model itself and the grads of the step (an `nnx.State`
@@ -159,26 +179,45 @@ def update_quant_state(quant_state: Any, state_grads: Any = None) -> Any:
     state_grads: the gradient of the loss with respect to the state the step started
       from, with the same structure; it carries the grad_output amaxes. None skips
       them (e.g. a forward-only calibration step).
+    finite: whether the step counts (a bool or a traced bool scalar, e.g. the verdict of
+      `optax.apply_if_finite`, `opt_state.last_finite`). Where False, every state comes
+      back as the step found it: this step's records dropped, scale and history
+      unchanged, nothing rolled (`scaling.update`).
 
   Returns:
     The state for the next step: the new scales, the histories rolled.
   """
   if isinstance(quant_state, nnx.Module):
     model = quant_state
-    grads = None if state_grads is None else nnx.filter_state(state_grads, QuantState)
-    new_state = update_quant_state(nnx.state(model, QuantState), grads)
+    new_state = update_quant_state(*_nnx_quant_states(model, state_grads), finite=finite)
     nnx.update(model, new_state)
     return new_state
-  leaves, treedef = jax.tree.flatten(quant_state, is_leaf=is_role_state)
-  if state_grads is None:
-    grad_leaves = [None] * len(leaves)
-  else:
-    grad_leaves = treedef.flatten_up_to(state_grads)
-  at = [i for i, leaf in enumerate(leaves) if is_role_state(leaf)]  # e.g. params beside it
-  advanced = _advance_all([leaves[i] for i in at], [grad_leaves[i] for i in at])
+  treedef, leaves, grad_leaves, at = _role_states_and_grads(quant_state, state_grads)
+  advanced = _advance_all([leaves[i] for i in at], [grad_leaves[i] for i in at], finite)
   for i, state in zip(at, advanced, strict=False):
     leaves[i] = state
   return jax.tree.unflatten(treedef, leaves)
+
+
+def recorded_amaxes_finite(quant_state: Any, state_grads: Any = None) -> jax.Array:
+  """Whether every amax this step recorded is finite: a bool scalar.
+
+  The input and weight amaxes in `quant_state` (as the forward pass left it) and the
+  grad_output amaxes in `state_grads` (same arguments as `update_quant_state`, an NNX
+  model included). An FP8 cast saturates an inf to +-fmax, so a batch holding an inf
+  can leave the loss and the gradients finite: and the step's finiteness check, AND-ed
+  with this, skips it (README, "Train step").
+  """
+  if isinstance(quant_state, nnx.Module):
+    return recorded_amaxes_finite(*_nnx_quant_states(quant_state, state_grads))
+  _, leaves, grad_leaves, at = _role_states_and_grads(quant_state, state_grads)
+  checks = [scaling.recorded_amaxes_finite(leaves[i].scaling) for i in at]
+  checks += [
+    scaling.recorded_amaxes_finite(grad_leaves[i].scaling)
+    for i in at
+    if grad_leaves[i] is not None and leaves[i].role.tensor_type == "grad_output"
+  ]
+  return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
 def combine_quant_state(a: Any, b: Any) -> Any:

@@ -29,8 +29,11 @@ def update(
   state: scaling.DelayedScalingState,
   quantizer: DelayedFloat8Quantizer,
   implementation: Optional[str] = None,
+  *,
+  finite=True,
 ) -> scaling.DelayedScalingState:
-  """`scaling.update(state, quantizer)`, bit for bit; leading axes are groups of states."""
+  """`scaling.update(state, quantizer, finite=finite)`, bit for bit; leading axes are
+  groups of states."""
   if not divides_in_kernel(implementation):
-    return scaling.update(state, quantizer)
-  return scaling.update(state, quantizer, next_scale_of=_kernel_next_scale)
+    return scaling.update(state, quantizer, finite=finite)
+  return scaling.update(state, quantizer, next_scale_of=_kernel_next_scale, finite=finite)

@@ -3,7 +3,10 @@
 NUMERICS.md, "Delayed scaling": a quantize step uses the stored `scale` and records the
 step's amax into `amax_history[0]` (by max, so several micro-batches, branches or
 devices combine correctly); `update` runs once per training step and turns the history
-into the next scale.
+into the next scale. Two rules of this project beside NUMERICS.md's (docs/numerics.md,
+"Delayed scaling"), so that one faulty step never locks a state into inf or NaN: the
+history's max ignores its non-finite entries, and every scale `update` returns is
+clamped into fp32's normal range; `update(..., finite=False)` drops a skipped step.
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxquant.quantizers import DelayedFloat8Quantizer
 from jaxquant.reference import _fp32 as fp32
+
+_MIN_NORMAL_BITS = np.uint32(0x00800000)
+_INF_BITS = np.uint32(0x7F800000)
 
 
 @jax.tree_util.register_dataclass
@@ -81,23 +88,69 @@ def next_scale(amax: jax.Array, scale: jax.Array, fmax: float, divisor: float) -
   return jnp.where(keep, scale, new_scale)
 
 
+def finite_max(hist: jax.Array, axis=-1) -> jax.Array:
+  """The max of the finite entries of an amax history (>= 0; 0 where none is finite),
+  exact on subnormals. A NaN or inf recorded on one faulty step would otherwise rule the
+  max, and so keep the old scale, for as many steps as the history is long
+  (TransformerEngine's fmaxf reduction ignores NaN too)."""
+  finite = fp32.is_finite(hist)
+  # A select moves bits and flushes nothing; abs_max compares magnitude bits.
+  return fp32.abs_max(jnp.where(finite, hist, jnp.zeros_like(hist)), axis=axis)
+
+
 def history_amax(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> jax.Array:
-  """The amax the next scale is computed from: the history's max, or its current slot."""
+  """The amax the next scale is computed from: the max of the history's finite entries,
+  or its current slot (which `next_scale` ignores where it is not finite)."""
   hist = state.amax_history
   if quantizer.amax_algo == "max":
-    return fp32.abs_max(hist, axis=-1)  # jnp.max flushes subnormals
+    return finite_max(hist, axis=-1)
   return hist[..., 0]
 
 
+SMALLEST_SCALE = 2.0**-126  # fp32's smallest normal: its reciprocal, the scale_inv, is 2^126
+LARGEST_SCALE = float(np.finfo(np.float32).max)  # FLT_MAX
+
+
+def clamp_scale(scale: jax.Array) -> jax.Array:
+  """`scale` clamped into fp32's normal range [2^-126, FLT_MAX], a NaN as 1.
+
+  fmax / amax overflows to inf for an amax below fmax / FLT_MAX (1.3e-36 for E4M3): an
+  inf scale would make the next quantization compute 0 * inf = NaN; TransformerEngine
+  clamps it to FLT_MAX. Divided by a large 2^margin, a huge finite amax gives 0 (or a
+  subnormal): a zero scale has an infinite reciprocal, and GPUs and XLA:CPU flush
+  subnormal operands to zero; the smallest normal is the nearest scale that neither
+  overflows its reciprocal nor gets flushed. A NaN scale comes only from a corrupted
+  state the caller handed in; 1 is current scaling's scale for an amax it cannot use.
+  Compared as bits, so that no backend flushes the subnormals being clamped.
+  """
+  u = fp32.bits(scale)
+  normal = (u >= _MIN_NORMAL_BITS) & (u < _INF_BITS)  # positive, normal, finite
+  clamped = jnp.where(
+    u == _INF_BITS, jnp.float32(LARGEST_SCALE), jnp.float32(SMALLEST_SCALE)
+  )  # +inf; 0, subnormal or negative
+  clamped = jnp.where(fp32.is_nan(scale), jnp.float32(1.0), clamped)
+  return jnp.where(normal, scale.astype(jnp.float32), clamped)
+
+
 def update(
-  state: DelayedScalingState, quantizer: DelayedFloat8Quantizer, next_scale_of=next_scale
+  state: DelayedScalingState,
+  quantizer: DelayedFloat8Quantizer,
+  next_scale_of=next_scale,
+  *,
+  finite=True,
 ) -> DelayedScalingState:
   """The once-per-step update: new scale from the history, then roll and clear slot 0;
   with leading axes ([..., history_len], one history per group), per group.
 
   `next_scale_of` computes the new scales (`next_scale`'s signature and bits):
   `kernels.delayed_scale` runs its exact divisions as CUDA instructions instead of XLA's
-  integer emulation (`ops.delayed_state.update` chooses)."""
+  integer emulation (`ops.delayed_state.update` chooses). Whatever it returns is clamped
+  (`clamp_scale`), so no scale is ever inf, NaN or zero.
+
+  `finite` (a bool or a traced bool scalar) says whether the step is kept: where it is
+  False (a step the optimizer skipped), the state comes back as the step found it: slot
+  0's records dropped (cleared, as the previous update left it), the rest of the history
+  and the scale unchanged, nothing rolled."""
   scale = next_scale_of(
     history_amax(state, quantizer),
     state.scale,
@@ -105,7 +158,24 @@ def update(
     scale_divisor(quantizer),
   )
   hist = with_current_slot(jnp.roll(state.amax_history, -1, axis=-1), 0.0)
-  return DelayedScalingState(hist, scale)
+  new = DelayedScalingState(hist, clamp_scale(scale))
+  if finite is True:  # the common call: no selects in the step
+    return new
+  unchanged = DelayedScalingState(with_current_slot(state.amax_history, 0.0), state.scale)
+  if finite is False:
+    return unchanged
+  keep = jnp.asarray(finite)
+  if keep.shape != () or keep.dtype != jnp.bool_:
+    raise ValueError(f"finite: a bool scalar, got {keep.dtype}{list(keep.shape)}")
+  return jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, unchanged)
+
+
+def recorded_amaxes_finite(state: DelayedScalingState) -> jax.Array:
+  """Whether every amax recorded into the current slot (`amax_history[..., 0]`) is
+  finite: a bool scalar. An inf input never reaches a loss through an FP8 cast, which
+  saturates it to +-fmax, but its amax is recorded here; a train step's finiteness check
+  can take this into account beside the loss's and the gradients'."""
+  return jnp.all(fp32.is_finite(state.amax_history[..., 0]))
 
 
 # ---- grad_output amaxes: known only in backward, returned as a state cotangent. ----
