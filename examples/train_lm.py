@@ -26,9 +26,13 @@ sensitivity.png (the analysis that chose its policy).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import importlib.metadata
 import math
 import pathlib
+import platform
+import sys
 import time
 
 import jax
@@ -121,6 +125,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     help=f"after the recipes, train bf16 once more ('{report.NOISE_FLOOR}') from "
     f"the initial parameters times 1 + {NOISE_FLOOR_SCALE:g} N(0, 1): its gap to "
     "bf16 is how far one run moves with no quantization at all",
+  )
+  parser.add_argument(
+    "--noise-band",
+    type=int,
+    metavar="N",
+    help=f"with one seed: after the recipes, train bf16 from N further seeds "
+    f"('{report.NOISE_BAND}'); their gaps to bf16 give the band a single-seed gap must "
+    "leave to mean something (default: the preset's, 3 for cpu; 0 with --seeds > 1)",
+  )
+  parser.add_argument(
+    "--repeat-index",
+    type=int,
+    default=0,
+    help="0: the seed's run; R > 0 marks this run as the R-th repeat of its seed "
+    "(train_seeds.py --repeats), reported as run-to-run spread, not as a seed",
+  )
+  parser.add_argument(
+    "--suggested-policy",
+    type=pathlib.Path,
+    metavar="FILE",
+    help=f"{recipes.SUGGESTED_RECIPE}: train the policy in FILE (the "
+    f"{suggested.POLICY_FILE} an earlier run wrote) instead of analysing again, so that "
+    "runs of other seeds or device calls train the same policy",
   )
   parser.add_argument(
     "--mesh",
@@ -232,6 +259,12 @@ class RecipeTrainer:
     self.eval_step = training.make_eval_step(model, self.shardings, train_config.deterministic)
     self.compile_seconds: float | None = None  # the first seed's first step
 
+  def renamed(self, name: str) -> RecipeTrainer:
+    """This trainer (its compiled steps) reporting its runs under another name."""
+    trainer = copy.copy(self)
+    trainer.name = name
+    return trainer
+
   def sample_tokens(self) -> jax.Array:
     seq_len = self.validation_batches.shape[-1] - 1
     return jnp.zeros((self.train_config.batch_size, seq_len), jnp.int32)
@@ -257,6 +290,7 @@ class RecipeTrainer:
     def validation_loss() -> float:
       return float(np.mean([self.eval_step(state, windows) for windows in self.validation_batches]))
 
+    tail_steps = train_config.tail_steps()
     result = report.RecipeResult(
       self.name,
       planned_steps=train_config.steps,
@@ -266,6 +300,7 @@ class RecipeTrainer:
       window_step_seconds=[],
       compile_seconds=0.0,
       seed=seed,
+      tail_steps=tail_steps if len(tail_steps) > 1 else [],
     )
     batches = data.train_batches(corpus.train, seed, train_config.batch_size, seq_len)
     progress = ProgressBar(f"{self.name} (seed {seed})", train_config.steps)
@@ -273,7 +308,7 @@ class RecipeTrainer:
     for step in range(1, train_config.steps + 1):
       state, loss = self.train_step(state, next(batches))
       window_losses.append(loss)  # a device array: the host runs ahead until the window ends
-      evaluate = step % train_config.eval_every == 0 or step == train_config.steps
+      evaluate = step % train_config.eval_every == 0 or step in tail_steps
       if step == 1 or evaluate or step % SYNC_EVERY == 0:
         result.train_losses.extend(float(loss) for loss in window_losses)  # waits for the window
         seconds = (time.perf_counter() - window_start) / len(window_losses)
@@ -318,6 +353,8 @@ def run_info(
     "train": dataclasses.asdict(train_config),
     "parameters": n_params,
     "noise_floor_scale": NOISE_FLOOR_SCALE if args.noise_floor else None,
+    "noise_band_runs": noise_band_runs_of(args),
+    "repeat": args.repeat_index,
     "corpus": {
       "root": str(corpus.root),
       "packages": list(corpus.packages),
@@ -331,9 +368,22 @@ def run_info(
     "device": str(jax.devices()[0]),
     "device_kind": jax.devices()[0].device_kind,
     "jax": jax.__version__,
+    "versions": versions(),
+    "command": " ".join(["python", *sys.argv]),
     "mesh": None if mesh is None else dict(mesh.shape),
     "quantized_gather": args.quantized_gather,
   }
+
+
+def versions() -> dict:
+  """Python's and the packages' the results depend on."""
+  found = {"python": platform.python_version()}
+  for package in ("jax", "jaxlib", "flax", "optax", "numpy"):
+    try:
+      found[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      found[package] = None
+  return found
 
 
 def where(mesh: jax.sharding.Mesh | None) -> str:
@@ -346,6 +396,14 @@ def seeds_of(args) -> list[int]:
   if args.seeds < 1:
     raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
   return [args.seed + i for i in range(args.seeds)]
+
+
+def noise_band_runs_of(args) -> int:
+  if args.noise_band is not None:
+    if args.noise_band and args.seeds > 1:
+      raise ValueError("--noise-band is for one seed: with --seeds the intervals are the yardstick")
+    return args.noise_band
+  return presets.PRESETS[args.preset].noise_band_runs if args.seeds == 1 else 0
 
 
 def validation_seed_of(args) -> int:
@@ -365,33 +423,55 @@ def validation_set(
 
 def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out) -> tuple:
   """(model, params of each seed, text for results.md, the GEMM modules kept in bf16) of
-  'suggested_nvfp4'."""
-  first_seed = min(shared_params)
-  model_runs = None if args.sensitivity_model_runs == "none" else args.sensitivity_model_runs
-  start = time.perf_counter()
-  suggestion = suggested.suggest(
-    model_config,
-    shared_params[first_seed],
-    train_config,
-    corpus.train,
-    first_seed,
-    model_runs,
-    args.sensitivity_rank,
-  )
+  'suggested_nvfp4': analysed on the first seed (writing the analysis and the policy to
+  out), or read from --suggested-policy."""
   out.mkdir(parents=True, exist_ok=True)
-  table = suggestion.report.table(args.sensitivity_rank)  # in the order that chose
-  (out / SENSITIVITY_TABLE).write_text(table)
-  analysis.plot_sensitivity(suggestion.report, out / SENSITIVITY_PNG, rank_by=args.sensitivity_rank)
-  text = (
-    f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
-    f"modules in bf16, ranked most sensitive to NVFP4 ({args.sensitivity_rank}) by "
-    f"jaxquant.analysis after "
-    f"{train_config.sensitivity_steps} bf16 steps of seed {first_seed} "
-    f"({time.perf_counter() - start:.0f} s; {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}): "
-    f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
-    "scanned layers.\n"
-  )
-  print(text + table)
+  if args.suggested_policy is not None:
+    policy = suggested.read_policy(args.suggested_policy)
+    suggestion = suggested.from_policy(model_config, policy)
+    text = (
+      f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
+      f"modules in bf16, as {args.suggested_policy} says (chosen by {policy['rank_by']} "
+      f"after {policy['sensitivity_steps']} bf16 steps of seed {policy['seed']}): "
+      f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
+      "scanned layers.\n"
+    )
+    suggested.write_policy(out / suggested.POLICY_FILE, policy)
+    print(text)
+  else:
+    first_seed = min(shared_params)
+    model_runs = None if args.sensitivity_model_runs == "none" else args.sensitivity_model_runs
+    start = time.perf_counter()
+    suggestion = suggested.suggest(
+      model_config,
+      shared_params[first_seed],
+      train_config,
+      corpus.train,
+      first_seed,
+      model_runs,
+      args.sensitivity_rank,
+    )
+    table = suggestion.report.table(args.sensitivity_rank)  # in the order that chose
+    (out / SENSITIVITY_TABLE).write_text(table)
+    analysis.plot_sensitivity(
+      suggestion.report, out / SENSITIVITY_PNG, rank_by=args.sensitivity_rank
+    )
+    suggested.write_policy(
+      out / suggested.POLICY_FILE,
+      suggested.policy_of(
+        suggestion, first_seed, args.sensitivity_rank, train_config.sensitivity_steps
+      ),
+    )
+    text = (
+      f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
+      f"modules in bf16, ranked most sensitive to NVFP4 ({args.sensitivity_rank}) by "
+      f"jaxquant.analysis after "
+      f"{train_config.sensitivity_steps} bf16 steps of seed {first_seed} "
+      f"({time.perf_counter() - start:.0f} s; {SENSITIVITY_TABLE}, {SENSITIVITY_PNG}): "
+      f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
+      "scanned layers.\n"
+    )
+    print(text + table)
   model = recipes.model_for_recipe(TransformerLM(suggestion.config), suggestion.recipe)
   relaid = {
     seed: layout.relayout(p, model_config, suggestion.config.scanned_layers)
@@ -406,6 +486,10 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   preset = presets.PRESETS[args.preset]
   model_config = preset.model
   train_config = with_overrides(with_steps(preset.train, args.steps), args.set)
+  train_config.tail_steps()  # fits the run, or says why not
+  if train_config.deterministic:
+    training.check_deterministic_options()
+  noise_band_runs = noise_band_runs_of(args)
   # Deterministic steps keep XLA's attention: cuDNN's deterministic backward fails at run
   # time at the gpu preset's shapes (JAX 0.11.2, H100).
   if (
@@ -496,8 +580,19 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
         },
       )
     )
+  if noise_band_runs:
+    # bf16 from the seeds after the run's own: params of seed s + i, data order of s + i.
+    band_seeds = [seeds[-1] + i for i in range(1, noise_band_runs + 1)]
+    band_params = {
+      seed: training.init_variables(plain_model.module, jax.random.key(seed), sample_tokens)[
+        training.PARAMS
+      ]
+      for seed in band_seeds
+    }
+    runs.append((report.NOISE_BAND, plain_model, band_params))
   run_names = [name for name, _, _ in runs]
   results: list[report.RecipeResult] = []
+  trainers: dict[str, RecipeTrainer] = {}
   for index, (name, model, params) in enumerate(runs):
     if results and time.perf_counter() > deadline:
       break
@@ -507,13 +602,18 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
       )
       # Recorded, so that runs merged later (lm/merge.py) are checked to share the policy.
       info = {**info, "notes": notes, "suggested_policy": kept}
-    trainer = RecipeTrainer(
-      name, model, train_config, validation_batches, mesh, args.quantized_gather
-    )
-    for seed in seeds:
-      if seed != seeds[0] and time.perf_counter() > deadline:
+    if name == report.NOISE_BAND and recipes.PLAIN_RECIPE in trainers:
+      trainer = trainers[recipes.PLAIN_RECIPE].renamed(name)  # bf16's steps, compiled already
+    else:
+      trainer = RecipeTrainer(
+        name, model, train_config, validation_batches, mesh, args.quantized_gather
+      )
+    trainers[name] = trainer
+    for seed in sorted(params):
+      if seed != min(params) and time.perf_counter() > deadline:
         break
-      results.append(trainer.train(params[seed], corpus, seed, deadline))
+      result = trainer.train(params[seed], corpus, seed, deadline)
+      results.append(dataclasses.replace(result, repeat=args.repeat_index))
       # After every run, so a run cut short (--time-budget-s, or killed) still leaves what it
       # finished, and names the rest as not run.
       report.write_outputs(args.out, results, {**info, "not_run": run_names[index + 1 :]})

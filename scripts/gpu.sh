@@ -6,6 +6,9 @@
 #   bash scripts/gpu.sh test cpu [PYTEST ARGS...]  # the CPU suite on this machine's JAX
 #   bash scripts/gpu.sh bench NAME [ARGS...]       # casts (benchmarks/run.py), gemm, or benchmarks/NAME.py
 #   bash scripts/gpu.sh example [TRAIN_LM ARGS...] # examples/train_lm.py, every recipe, --preset gpu
+#   bash scripts/gpu.sh seeds NAME [TRAIN_SEEDS ARGS...] -- [TRAIN_LM ARGS...] [+++ NAME ...]
+#                                                  # examples/train_seeds.py, results in $OUT/NAME;
+#                                                  # experiments separated by +++ run side by side
 #
 # Every step builds first, unless a library that loads is at hand: JAXQUANT_FFI_LIBRARY
 # naming one (built beforehand and carried in), or the one this machine built from the same
@@ -164,11 +167,46 @@ run_example() {
   return "$status"
 }
 
+run_seeds() {
+  # Each experiment: NAME, then train_seeds.py's arguments (--gpus ... -- train_lm.py's).
+  # All start at once with the call's remaining budget and stop themselves within it.
+  nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu,memory.used \
+    --format=csv -l 5 >"$OUT/gpu_clocks.csv" 2>/dev/null &
+  local clock_log=$!
+  triton_gemm_off
+  threefry_kernel_on
+  local budget pids=() names=() experiment=() argument status=0 name
+  budget=$(( $(remaining) - 20 ))  # the merge and the copy back after the budget
+  launch() {
+    [ ${#experiment[@]} -gt 0 ] || return 0
+    name=${experiment[0]}
+    mkdir -p "$OUT/$name"
+    python3 examples/train_seeds.py --out "$OUT/$name" --time-budget-s "$budget" \
+      "${experiment[@]:1}" >"$OUT/$name/train_seeds.log" 2>&1 &
+    pids+=($!); names+=("$name")
+    echo "$name: train_seeds.py ${experiment[*]:1} (budget $budget s)"
+    experiment=()
+  }
+  for argument in "$@"; do
+    if [ "$argument" = "+++" ]; then launch; else experiment+=("$argument"); fi
+  done
+  launch
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; local code=$?
+    echo "${names[$i]}: exit $code after $(elapsed) s"; tail -25 "$OUT/${names[$i]}/train_seeds.log"
+    [ $code -eq 0 ] || status=$code
+    # Each process's own plot is the merged one's part: keep its curves.json and log only.
+    find "$OUT/${names[$i]}" -mindepth 2 -name val_loss.png -delete
+  done
+  kill "$clock_log" 2>/dev/null
+  return $status
+}
+
 step=${1:-}
 [ $# -gt 0 ] && shift
 case "$step" in
-  build|test|bench|example) ;;
-  *) echo "usage: bash scripts/gpu.sh build | test [cpu] [PYTEST ARGS] | bench NAME [ARGS] | example [ARGS]"
+  build|test|bench|example|seeds) ;;
+  *) echo "usage: bash scripts/gpu.sh build | test [cpu] [PYTEST ARGS] | bench NAME [ARGS] | example [ARGS] | seeds NAME [ARGS] [+++ NAME ARGS]"
      exit 2 ;;
 esac
 environment 2>&1 | tee "$OUT/environment.log"
@@ -179,4 +217,5 @@ case "$step" in
   test) run_tests "$@" ;;
   bench) run_bench "$@" ;;
   example) run_example "$@" ;;
+  seeds) run_seeds "$@" ;;
 esac

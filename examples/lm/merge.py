@@ -9,7 +9,10 @@ same process buys no tighter pairing.
 
 Runs merge only if they trained the same thing: every field of their run info but those
 in PER_RUN must be equal (the model, the training configuration, the corpus, the GPU kind,
-the JAX version, ...), and no recipe may have trained the same seed in two of them.
+the JAX version, ...), and no recipe may have trained the same seed in two of them (unless
+as different repeats: train_seeds.py --repeats). Where bf16 is among the runs, a recipe's
+run whose seed has no completed bf16 run is left out (its gap cannot be taken), and the
+merged notes say which.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from lm.recipes import PLAIN_RECIPE, SUGGESTED_RECIPE
 # (eval_batches not None), so then it must be equal after all. "device" is the device's
 # index (the same kind of device is checked by "device_kind"). "suggested_policy" must
 # agree among the runs that trained suggested_nvfp4 (each chooses it from its own first
-# seed).
+# seed). "command" is each run's own command line (the merged info keeps the first's).
 PER_RUN = (
   "seed",
   "seeds",
@@ -35,6 +38,10 @@ PER_RUN = (
   "device",
   "suggested_policy",
   "merged_runs",
+  "repeat",
+  "noise_band_runs",
+  "unpaired",
+  "command",
 )
 
 
@@ -83,6 +90,21 @@ def _suggested_policy(runs: list[Run]) -> list[str] | None:
   return next(iter(policies.values()), None)
 
 
+def _paired(results: list[report.RecipeResult]) -> tuple[list[report.RecipeResult], list[str]]:
+  """The results whose gap can be taken (all of them without any bf16 run), and the runs
+  left out for want of a completed bf16 run of their seed, named."""
+  if not any(r.recipe == PLAIN_RECIPE for r in results):
+    return results, []
+  paired = {r.seed for r in results if r.recipe == PLAIN_RECIPE and r.completed and not r.repeat}
+  keep = lambda r: r.recipe in (PLAIN_RECIPE, report.NOISE_BAND) or r.seed in paired
+  left_out = [
+    f"{r.recipe} seed {r.seed}" + (f" (repeat {r.repeat})" if r.repeat else "")
+    for r in results
+    if not keep(r)
+  ]
+  return [r for r in results if keep(r)], left_out
+
+
 def merge(runs: list[Run]) -> tuple[dict, list[report.RecipeResult]]:
   """The run info and the results of runs merged: every recipe's seeds together, bf16 first
   and the other recipes in the order they first appear, seeds in ascending order."""
@@ -91,21 +113,21 @@ def merge(runs: list[Run]) -> tuple[dict, list[report.RecipeResult]]:
   first = runs[0]
   for other in runs[1:]:
     _check_same_configuration(first, other)
-  trained_in: dict[tuple[str, int], str] = {}
+  trained_in: dict[tuple[str, int, int], str] = {}
   for run in runs:
     for result in run.results:
-      key = (result.recipe, result.seed)
+      key = (result.recipe, result.seed, result.repeat)
       if key in trained_in:
+        again = f" (repeat {result.repeat})" if result.repeat else ""
         raise ValueError(
-          f"{result.recipe} seed {result.seed} trained in both {trained_in[key]} "
+          f"{result.recipe} seed {result.seed}{again} trained in both {trained_in[key]} "
           f"and {run.name}: merge keeps one run of each recipe and seed"
         )
       trained_in[key] = run.name
   order = list(dict.fromkeys(r.recipe for run in runs for r in run.results))
   order.sort(key=lambda recipe: recipe != PLAIN_RECIPE)  # bf16 first, the rest as they came
-  results = sorted(
-    (r for run in runs for r in run.results), key=lambda r: (order.index(r.recipe), r.seed)
-  )
+  results, unpaired = _paired([r for run in runs for r in run.results])
+  results.sort(key=lambda r: (order.index(r.recipe), r.seed, r.repeat))
   not_run = list(
     dict.fromkeys(name for run in runs for name in run.info["not_run"] if name not in order)
   )
@@ -117,7 +139,13 @@ def merge(runs: list[Run]) -> tuple[dict, list[report.RecipeResult]]:
     "validation_seed": _validation_seed(first.info),
     "not_run": not_run,
     "merged_runs": len(runs),
-    "notes": "".join(dict.fromkeys(run.info.get("notes", "") for run in runs)),
+    "notes": "".join(dict.fromkeys(run.info.get("notes", "") for run in runs))
+    + (
+      f"Left out, as bf16 of their seed did not complete: {', '.join(unpaired)}.\n"
+      if unpaired
+      else ""
+    ),
+    "unpaired": unpaired,
     "noise_floor_scale": next(
       (
         run.info["noise_floor_scale"]

@@ -38,6 +38,11 @@ class TrainConfig:
   # split (the same ones at every evaluation of every recipe); None: the whole split,
   # cut into consecutive windows (no sampling at all).
   eval_batches: Optional[int] = 4
+  # The tail evaluations: the last `tail_evals`, `tail_eval_every` steps apart (0: eval_every)
+  # and ending at the last step. The mean validation loss over them is a run's second
+  # statistic beside the final loss (lm/report.py); 1: the final evaluation alone.
+  tail_evals: int = 1
+  tail_eval_every: int = 0
   # Installed packages whose sources join the standard library's in the corpus (data.py).
   corpus_packages: tuple[str, ...] = ()
   # Steps of bf16 training before the sensitivity analysis behind 'suggested_nvfp4'.
@@ -48,11 +53,24 @@ class TrainConfig:
   # ended 400 steps at 1.2377, 1.2300 and 1.2338 nats, with it twice at 1.2421.
   deterministic: bool = False
 
+  def tail_steps(self) -> list[int]:
+    """The steps of the tail evaluations, ascending."""
+    every = self.tail_eval_every or self.eval_every
+    if self.tail_evals < 1 or every < 1 or (self.tail_evals - 1) * every >= self.steps:
+      raise ValueError(
+        f"tail_evals={self.tail_evals} evaluations {every} steps apart do not fit "
+        f"{self.steps} steps"
+      )
+    return [self.steps - i * every for i in reversed(range(self.tail_evals))]
+
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
   model: ModelConfig
   train: TrainConfig
+  # Runs of bf16 from further seeds that a one-seed run trains by default (train_lm.py
+  # --noise-band): the yardstick its single-seed gaps are read against.
+  noise_band_runs: int = 0
 
 
 PRESETS = {
@@ -112,7 +130,12 @@ PRESETS = {
 #   seeds) with 6000 steps, where every seed's loss rose from step 3000
 #   (docs/example.md). None is reliably under 0.2 %;
 # - a peak learning rate of 1e-3: the smaller model's;
-# - evaluations every 500 steps.
+# - evaluations every 500 steps, and every 100 over the last 400 (the tail: 2600-3000,
+#   where the learning rate is under 5 % of its peak): the mean validation loss over those
+#   five is the second statistic gaps are taken on (lm/report.py). Over four runs of three
+#   seeds with evaluations 500 steps apart, the evaluations at 2500 and 3000 of one run
+#   differed far less than runs did, so that mean cannot be much less noisy than the final
+#   loss; the results give both.
 # A bf16 step takes 9 ms on an H100, a seed with its evaluations ~30 s.
 PRESETS["gpu_seeds"] = Preset(
   ModelConfig(seq_len=512, d_model=384, n_layers=6, n_heads=6, d_ff=1536, scanned_layers=5),
@@ -123,6 +146,8 @@ PRESETS["gpu_seeds"] = Preset(
     final_learning_rate_fraction=0.0,
     eval_every=500,
     eval_batches=None,
+    tail_evals=5,
+    tail_eval_every=100,
     sensitivity_steps=100,
   ),
 )

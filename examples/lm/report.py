@@ -1,5 +1,13 @@
 """The run's outputs: validation-loss curves (PNG), a markdown table, and a JSON of it all,
-over every recipe and seed (lm/stats.py: mean, spread and the paired interval of the gaps)."""
+over every recipe and seed (lm/stats.py: mean, spread and the paired interval of the gaps).
+
+Two statistics of a run are compared between recipes: its final validation loss, and the
+mean of its validation losses at the tail evaluations (`TrainConfig.tail_evals`, the last
+ones, where the learning rate has decayed). Runs of one seed repeated (`repeat` > 0,
+train_seeds.py --repeats) measure how far the same seed ends apart from run to run; they
+stay out of the statistics over seeds and are summarized apart (`run_to_run`). The noise
+band (NOISE_BAND: bf16 from other seeds, gaps taken to bf16 of the run's first seed) says
+how large a single-seed gap must be to mean something."""
 
 from __future__ import annotations
 
@@ -22,6 +30,13 @@ RESULTS_TABLE = "results.md"
 # (chaotic training dynamics, and on GPUs non-deterministic reductions), so it says how far
 # apart two single runs may end by chance.
 NOISE_FLOOR = "bf16_perturbed"
+# train_lm.py --noise-band N: bf16 from N further seeds. A run's gap to bf16 of its own seed
+# can be read against these runs' gaps to bf16 of the first seed: with no quantization at
+# all, a change of seed (parameters and data order) moves the loss that far.
+NOISE_BAND = "bf16_other_seed"
+# The half-width a gap's 95% interval is to reach; results give the seeds that would take.
+TARGET_HALF_WIDTH = 0.005
+FINAL, TAIL = "final", "tail"  # the statistics of a run that gaps are taken on
 # The policy the sensitivity analysis suggests, against the rule it is to beat, seed by seed.
 POLICY_COMPARISON = (SUGGESTED_RECIPE, CUSTOM_RECIPE)
 
@@ -40,10 +55,26 @@ class RecipeResult:
   compile_seconds: float  # the first step, compilation included (the recipe's first seed)
   wall_seconds: float = 0.0  # the whole run: compiles, steps and evaluations
   seed: int = 0
+  # The tail evaluations' steps (TrainConfig.tail_evals); empty: the final one alone.
+  tail_steps: list[int] = dataclasses.field(default_factory=list)
+  # 0: the seed's run; 1, 2, ...: the same seed trained again (train_seeds.py --repeats).
+  repeat: int = 0
 
   @property
   def final_val_loss(self) -> float:
     return self.val_losses[-1]
+
+  @property
+  def tail_val_loss(self) -> Optional[float]:
+    """Mean validation loss over the tail evaluations (None where the run stopped first)."""
+    losses = dict(zip(self.eval_steps, self.val_losses, strict=True))
+    steps = self.tail_steps or [self.planned_steps]
+    if not all(step in losses for step in steps):
+      return None
+    return statistics.fmean(losses[step] for step in steps)
+
+  def statistic(self, name: str) -> Optional[float]:
+    return self.final_val_loss if name == FINAL else self.tail_val_loss
 
   @property
   def completed(self) -> bool:
@@ -60,7 +91,8 @@ def relative_gap(loss: float, baseline: Optional[float]) -> Optional[float]:
 
 @dataclasses.dataclass(frozen=True)
 class RecipeSummary:
-  """A recipe over its seeds: the runs, and the statistics of those that completed."""
+  """A recipe over its seeds: the runs, and the statistics of those that completed (repeats
+  left out)."""
 
   recipe: str
   runs: tuple[RecipeResult, ...]
@@ -68,69 +100,224 @@ class RecipeSummary:
   # Per-seed relative gap to bf16 of the same seed (both completed): mean, sd, paired
   # t-interval.
   gap: Optional[stats.Summary]
+  tail_loss: Optional[stats.Summary] = None  # the same for the tail-mean validation loss
+  tail_gap: Optional[stats.Summary] = None
 
   @property
   def completed_seeds(self) -> list[int]:
     return [r.seed for r in self.runs if r.completed]
 
 
-def _final_losses(results: list[RecipeResult], recipe: str) -> dict[int, float]:
-  """recipe's final validation loss by seed, of the runs that completed."""
-  return {r.seed: r.final_val_loss for r in results if r.recipe == recipe and r.completed}
+def seed_runs(results: list[RecipeResult]) -> list[RecipeResult]:
+  """Each recipe's first run of each seed (the lowest repeat there is): what statistics
+  over seeds are taken on."""
+  first = {}
+  for r in results:
+    key = (r.recipe, r.seed)
+    if key not in first or r.repeat < first[key].repeat:
+      first[key] = r
+  return [r for r in results if first[(r.recipe, r.seed)] is r]
 
 
-def paired_gap(results: list[RecipeResult], recipe: str, baseline: str) -> Optional[stats.Summary]:
+def _losses(results: list[RecipeResult], recipe: str, statistic: str = FINAL) -> dict[int, float]:
+  """recipe's statistic by seed, of the seed runs that completed."""
+  return {
+    r.seed: r.statistic(statistic) for r in seed_runs(results) if r.recipe == recipe and r.completed
+  }
+
+
+def paired_gap(
+  results: list[RecipeResult], recipe: str, baseline: str, statistic: str = FINAL
+) -> Optional[stats.Summary]:
   """recipe's relative gap to baseline, taken per seed (both completed) and summarized:
   mean, sd and the paired t-interval; None without a common seed."""
-  losses, reference = _final_losses(results, recipe), _final_losses(results, baseline)
+  losses = _losses(results, recipe, statistic)
+  reference = _losses(results, baseline, statistic)
   gaps = [relative_gap(loss, reference[seed]) for seed, loss in losses.items() if seed in reference]
   return stats.summarize(gaps) if gaps else None
 
 
+def _summary_of(values: list[float]) -> Optional[stats.Summary]:
+  return stats.summarize(values) if values else None
+
+
 def summarize(results: list[RecipeResult]) -> list[RecipeSummary]:
-  """One summary per recipe, in the order the recipes first ran."""
+  """One summary per recipe (the noise band's runs are not a recipe), in the order the
+  recipes first ran."""
   by_recipe: dict[str, list[RecipeResult]] = {}
-  for r in results:
-    by_recipe.setdefault(r.recipe, []).append(r)
-  summaries = []
-  for recipe, runs in by_recipe.items():
-    done = [r.final_val_loss for r in runs if r.completed]
-    summaries.append(
-      RecipeSummary(
-        recipe,
-        tuple(runs),
-        stats.summarize(done) if done else None,
-        paired_gap(results, recipe, PLAIN_RECIPE),
+  for r in seed_runs(results):
+    if r.recipe != NOISE_BAND:
+      by_recipe.setdefault(r.recipe, []).append(r)
+  return [
+    RecipeSummary(
+      recipe,
+      tuple(runs),
+      _summary_of(list(_losses(results, recipe, FINAL).values())),
+      paired_gap(results, recipe, PLAIN_RECIPE, FINAL),
+      _summary_of(list(_losses(results, recipe, TAIL).values())),
+      paired_gap(results, recipe, PLAIN_RECIPE, TAIL),
+    )
+    for recipe, runs in by_recipe.items()
+  ]
+
+
+def has_tail(results: list[RecipeResult]) -> bool:
+  """Whether the tail-mean differs from the final loss at all (more than one tail eval)."""
+  return any(len(r.tail_steps) > 1 for r in results)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunToRun:
+  """How far runs of one seed end apart (train_seeds.py --repeats): the pooled sd over
+  repeats, relative to the mean, against the sd over seeds (first runs only)."""
+
+  recipe: str
+  seeds: int  # seeds trained more than once
+  runs: int  # runs of those seeds, in all
+  final_sd: float  # relative; sqrt of the mean over seeds of the variance over repeats
+  tail_sd: Optional[float]
+  seed_sd: Optional[float]  # relative sd of the final loss over seeds (first runs)
+
+
+def _pooled_relative_sd(groups: list[list[float]]) -> float:
+  variances = [statistics.variance(g) for g in groups]
+  mean = statistics.fmean(v for g in groups for v in g)
+  return (statistics.fmean(variances) ** 0.5) / mean
+
+
+def run_to_run(results: list[RecipeResult]) -> list[RunToRun]:
+  """Per recipe with a seed trained more than once (completed runs only)."""
+  spreads = []
+  for summary in summarize(results):
+    by_seed: dict[int, list[RecipeResult]] = {}
+    for r in results:
+      if r.recipe == summary.recipe and r.completed:
+        by_seed.setdefault(r.seed, []).append(r)
+    repeated = [runs for runs in by_seed.values() if len(runs) > 1]
+    if not repeated:
+      continue
+    tails = [[r.tail_val_loss for r in runs] for runs in repeated]
+    loss = summary.loss
+    spreads.append(
+      RunToRun(
+        summary.recipe,
+        len(repeated),
+        sum(map(len, repeated)),
+        _pooled_relative_sd([[r.final_val_loss for r in runs] for runs in repeated]),
+        _pooled_relative_sd(tails) if has_tail(results) else None,
+        None if loss is None or loss.std is None else loss.std / loss.mean,
       )
     )
-  return summaries
+  return spreads
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseBand:
+  """Gaps of bf16 from other seeds to bf16 of the first seed, at each evaluation both made:
+  the spread of a single-seed gap with no quantization at all."""
+
+  reference_seed: int
+  seeds: tuple[int, ...]
+  steps: list[int]
+  gaps: np.ndarray  # [seeds, steps], relative
+  # A 95% prediction half-width for one such gap at the last step: t(0.975, m) times the
+  # root mean square of the m gaps (their mean is zero by construction of the question).
+  half_width: float
+
+
+def noise_band(results: list[RecipeResult]) -> Optional[NoiseBand]:
+  reference = next(
+    (r for r in seed_runs(results) if r.recipe == PLAIN_RECIPE and r.completed), None
+  )
+  others = [r for r in seed_runs(results) if r.recipe == NOISE_BAND and r.completed]
+  if reference is None or not others:
+    return None
+  base = dict(zip(reference.eval_steps, reference.val_losses, strict=True))
+  steps = [s for s in _common_curve(others)[0] if s and s in base]
+  gaps = np.array(
+    [
+      [dict(zip(r.eval_steps, r.val_losses, strict=True))[s] / base[s] - 1 for s in steps]
+      for r in others
+    ]
+  )
+  final = np.array([r.final_val_loss / reference.final_val_loss - 1 for r in others])
+  t = stats.student_t_quantile(stats.CONFIDENCE, len(final))
+  half_width = float(t * np.sqrt(np.mean(final**2)))
+  return NoiseBand(reference.seed, tuple(r.seed for r in others), steps, gaps, half_width)
 
 
 def _summary_json(summary: Optional[stats.Summary]) -> Optional[dict]:
   return None if summary is None else dataclasses.asdict(summary)
 
 
+def seeds_for_target(gap: Optional[stats.Summary]) -> Optional[int]:
+  """Seeds the gap's 95% interval would need for a half-width of TARGET_HALF_WIDTH, by its
+  measured sd (None without one)."""
+  if gap is None or gap.std is None:
+    return None
+  return stats.seeds_needed(gap.std, TARGET_HALF_WIDTH)
+
+
+def _gap_json(gap: Optional[stats.Summary]) -> Optional[dict]:
+  if gap is None:
+    return None
+  return {
+    **dataclasses.asdict(gap),
+    "half_width": gap.half_width,
+    "seeds_for_target_half_width": seeds_for_target(gap),
+  }
+
+
+def _run_key(r: RecipeResult) -> str:
+  return str(r.seed) if r.repeat == 0 else f"{r.seed}.repeat{r.repeat}"
+
+
 def write_curves_json(path: pathlib.Path, results: list[RecipeResult], run_info: dict) -> None:
-  """{"run": run_info, "recipes": {recipe: {"final_val_loss": summary, "gap_to_bf16":
-  summary, "seeds": {seed: run}}}}, plus "suggested_nvfp4_vs_custom": summary when both
-  ran; a summary is {n, mean, std, interval}."""
-  payload = {"run": run_info, "recipes": {}}
+  """{"run": run_info, "target_half_width": TARGET_HALF_WIDTH, "recipes": {recipe:
+  {"final_val_loss": summary, "gap_to_bf16": gap, "tail_val_loss": summary,
+  "tail_gap_to_bf16": gap, "seeds": {seed: run}}}}, plus "suggested_nvfp4_vs_custom" (and
+  its tail_ twin) when both ran, "run_to_run" with repeated seeds and "noise_band" with
+  NOISE_BAND runs. A summary is {n, mean, std, interval}; a gap adds its half_width and
+  the seeds its interval needs for the target half-width. Repeats are keyed
+  "<seed>.repeat<r>"."""
+  payload = {"run": run_info, "target_half_width": TARGET_HALF_WIDTH, "recipes": {}}
   recipe, baseline = POLICY_COMPARISON
-  comparison = paired_gap(results, recipe, baseline)
-  if comparison is not None:
-    payload[f"{recipe}_vs_{baseline}"] = _summary_json(comparison)
-  for summary in summarize(results):
-    payload["recipes"][summary.recipe] = {
-      "final_val_loss": _summary_json(summary.loss),
-      "gap_to_bf16": _summary_json(summary.gap),
+  for statistic, prefix in ((FINAL, ""), (TAIL, "tail_")):
+    comparison = paired_gap(results, recipe, baseline, statistic)
+    if comparison is not None:
+      payload[f"{prefix}{recipe}_vs_{baseline}"] = _gap_json(comparison)
+  spreads = run_to_run(results)
+  if spreads:
+    payload["run_to_run"] = [dataclasses.asdict(spread) for spread in spreads]
+  band = noise_band(results)
+  if band is not None:
+    payload["noise_band"] = {
+      "reference_seed": band.reference_seed,
+      "seeds": list(band.seeds),
+      "half_width": band.half_width,
+      "steps": band.steps,
+      "gaps": band.gaps.tolist(),
+    }
+  runs_of = {}
+  for r in results:
+    runs_of.setdefault(r.recipe, []).append(r)
+  summaries = {summary.recipe: summary for summary in summarize(results)}
+  for name, runs in runs_of.items():
+    summary = summaries.get(name)
+    payload["recipes"][name] = {
+      "final_val_loss": _summary_json(summary and summary.loss),
+      "gap_to_bf16": _gap_json(summary and summary.gap),
+      "tail_val_loss": _summary_json(summary and summary.tail_loss),
+      "tail_gap_to_bf16": _gap_json(summary and summary.tail_gap),
       "seeds": {
-        str(r.seed): {
+        _run_key(r): {
           **dataclasses.asdict(r),
           "final_val_loss": r.final_val_loss,
+          "tail_val_loss": r.tail_val_loss,
           "completed": r.completed,
           "median_step_seconds": r.median_step_seconds,
         }
-        for r in summary.runs
+        for r in runs
       },
     }
   path.write_text(json.dumps(payload, indent=1))
@@ -249,6 +436,22 @@ def plot_validation_curves(
   losses.grid(alpha=0.3)
   losses.legend()
   gaps.axhline(0, color="black", linewidth=0.8)
+  band = noise_band(results)
+  if band is not None:
+    # At each step, the 95% prediction band of one gap with no quantization at all.
+    t = stats.student_t_quantile(stats.CONFIDENCE, len(band.seeds))
+    width = 100 * t * np.sqrt(np.mean(band.gaps**2, axis=0))
+    gaps.fill_between(
+      band.steps,
+      -width,
+      width,
+      color="gray",
+      alpha=0.25,
+      linewidth=0,
+      label=f"noise: 95% band of bf16 from {len(band.seeds)} other seeds "
+      f"(±{band.half_width:.2%} at the end)",
+    )
+    gaps.legend(loc="upper right", fontsize="small")
   gaps.set_xlabel("step")
   gaps.set_ylabel(f"gap to {PLAIN_RECIPE} (%)")
   gaps.grid(alpha=0.3)
@@ -265,27 +468,44 @@ def _loss_text(summary: RecipeSummary) -> str:
   return f"{summary.loss.mean:.4f} ± {summary.loss.std:.4f}"
 
 
-def _gap_text(gap: Optional[stats.Summary]) -> str:
+def _gap_text(gap: Optional[stats.Summary], band: Optional[float] = None) -> str:
   if gap is None:
     return "n/a"
   if gap.interval is None:
-    return f"{gap.mean:+.2%}"
+    inside = band is not None and abs(gap.mean) <= band
+    return f"{gap.mean:+.2%}" + (" (within noise)" if inside else "")
   return f"{gap.mean:+.2%} [{gap.interval[0]:+.2%}, {gap.interval[1]:+.2%}]"
 
 
+def _seeds_text(gap: Optional[stats.Summary]) -> str:
+  needed = seeds_for_target(gap)
+  return "n/a" if needed is None else str(needed)
+
+
 def results_table(results: list[RecipeResult], not_run: list[str], unigram_entropy: float) -> str:
-  """Gaps are relative to bf16's final loss of the same seed, between runs that completed."""
+  """Gaps are relative to bf16's final loss (and tail-mean loss) of the same seed, between
+  runs that completed."""
   summaries = summarize(results)
-  seeds = sorted({r.seed for r in results})
+  seeds = sorted({r.seed for r in seed_runs(results) if r.recipe != NOISE_BAND})
   several = len(seeds) > 1
-  lines = [
+  tail = has_tail(results)
+  band = noise_band(results)
+  tail_evals = max((len(r.tail_steps) for r in results), default=1)
+  target = f"±{TARGET_HALF_WIDTH:.1%}"
+  header = (
     "| recipe | seeds completed | final val loss (nats)"
     + (", mean ± sd" if several else "")
     + " | spread (sd / mean) | gap to bf16"
     + (", mean [95% CI]" if several else "")
-    + " | median step (ms) | first step, compile incl. (s) | recipe wall time (s) |",
-    "| --- | --- | --- | --- | --- | --- | --- | --- |",
-  ]
+    + (f" | seeds for {target}" if several else "")
+  )
+  if tail:
+    header += f" | gap of the mean of the last {tail_evals} evals" + (
+      f", mean [95% CI] | seeds for {target}" if several else ""
+    )
+  header += " | median step (ms) | first step, compile incl. (s) | recipe wall time (s) |"
+  columns = header.count("|") - 1
+  lines = [header, "|" + " --- |" * columns]
   for summary in summaries:
     runs = summary.runs
     loss_text = _loss_text(summary)
@@ -300,14 +520,52 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
       if summary.loss is not None and summary.loss.std is not None
       else "n/a"
     )
+    band_width = None if band is None or summary.recipe == PLAIN_RECIPE else band.half_width
+    cells = [
+      summary.recipe,
+      f"{len(summary.completed_seeds)} of {len(runs)}",
+      loss_text,
+      spread,
+      _gap_text(summary.gap, band_width),
+    ]
+    baseline = summary.recipe == PLAIN_RECIPE  # its gap is zero by construction
+    if several:
+      cells.append("" if baseline else _seeds_text(summary.gap))
+    if tail:
+      cells.append(_gap_text(summary.tail_gap))
+      if several:
+        cells.append("" if baseline else _seeds_text(summary.tail_gap))
     step_ms = 1e3 * statistics.median(s for r in runs for s in r.window_step_seconds)
-    lines.append(
-      f"| {summary.recipe} | {len(summary.completed_seeds)} of {len(runs)} | "
-      f"{loss_text} | {spread} | {_gap_text(summary.gap)} | {step_ms:.1f} | "
-      f"{runs[0].compile_seconds:.1f} | {sum(r.wall_seconds for r in runs):.0f} |"
-    )
-  lines.extend(f"| {name} | not run | n/a | n/a | n/a | n/a | n/a | n/a |" for name in not_run)
+    cells += [
+      f"{step_ms:.1f}",
+      f"{runs[0].compile_seconds:.1f}",
+      f"{sum(r.wall_seconds for r in runs):.0f}",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  lines.extend(f"| {name} | not run |" + " n/a |" * (columns - 2) for name in not_run)
   lines.append("")
+  if band is not None:
+    gaps = ", ".join(
+      f"seed {seed} {gap:+.2%}" for seed, gap in zip(band.seeds, band.gaps[:, -1], strict=True)
+    )
+    lines.append(
+      f"Noise band: bf16 trained from {len(band.seeds)} other seeds ended {gaps} from bf16 "
+      f"of seed {band.reference_seed}. A single-seed gap within ±{band.half_width:.2%} (the "
+      f"95% prediction band those give one gap with no quantization at all: t(0.975, "
+      f"{len(band.seeds)}) times their root mean square) is what a change of seed alone "
+      'does, so it says nothing about the recipe ("within noise"); val_loss.png shades '
+      "that band at every evaluation. Several seeds a recipe give an interval instead "
+      "(--seeds, train_seeds.py)."
+    )
+    lines.append("")
+  if tail:
+    lines.append(
+      f"Tail: the mean validation loss over the last {tail_evals} evaluations (steps "
+      + ", ".join(map(str, max((r.tail_steps for r in results), key=len)))
+      + "), where the learning rate has decayed; its gaps are taken per seed like the final "
+      "loss's."
+    )
+    lines.append("")
   if several:
     lines.append(
       f"Seeds {', '.join(map(str, seeds))}: each sets the initial parameters and the "
@@ -315,16 +573,16 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
       "bf16 of the same seed, then averaged; its 95% interval is the paired "
       "t-interval of those per-seed gaps (mean ± t(0.975, n-1) sd / sqrt(n)). "
       "Spread: the sample standard deviation of the final loss over seeds, "
-      "relative to its mean."
+      f"relative to its mean. Seeds for {target}: how many seeds the interval would need "
+      f"for a half-width of {TARGET_HALF_WIDTH:.1%}, by the sd of the per-seed gaps measured "
+      "here (the smallest n with t(0.975, n-1) sd / sqrt(n) <= that)."
     )
     lines.append("")
     lines += [
       "| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |",
       "| --- | " + " | ".join("---" for _ in seeds) + " |",
     ]
-    baseline = {
-      r.seed: r.final_val_loss for r in results if r.recipe == PLAIN_RECIPE and r.completed
-    }
+    baseline = _losses(results, PLAIN_RECIPE)
     for summary in summaries:
       by_seed = {r.seed: r for r in summary.runs}
       cells = []
@@ -340,13 +598,39 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
         )
       lines.append(f"| {summary.recipe} | " + " | ".join(cells) + " |")
     lines.append("")
+  spreads = run_to_run(results)
+  if spreads:
+    lines += [
+      "Run to run: seeds trained more than once (train_seeds.py --repeats) end apart by the "
+      "GPU's non-determinism alone (none with --set deterministic=true); the pooled sd over "
+      "repeats, relative to the mean, against the sd over seeds (first runs).",
+      "",
+      "| recipe | seeds repeated | runs | run-to-run sd, final | run-to-run sd, tail "
+      "| seed-to-seed sd, final |",
+      "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for spread in spreads:
+      tail_sd = "n/a" if spread.tail_sd is None else f"{spread.tail_sd:.2%}"
+      seed_sd = "n/a" if spread.seed_sd is None else f"{spread.seed_sd:.2%}"
+      lines.append(
+        f"| {spread.recipe} | {spread.seeds} | {spread.runs} | {spread.final_sd:.2%} | "
+        f"{tail_sd} | {seed_sd} |"
+      )
+    lines.append("")
   recipe, baseline = POLICY_COMPARISON
   comparison = paired_gap(results, recipe, baseline)
   if comparison is not None:
+    tail_comparison = paired_gap(results, recipe, baseline, TAIL) if tail else None
     lines.append(
       f"{recipe} against {baseline} (the same number of modules in bf16, chosen by "
       f"the sensitivity analysis instead of by layer), per seed then averaged: "
-      f"{_gap_text(comparison)}" + (" (95% paired t-interval)." if comparison.interval else ".")
+      f"{_gap_text(comparison)}"
+      + (" (95% paired t-interval)." if comparison.interval else ".")
+      + (
+        f" On the tail-mean loss: {_gap_text(tail_comparison)}."
+        if tail_comparison is not None
+        else ""
+      )
     )
     lines.append("")
   if any(r.recipe == NOISE_FLOOR for r in results):

@@ -3,6 +3,8 @@
 Every recipe trains from the same seeds, and a seed fixes both the initial parameters and
 the data order, so a recipe's gap to bf16 is measured per seed (paired) and the interval
 is the paired t-interval of those per-seed gaps: mean +- t(0.975, n - 1) * sd / sqrt(n).
+`seeds_needed` turns a measured sd into the number of seeds that interval needs to be as
+narrow as a given half-width.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Summary:
   std: Optional[float]
   interval: Optional[tuple[float, float]]
 
+  @property
+  def half_width(self) -> Optional[float]:
+    return None if self.interval is None else (self.interval[1] - self.interval[0]) / 2
+
 
 def summarize(values: Sequence[float]) -> Summary:
   if not values:
@@ -72,3 +78,35 @@ def summarize(values: Sequence[float]) -> Summary:
   std = statistics.stdev(values)
   half_width = student_t_quantile(CONFIDENCE, len(values) - 1) * std / math.sqrt(len(values))
   return Summary(len(values), mean, std, (mean - half_width, mean + half_width))
+
+
+def _normal_quantile(confidence: float) -> float:
+  """z such that P(|Z| < z) = confidence for a standard normal Z (below every t quantile)."""
+  low, high = 0.0, 10.0
+  for _ in range(100):
+    middle = (low + high) / 2
+    if math.erf(middle / math.sqrt(2)) < confidence:
+      low = middle
+    else:
+      high = middle
+  return (low + high) / 2
+
+
+# Beyond this many seeds seeds_needed gives up: the answer would be "impractically many".
+MAX_SEEDS = 100_000
+
+
+def seeds_needed(std: float, half_width: float, confidence: float = CONFIDENCE) -> int:
+  """The fewest seeds n >= 2 whose t-interval of the mean, t(confidence, n - 1) std /
+  sqrt(n), is at most half_width, for values of sample standard deviation std.
+
+  The quantile depends on n, so n is searched upward from the normal approximation's
+  lower bound (t > z, so no smaller n can do)."""
+  if std < 0 or half_width <= 0:
+    raise ValueError(f"need std >= 0 and half_width > 0, got {std} and {half_width}")
+  n = max(2, math.ceil((_normal_quantile(confidence) * std / half_width) ** 2))
+  while student_t_quantile(confidence, n - 1) * std / math.sqrt(n) > half_width:
+    n += 1
+    if n > MAX_SEEDS:
+      raise ValueError(f"more than {MAX_SEEDS} seeds for sd {std} and half-width {half_width}")
+  return n

@@ -13,12 +13,17 @@ activations have none of the outliers that make some layers hard to quantize):
    modules that `custom` keeps in bf16.
 
 The policy is chosen once and trains from every seed. It names unrolled layers, so the
-model it trains scans only the layers before the first kept module.
+model it trains scans only the layers before the first kept module. `write_policy` saves it
+(POLICY_FILE, beside a run's results) and `from_policy` rebuilds it without the analysis,
+so that processes of other seeds (train_seeds.py) or a later device call train the very
+same policy; the analysis on another run of the same seed may, on a GPU, rank otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from typing import Any, Optional
 
 import jax
@@ -32,12 +37,13 @@ from lm.presets import TrainConfig
 from lm.recipes import SUGGESTED_RECIPE
 
 BASE_RECIPE = "nvfp4"
+POLICY_FILE = "suggested_policy.json"
 
 
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
   recipe: jq_recipes.CustomRecipe
-  report: analysis.SensitivityReport
+  report: Optional[analysis.SensitivityReport]  # None: rebuilt from a saved policy
   config: ModelConfig  # the model config it trains with (its scan layout)
   kept: tuple[str, ...]  # module paths kept in bf16, most sensitive first
 
@@ -92,8 +98,20 @@ def suggest(
     model_runs=model_runs,
   )
   k = kept_by_custom(report, unrolled)
-  suggested = analysis.suggest_recipe(report, base, keep_high_precision=k, rank_by=rank_by)
-  kept = tuple(m.name for m in analysis.ranked_modules(report, rank_by)[:k])
+  top = analysis.ranked_modules(report, rank_by)[:k]
+  suggestion = from_policy(config, {"kept": [[m.module_type, m.name] for m in top]})
+  proposed = analysis.suggest_recipe(report, base, keep_high_precision=k, rank_by=rank_by)
+  if suggestion.recipe.qfactory.kept != proposed.qfactory.kept:
+    raise AssertionError("the rebuilt policy keeps other modules than suggest_recipe's")
+  return dataclasses.replace(suggestion, report=report)
+
+
+def from_policy(config: ModelConfig, policy: dict) -> Suggestion:
+  """The recipe and scan layout that keep policy["kept"] ([module type, module path] of
+  the unrolled model, most sensitive first) in bf16, as analysis.suggest_recipe would."""
+  kept_modules = [tuple(entry) for entry in policy["kept"]]
+  kept = tuple(name for _, name in kept_modules)
+  base = recipes.recipe_for(BASE_RECIPE, dataclasses.replace(config, scanned_layers=0))
   first_kept_layer = min(
     (recipes.layer_index(name) for name in kept if recipes.layer_index(name) is not None),
     default=config.n_layers,
@@ -102,6 +120,32 @@ def suggest(
     config, scanned_layers=min(config.scanned_layers, first_kept_layer)
   )
   recipe = jq_recipes.CustomRecipe(
-    suggested.qfactory, backward=suggested.backward, name=SUGGESTED_RECIPE
+    analysis.KeepHighPrecision(base, frozenset(kept_modules)),
+    backward=base.backward,
+    name=SUGGESTED_RECIPE,
   )
-  return Suggestion(recipe, report, train_layout, kept)
+  return Suggestion(recipe, None, train_layout, kept)
+
+
+def policy_of(suggestion: Suggestion, seed: int, rank_by: str, sensitivity_steps: int) -> dict:
+  """What write_policy saves: the kept modules and how they were chosen."""
+  kept = [
+    [module.module_type, module.name]
+    for name in suggestion.kept
+    for module in suggestion.report.modules
+    if module.name == name
+  ]
+  return {"kept": kept, "seed": seed, "rank_by": rank_by, "sensitivity_steps": sensitivity_steps}
+
+
+def write_policy(path: pathlib.Path, policy: dict) -> None:
+  path.write_text(json.dumps(policy, indent=1) + "\n")
+
+
+def read_policy(path: pathlib.Path) -> dict:
+  policy = json.loads(pathlib.Path(path).read_text())
+  if not isinstance(policy.get("kept"), list) or not all(
+    isinstance(entry, list) and len(entry) == 2 for entry in policy["kept"]
+  ):
+    raise ValueError(f"{path}: not a {POLICY_FILE} ('kept': [[module type, module path], ...])")
+  return policy

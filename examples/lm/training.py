@@ -37,8 +37,26 @@ PARAMS = "params"
 DETERMINISTIC_XLA_OPTIONS = {"xla_gpu_deterministic_ops": True, "xla_gpu_autotune_level": 0}
 
 
+# xla_gpu_deterministic_ops implies xla_gpu_exclude_nondeterministic_ops (the newer, narrower
+# flag, which leaves autotuning on); JAX 0.10.2 and 0.12.0 accept both names. A name the
+# running XLA does not know fails the compilation ("No such compile option"), so
+# check_deterministic_options tries them once at startup.
+
+
 def compiler_options(deterministic: bool) -> Optional[dict]:
   return dict(DETERMINISTIC_XLA_OPTIONS) if deterministic else None
+
+
+def check_deterministic_options() -> None:
+  """Compiles a trivial function with the deterministic options: a JAX whose XLA dropped
+  one of them fails here, naming it, not after the corpus has loaded."""
+  try:
+    jax.jit(lambda x: x + 1, compiler_options=compiler_options(True))(jnp.float32(0))
+  except Exception as error:  # XLA's error type differs between JAX versions
+    raise RuntimeError(
+      f"deterministic=true: JAX {jax.__version__} does not take the compile options "
+      f"{DETERMINISTIC_XLA_OPTIONS} (lm/training.py): {error}"
+    ) from error
 
 
 @flax.struct.dataclass
