@@ -120,10 +120,11 @@ def seed_runs(results: list[RecipeResult]) -> list[RecipeResult]:
 
 
 def _losses(results: list[RecipeResult], recipe: str, statistic: str = FINAL) -> dict[int, float]:
-  """recipe's statistic by seed, of the seed runs that completed."""
-  return {
-    r.seed: r.statistic(statistic) for r in seed_runs(results) if r.recipe == recipe and r.completed
-  }
+  """recipe's statistic by seed, of the seed runs that completed (and made the evaluations
+  it needs)."""
+  runs = [r for r in seed_runs(results) if r.recipe == recipe and r.completed]
+  values = {r.seed: r.statistic(statistic) for r in runs}
+  return {seed: value for seed, value in values.items() if value is not None}
 
 
 def paired_gap(
