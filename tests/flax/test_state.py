@@ -117,10 +117,9 @@ def _per_role_update(state, grad):
   return s
 
 
-def test_update_advances_each_role_as_it_would_alone():
-  """The update runs once per group of like states; every role must still get the bits of
-  its own update: quantizers of other margins and history lengths, scanned and single
-  layers, grad_output amaxes, and amaxes that are subnormal, zero, inf or NaN."""
+def _mixed_states():
+  """(states, their gradients): quantizers of other margins and history lengths, scanned
+  and single layers, grad_output amaxes, amaxes that are subnormal, zero, inf or NaN."""
   rng = np.random.default_rng(5)
   quantizers = [
     DelayedFloat8Quantizer(),
@@ -152,6 +151,13 @@ def test_update_advances_each_role_as_it_would_alone():
         tree[key], grads[key] = state, grad
   tree["not_a_state"] = jnp.ones(2)
   grads["not_a_state"] = jnp.zeros(2)
+  return tree, grads
+
+
+def test_update_advances_each_role_as_it_would_alone():
+  """The update runs once per group of like states; every role must still get the bits of
+  its own update (`_mixed_states`)."""
+  tree, grads = _mixed_states()
   for with_grads in (True, False):
     got = jax.jit(jqf.update_quant_state)(tree, grads if with_grads else None)
     assert got["not_a_state"] is not None
@@ -165,3 +171,56 @@ def test_update_advances_each_role_as_it_would_alone():
       )
       np.testing.assert_array_equal(bits(got[key].scaling.scale), bits(want.scale), key)
       assert got[key].role == state.role and got[key].quantizer == state.quantizer
+
+
+def test_a_skipped_step_hands_every_state_back_under_jit():
+  """finite=False (traced): every role, grouped, scanned or single, comes back as the step
+  found it (slot 0's records dropped, nothing rolled, the scale kept); a traced True is
+  the plain update, bit for bit."""
+  tree, grads = _mixed_states()
+  step = jax.jit(lambda t, g, f: jqf.update_quant_state(t, g, finite=f))
+  bits = lambda a: np.asarray(a).view(np.uint32)
+  skipped = step(tree, grads, jnp.bool_(False))
+  kept = step(tree, grads, jnp.bool_(True))
+  plain = jax.jit(jqf.update_quant_state)(tree, grads)
+  for key, state in tree.items():
+    if key == "not_a_state":
+      continue
+    hist = np.array(state.scaling.amax_history)
+    hist[..., 0] = 0
+    np.testing.assert_array_equal(bits(skipped[key].scaling.amax_history), bits(hist), key)
+    np.testing.assert_array_equal(bits(skipped[key].scaling.scale), bits(state.scaling.scale))
+    for a, b in zip(jax.tree.leaves(kept[key]), jax.tree.leaves(plain[key]), strict=True):
+      np.testing.assert_array_equal(bits(a), bits(b), key)
+    assert np.all(np.isfinite(kept[key].scaling.scale)), key
+    assert np.all(np.asarray(kept[key].scaling.scale) > 0), key
+
+
+def test_recorded_amaxes_finite_reads_forward_records_and_grad_output_amaxes():
+  tree, grads = _mixed_states()
+  check = jax.jit(jqf.recorded_amaxes_finite)
+  finite = lambda states: jax.tree.map(
+    lambda s: dataclasses.replace(
+      s,
+      scaling=scaling.DelayedScalingState(
+        jnp.nan_to_num(s.scaling.amax_history, nan=1.0, posinf=2.0), s.scaling.scale
+      ),
+    ),
+    {k: v for k, v in states.items() if k != "not_a_state"},
+    is_leaf=jqf.is_role_state,
+  )
+  clean, clean_grads = finite(tree), finite(grads)
+  assert bool(check(clean, clean_grads)) and bool(check(clean, None))
+  assert not bool(check(tree, None))  # inf / NaN among the forward records
+  for role in ROLES:
+    for bad in (np.inf, np.nan):
+      g = dict(clean_grads)
+      key = f"m0_1_{role}"
+      g[key] = dataclasses.replace(
+        g[key],
+        scaling=scaling.DelayedScalingState(
+          g[key].scaling.amax_history.at[1, 0].set(bad), g[key].scaling.scale
+        ),
+      )
+      # Only grad_output's gradient carries an amax; the others' are not records.
+      assert bool(check(clean, g)) == (role != "grad_output"), (role, bad)
