@@ -272,6 +272,18 @@ _NARROW_FLOATS = {  # dtype -> (mantissa bits, min normal exponent, biased-expon
 }
 
 
+def _narrow_subnormal(mant, emin: int, mbits: int):
+  """The fp32 value mant * 2^(emin - mbits) of a narrow subnormal (mant < 2^mbits), exact
+  without `mul`'s per-element checks (a host callback and a reduction over the whole
+  array, against a constant XLA then tries to fold): where 2^(emin - mbits) is a normal
+  fp32 (fp16), a product of normal numbers; else (bf16, fp32's top half) the fp32
+  subnormal whose bits are mant shifted into place."""
+  lsb = emin - mbits
+  if lsb >= -126:
+    return mant.astype(jnp.float32) * exp2(lsb)
+  return from_bits(mant << (lsb + 149))
+
+
 def widen(x: jax.Array) -> jax.Array:
   """A float32, bfloat16 or float16 array as float32, exactly, from its bit patterns.
 
@@ -290,7 +302,7 @@ def widen(x: jax.Array) -> jax.Array:
   field = (code >> mbits) & jnp.uint32((1 << ebits) - 1)
   mant = code & jnp.uint32((1 << mbits) - 1)
   normal = ((field + jnp.uint32(emin + 127 - 1)) << 23) | (mant << (23 - mbits))
-  subnormal = bits(mul(mant.astype(jnp.float32), exp2(emin - mbits)))  # mant < 2^mbits: exact
+  subnormal = bits(_narrow_subnormal(mant, emin, mbits))
   special = _EXP | (mant << (23 - mbits))  # inf, or NaN with its payload
   magnitude = jnp.where(
     field == 0, subnormal, jnp.where(field == (1 << ebits) - 1, special, normal)
@@ -313,7 +325,7 @@ def round_to_dtype(x: jax.Array, dtype) -> jax.Array:
   mant = code & jnp.uint32((1 << mbits) - 1)
   value = jnp.where(
     field == 0,
-    mul(mant.astype(jnp.float32), exp2(emin - mbits)),
+    _narrow_subnormal(mant, emin, mbits),
     from_bits(((field - 1 + emin + 127).astype(jnp.uint32) << 23) | (mant << (23 - mbits))),
   )
   value = jnp.where(field == (1 << ebits) - 1, jnp.float32(jnp.inf), value)
