@@ -135,13 +135,17 @@ def fp8_block(x: np.ndarray, element: str, block, *, eps=0.0, pow2=True, input_d
 
 
 def delayed_update(hist: np.ndarray, scale, element: str, *, margin: int, algo: str):
-  """NUMERICS.md delayed-scaling update; hist[0] already holds this step's amax."""
+  """NUMERICS.md delayed-scaling update with docs/numerics.md's rules (the history's max
+  over its finite entries; the scale clamped into [2^-126, FLT_MAX], NaN as 1); hist[0]
+  already holds this step's amax."""
   hist = np.asarray(hist, np.float32).copy()
-  a = amax(hist) if algo == "max" else hist[0]  # hist >= 0, so max |h| = max h
+  finite = np.where(np.isfinite(hist), np.abs(hist), F32(0))
+  a = F32(np.max(finite, initial=F32(0))) if algo == "max" else hist[0]
   with errstate():
     new = (FMAX[element] / a) / F32(2.0**margin)
   if a == 0 or not np.isfinite(a):
     new = F32(scale)
+  new = F32(1) if np.isnan(new) else min(max(F32(new), F32(2.0**-126)), FLT_MAX)
   hist = np.roll(hist, -1)
   hist[0] = 0
   return hist, F32(new)
