@@ -8,6 +8,8 @@ behind each option are in NUMERICS.md and `jaxquant.reference`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Literal, Optional, Union
 
 from jaxquant.formats import Family, Format
@@ -31,11 +33,42 @@ __all__ = [
 ]
 
 Fp8Element = Literal["e4m3", "e5m2"]
+_FP8_ELEMENTS = ("e4m3", "e5m2")
+_AMAX_ALGOS = ("max", "most_recent")
+_BLOCKS = ("1x128", "128x128")
+# The margin divides the scale by 2^margin, which fp32 holds exactly only for these.
+_MARGIN_RANGE = (-149, 127)
+
+# Construction-time checks of the options: each error names `Class.field`, the value and
+# the rule, a wrong type a TypeError, a value out of range a ValueError. (The options are
+# static: a wrong one would otherwise surface inside a trace, or never.)
 
 
-def _check_fp8_element(element: str, what: str) -> None:
-  if element not in ("e4m3", "e5m2"):
-    raise ValueError(f"{what}: element must be 'e4m3' or 'e5m2', got {element!r}")
+def _check_choice(quantizer, field: str, choices: tuple[str, ...]) -> None:
+  value = getattr(quantizer, field)
+  if not isinstance(value, str) or value not in choices:
+    error = ValueError if isinstance(value, str) else TypeError
+    raise error(f"{type(quantizer).__name__}.{field} must be one of {choices}, got {value!r}")
+
+
+def _check_bool(quantizer, *fields: str) -> None:
+  for field in fields:
+    value = getattr(quantizer, field)
+    if not isinstance(value, bool):
+      raise TypeError(f"{type(quantizer).__name__}.{field} must be a bool, got {value!r}")
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_eps(quantizer) -> None:
+  value = quantizer.eps
+  rule = f"{type(quantizer).__name__}.eps must be a finite real number >= 0, got {value!r}"
+  if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    raise TypeError(rule)
+  if not (math.isfinite(value) and value >= 0):
+    raise ValueError(rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +80,9 @@ class Float8Quantizer:
   pow2_scales: bool = False
 
   def __post_init__(self):
-    _check_fp8_element(self.element, type(self).__name__)
-    if not self.eps >= 0:
-      raise ValueError(f"Float8Quantizer: eps must be >= 0, got {self.eps}")
+    _check_choice(self, "element", _FP8_ELEMENTS)
+    _check_eps(self)
+    _check_bool(self, "pow2_scales")
 
   def format(self, usage: Usage) -> Format:
     return Format(Family.FP8_TENSOR, self.element)
@@ -65,18 +98,19 @@ class DelayedFloat8Quantizer:
   amax_algo: Literal["max", "most_recent"] = "max"
 
   def __post_init__(self):
-    _check_fp8_element(self.element, type(self).__name__)
-    if self.history_len < 1:
-      raise ValueError(f"DelayedFloat8Quantizer: history_len must be >= 1, got {self.history_len}")
-    if self.amax_algo not in ("max", "most_recent"):
-      raise ValueError(
-        f"DelayedFloat8Quantizer: amax_algo must be 'max' or 'most_recent', got {self.amax_algo!r}"
+    _check_choice(self, "element", _FP8_ELEMENTS)
+    if not _is_int(self.history_len) or self.history_len < 1:
+      error = ValueError if _is_int(self.history_len) else TypeError
+      raise error(
+        f"DelayedFloat8Quantizer.history_len must be a positive int, got {self.history_len!r}"
       )
-    # The scale is divided by 2^margin, which fp32 holds exactly only for these.
-    if not isinstance(self.margin, int) or not -149 <= self.margin <= 127:
-      raise ValueError(
-        f"DelayedFloat8Quantizer: margin must be an int in [-149, 127], got {self.margin!r}"
+    lo, hi = _MARGIN_RANGE
+    if not _is_int(self.margin) or not lo <= self.margin <= hi:
+      error = ValueError if _is_int(self.margin) else TypeError
+      raise error(
+        f"DelayedFloat8Quantizer.margin must be an int in [{lo}, {hi}], got {self.margin!r}"
       )
+    _check_choice(self, "amax_algo", _AMAX_ALGOS)
 
   def format(self, usage: Usage) -> Format:
     return Format(Family.FP8_TENSOR, self.element)
@@ -96,11 +130,10 @@ class BlockFloat8Quantizer:
   eps: float = 0.0
 
   def __post_init__(self):
-    _check_fp8_element(self.element, type(self).__name__)
-    if self.block not in ("1x128", "128x128"):
-      raise ValueError(
-        f"BlockFloat8Quantizer: block must be '1x128' or '128x128', got {self.block!r}"
-      )
+    _check_choice(self, "element", _FP8_ELEMENTS)
+    _check_choice(self, "block", _BLOCKS)
+    _check_bool(self, "pow2_scales")
+    _check_eps(self)
 
   def format(self, usage: Usage) -> Format:
     shape = (1, 128) if self.block == "1x128" else (128, 128)
@@ -116,7 +149,7 @@ class MXFP8Quantizer:
   element: Fp8Element = "e4m3"
 
   def __post_init__(self):
-    _check_fp8_element(self.element, type(self).__name__)
+    _check_choice(self, "element", _FP8_ELEMENTS)
 
   def format(self, usage: Usage) -> Format:
     return Format(Family.MXFP8, self.element, (1, 32))
@@ -140,6 +173,7 @@ class NVFP4Quantizer:
   per_token: bool = False
 
   def __post_init__(self):
+    _check_bool(self, "tile_2d", "rht", "stochastic_rounding", "per_token")
     if self.tile_2d and self.per_token:
       raise ValueError("NVFP4Quantizer: per_token row scales need 1-D blocks, not tile_2d")
     if self.tile_2d and self.rht:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Union
 
 from jaxquant.quantizers import (
   QUANTIZER_TYPES,
@@ -63,20 +63,21 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 
 
 def check_fast_accumulation(gemms, what: str) -> frozenset:
-  """The GEMM names of a `fast_accumulation` argument as a frozenset, or a ValueError
-  naming the unknown ones."""
+  """The GEMM names of a `fast_accumulation` argument as a frozenset; a TypeError for
+  anything but a collection of names, a ValueError naming the unknown ones."""
+  rule = f"{what}: fast_accumulation takes a collection of GEMM names among {GEMMS}"
   if isinstance(gemms, str):
-    raise TypeError(
-      f"{what}: fast_accumulation takes a collection of GEMM names among "
-      f"{GEMMS}, got the string {gemms!r}; write ({gemms!r},)"
-    )
-  gemms = frozenset(gemms)
-  unknown = sorted(gemms - set(GEMMS))
+    raise TypeError(f"{rule}, got the string {gemms!r}; write ({gemms!r},)")
+  try:
+    names = frozenset(gemms)
+  except TypeError:  # not iterable, or unhashable members
+    raise TypeError(f"{rule}, got {gemms!r}") from None
+  unknown = sorted(names - set(GEMMS), key=repr)
   if unknown:
     raise ValueError(
       f"{what}: fast_accumulation names unknown GEMMs {unknown}; the GEMMs are {GEMMS}"
     )
-  return gemms
+  return names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +98,11 @@ class CustomRecipe:
   def __post_init__(self):
     if not callable(self.qfactory):
       raise TypeError(f"CustomRecipe needs a callable qfactory, got {self.qfactory!r}")
-    if self.backward not in BACKWARD_MODES:
-      raise ValueError(
-        f"CustomRecipe.backward must be one of {BACKWARD_MODES}, got {self.backward!r}"
-      )
+    if not isinstance(self.backward, str) or self.backward not in BACKWARD_MODES:
+      error = ValueError if isinstance(self.backward, str) else TypeError
+      raise error(f"CustomRecipe.backward must be one of {BACKWARD_MODES}, got {self.backward!r}")
+    if not isinstance(self.name, str):
+      raise TypeError(f"CustomRecipe.name must be a str, got {self.name!r}")
     object.__setattr__(
       self, "fast_accumulation", check_fast_accumulation(self.fast_accumulation, "CustomRecipe")
     )
@@ -198,9 +200,23 @@ _AUTOCAST: contextvars.ContextVar[Optional[CustomRecipe]] = contextvars.ContextV
 )
 
 
+def _as_recipe(recipe: Union[CustomRecipe, str]) -> CustomRecipe:
+  """A recipe, or a preset's name (`get`) as its recipe."""
+  if isinstance(recipe, CustomRecipe):
+    return recipe
+  if isinstance(recipe, str):
+    return get(recipe)
+  raise TypeError(
+    f"recipe must be a CustomRecipe or a preset name (one of {sorted(PRESETS)}), "
+    f"got {recipe!r} ({type(recipe).__name__})"
+  )
+
+
 @contextlib.contextmanager
-def autocast(recipe: CustomRecipe):
-  """Within this block, modules and ops without an explicit recipe use `recipe`."""
+def autocast(recipe: Optional[Union[CustomRecipe, str]]):
+  """Within this block, modules and ops without an explicit recipe use `recipe` (a recipe or
+  a preset name; None: no default, as outside every autocast)."""
+  recipe = None if recipe is None else _as_recipe(recipe)
   token = _AUTOCAST.set(recipe)
   try:
     yield recipe
@@ -208,9 +224,10 @@ def autocast(recipe: CustomRecipe):
     _AUTOCAST.reset(token)
 
 
-def resolve(*candidates: Optional[CustomRecipe]) -> CustomRecipe:
-  """The most specific recipe: the first non-None candidate, then autocast's, then bf16."""
+def resolve(*candidates: Optional[Union[CustomRecipe, str]]) -> CustomRecipe:
+  """The most specific recipe: the first non-None candidate (a recipe, or a preset name),
+  then autocast's, then bf16. Anything else is a TypeError naming it."""
   for r in candidates:
     if r is not None:
-      return r
+      return _as_recipe(r)
   return _AUTOCAST.get() or bf16

@@ -26,7 +26,6 @@ from jaxquant.quantizers import (
     (lambda: DelayedFloat8Quantizer(history_len=0), "history_len.*0"),
     (lambda: DelayedFloat8Quantizer(amax_algo="mean"), "'mean'"),
     (lambda: DelayedFloat8Quantizer(margin=128), "margin.*\\[-149, 127\\].*128"),
-    (lambda: DelayedFloat8Quantizer(margin=0.5), "margin.*0.5"),
     (lambda: BlockFloat8Quantizer(block="1x64"), "'1x64'"),
     (lambda: MXFP8Quantizer("e2m1"), "'e2m1'"),
     (lambda: NVFP4Quantizer(tile_2d=True, per_token=True), "per_token"),
@@ -37,6 +36,12 @@ from jaxquant.quantizers import (
 def test_invalid_options_raise_value_error(make, match):
   with pytest.raises(ValueError, match=match):
     make()
+
+
+def test_options_of_the_wrong_type_raise_type_error():
+  # More rows, for every option, in tests/test_bad_inputs.py.
+  with pytest.raises(TypeError, match="margin.*0.5"):
+    DelayedFloat8Quantizer(margin=0.5)
 
 
 def test_hybrid_sides_must_be_base_quantizers():
