@@ -10,7 +10,7 @@ gradients are exactly jnp's.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ def dense(
   kernel: jax.Array,
   bias: Optional[jax.Array] = None,
   *,
-  recipe: Optional[recipes.CustomRecipe] = None,
+  recipe: Optional[Union[recipes.CustomRecipe, str]] = None,
   quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
   name: str = "",
   module_type: str = LINEAR,
@@ -77,9 +77,11 @@ def dense(
   Args:
     x: [..., K] activations, bfloat16 / float16 / float32. The output has x's dtype.
     kernel: [K, N] weights (Flax layout). Its gradient comes back in its own dtype.
+      Any of M, K, N may be 0: empty outputs and gradients, or (K = 0) empty sums, zeros.
     bias: optional [N], added in fp32 after the GEMM's output scales.
-    recipe: maps each role (module_type, tensor_type, name) to a quantizer; default the
-      autocast recipe, else bf16. Mutually exclusive with `quantizers`.
+    recipe: maps each role (module_type, tensor_type, name) to a quantizer, or a preset's
+      name (`recipes.resolve`); default the autocast recipe, else bf16. Mutually exclusive
+      with `quantizers`.
     quantizers: {tensor_type: quantizer or None} for "input", "weight", "grad_output";
       a missing entry is None (high precision).
     name: the module path, passed to the recipe's roles and used in error messages.

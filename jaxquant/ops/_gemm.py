@@ -11,10 +11,12 @@ runs on (None: every one), the kernel it runs (a JAXQUANT_DISABLE_KERNELS name,
 ops/_backend.py) with what that kernel needs of the problem, and the operand form it
 consumes. `select` takes the first route that takes the problem and whose kernel runs; a
 kernel is one more route, never a branch in an op, and a layer that asks how its operands
-should come (`operand_form`) gets its answer from the same choice. The reference emulation
-(dequantize with block scales, fp32 `dot_general`, outer scales in the epilogue) serves
-every pair of codes or matrices, mixed ones included, on every platform; under the
-reference backend it is the only route for them.
+should come (`operand_form`) gets its answer from the same choice. The first route takes
+the empty problems (no rows on a side, or k = 0): their result is zeros, and no kernel
+ever sees an empty operand. The reference emulation (dequantize with block scales, fp32
+`dot_general`, outer scales in the epilogue) serves every pair of codes or matrices, mixed
+ones included, on every platform; under the reference backend it is the only route for
+them.
 
 Every route takes `fast_accumulation`: leave to the kernel the promotion of FP8
 tensor-core sums along k (recipes.CustomRecipe.fast_accumulation). Only the per-tensor FP8
@@ -336,6 +338,19 @@ def _scaled_values_gemm(
   return _outer_scaled_bf16_gemm(va, vb, oa, ob, out_dtype, backend.runs("scaled_bf16_gemm"))
 
 
+def _empty_gemm(
+  a: Operand, b: Operand, *, out_dtype=jnp.float32, fast_accumulation=False, backend=None
+) -> jax.Array:
+  """No rows on a side, or an empty sum: C is [m, n] zeros (the sums over k = 0 are 0, as
+  jnp.dot's), with no kernel launched on an empty operand."""
+  (side_a, _), (side_b, _) = _side_and_k(a), _side_and_k(b)
+  return jnp.zeros((side_a.rows, side_b.rows), out_dtype)
+
+
+def _is_empty(p: Problem) -> bool:
+  return 0 in (p.a.rows, p.b.rows, p.k)
+
+
 def _takes_all(p: Problem) -> bool:
   return True
 
@@ -362,6 +377,14 @@ _VALUES = (SCALED_VALUES, HIGH_PRECISION)
 
 # The first route that takes a problem wins.
 _ROUTES = (
+  # Before every kernel: none is launched on an empty operand.
+  Route(
+    "empty",
+    _empty_gemm,
+    a=(*_CODES_OR_MATRIX, SCALED_VALUES),
+    b=(*_CODES_OR_MATRIX, SCALED_VALUES),
+    takes=_is_empty,
+  ),
   Route(
     "fp8_tensor_gemm",
     _fp8_tensor_kernel,

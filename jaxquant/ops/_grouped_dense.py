@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping, Optional
+import numbers
+from typing import Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -340,6 +341,10 @@ def _check_args(x, kernel, group_sizes, bias, what):
       )
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_weight_dims(quantizers, backward, k, n, what):
   """Each expert's w [N, K] must tile into its blocks like a dense weight."""
   for usage in usages_to_quantize("weight", backward):
@@ -359,7 +364,7 @@ def grouped_dense(
   group_sizes: jax.Array,
   bias: Optional[jax.Array] = None,
   *,
-  recipe: Optional[recipes.CustomRecipe] = None,
+  recipe: Optional[Union[recipes.CustomRecipe, str]] = None,
   quantizers: Optional[Mapping[str, Optional[Quantizer]]] = None,
   name: str = "",
   backward: Optional[str] = None,
@@ -374,9 +379,11 @@ def grouped_dense(
       after those of groups < g. Rows at or past `sum(group_sizes)` give zero outputs
       and zero gradients. The output has x's dtype.
     kernel: [G, K, N], one Flax-layout [K, N] weight per group; its gradient is [G, K, N].
+      Any of G, M, K, N may be 0 (G = 0: no row is in a group, so every output is zero).
     group_sizes: [G] integer device array (may be traced; never read on the host under
-      jit). Empty groups are allowed. Values known at trace time are checked (>= 0, sum
-      <= M); traced values are clipped so that no group reaches past row M.
+      jit), or host values (a list, a numpy array). Empty groups are allowed. Values
+      known at trace time are checked (>= 0, sum <= M); traced values are clipped so that
+      no group reaches past row M.
     bias: optional [G, N], one bias per group, added in fp32 after the output scales.
     recipe / quantizers / backward / key / name: as `ops.dense`; roles have
       module_type "grouped_linear".
@@ -389,7 +396,12 @@ def grouped_dense(
     recorded; grad_output's per-group amax arrives as the gradient of `state`).
   """
   what = f"grouped_dense {name!r}"
+  if isinstance(group_sizes, (list, tuple)):  # host values, as an array would hold them
+    group_sizes = np.asarray(group_sizes) if len(group_sizes) else np.zeros((0,), np.int32)
   _check_args(x, kernel, group_sizes, bias, what)
+  if not _is_int(tile) or tile < 0:
+    error = ValueError if _is_int(tile) else TypeError
+    raise error(f"{what}: tile must be an int >= 0 (0: automatic), got {tile!r}")
   # Grouped GEMMs (CUTLASS) have no fast-accumulation mode: the recipe's choice is moot here.
   quantizers, default_backward, _ = resolve_quantizers(
     recipe, quantizers, GROUPED_LINEAR, name, what
@@ -418,6 +430,11 @@ def grouped_dense(
         f"got scale shape {role_state.scale.shape}; use init_grouped_state"
       )
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
+  if num_groups == 0:
+    # Every row belongs to no group: zero outputs, and zero gradients for x (the kernel,
+    # bias and state hold no group, so there is nothing else to compute or record).
+    y = jnp.zeros((x.shape[0], n), x.dtype)
+    return y if state is None else (y, dict(state))
   cfg = GroupedDenseConfig(
     tuple(quantizers.items()),
     backward,

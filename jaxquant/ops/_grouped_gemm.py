@@ -6,9 +6,10 @@ codes, bfloat16 for values exact in bf16 (MXFP8, NVFP4, block FP8 with power-of-
 scales, bf16 inputs), None otherwise. Where the kernel runs (the backend choice,
 ops/_backend.py), a pair that the CUTLASS grouped kernel runs exactly goes there:
 FP8 x FP8 on FP8 tensor cores, anything exact in bf16 on bf16 ones; every other pair,
-and every other platform, runs `reference._ragged.ragged_matmul`. Both form the same products;
-the bf16 kernel sums them in fp32 in another order, the FP8 one with Hopper's FP8
-accumulation (about 1e-4 relative, docs/numerics.md).
+and every other platform, runs `reference._ragged.ragged_matmul`. Both form the same
+products; the bf16 kernel sums them in fp32 in another order, the FP8 one with Hopper's
+FP8 accumulation (about 1e-4 relative, docs/numerics.md). An empty problem (no rows, no
+groups, K or N = 0) is zeros, with no kernel launched on it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def grouped_matmul(
   implementation: Optional[str] = None,
 ) -> jax.Array:
   """fp32 [rows, N] from a [rows, K] and b [G, N, K] (rows of no group are zero)."""
+  if 0 in (*a.shape, *b.shape):  # no output, no group, or empty sums: zeros, no kernel
+    return jnp.zeros((a.shape[0], b.shape[1]), jnp.float32)
   runs = read_backend(implementation).runs("grouped_gemm")
   pair = kernel_dtypes(a_exact, b_exact, a.shape[1], b.shape[1])
   if not runs or pair is None:

@@ -152,8 +152,11 @@ def quantize_operand(
   operands = {u: stored(matrix, u) for u in usages if u not in quantized}
   if not quantized:
     return operands, state
+  # An empty matrix has nothing to cast: the reference gives its empty data and an
+  # all-zero tensor's scales, and no cast kernel is launched on it.
+  backend = read_backend("reference" if 0 in matrix.shape else None)
   out = _quantize_once_per_shape(
-    read_backend(),
+    backend,
     matrix,
     quantizer,
     quantized,

@@ -166,6 +166,8 @@ def resolve(
     raise TypeError(f"{what}: weight_gather must be a WeightGather or None, got {gather!r}")
   if all(for_usage(quantizer, u) is None for u in usages):
     return None  # a high-precision weight: XLA gathers it as it would without the option
+  if 0 in kernel_shape:
+    return None  # an empty weight: no shard to cast, nothing to gather
   reason = unshardable_reason(gather, quantizer, usages, kernel_shape)
   if reason is None:
     return gather

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import jax
@@ -84,13 +85,15 @@ def quantize(
   if any(needs_key(for_usage(quantizer, u)) for u in usages) and key is None:
     raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
   shape, dtype = tuple(x.shape), jnp.dtype(x.dtype)
-  x2d = fp32.widen(x.reshape(-1, shape[-1]))
+  # [M, K] with M spelled out: an empty K leaves -1 undetermined.
+  x_matrix = x.reshape(math.prod(shape[:-1]), shape[-1])
+  x2d = fp32.widen(x_matrix)
   slots, new_state = {}, state
   for usage in usages:
     q = for_usage(quantizer, usage)
     stored = _stored_matrix(x2d, usage)
     if q is None:
-      slots["hp_" + usage] = _stored_matrix(x.reshape(-1, shape[-1]), usage)
+      slots["hp_" + usage] = _stored_matrix(x_matrix, usage)
       continue
     fmt = q.format(usage)
     fmt.check_dims(

@@ -151,6 +151,8 @@ def group_layout(group_sizes: jax.Array, rows: int) -> GroupLayout:
 
 def padded_rows(rows: int, num_groups: int, block: int) -> int:
   """Static bound on the rows of a layout whose groups are padded to multiples of `block`."""
+  if rows == 0:  # every group is empty: nothing to pad
+    return 0
   total = rows + num_groups * (block - 1)
   return -(-total // block) * block
 
