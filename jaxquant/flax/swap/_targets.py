@@ -14,6 +14,7 @@ Stock layers are matched by exact class: a subclass may compute something else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -39,9 +40,16 @@ class ContractionTarget:
   operator: Optional[str] = None
 
 
+@functools.cache
 def contraction_targets() -> tuple[ContractionTarget, ...]:
-  # The array type is looked up when routing opens, not at import (it builds an array).
-  array_type = type(jnp.zeros(()))
+  """The same targets for every thread and trace. `@` is taken over on `jax.core.Tracer`
+  (every tracer class inherits its operators) and on the concrete array class, which
+  owns operators of its own."""
+  # The concrete class is found by building an array, so on first use rather than at
+  # import (which would start JAX's backend), and at compile time: inside a trace
+  # `jnp.zeros` gives a tracer.
+  with jax.ensure_compile_time_eval():
+    array_class = type(jnp.zeros(()))
   return (
     ContractionTarget(jax.lax, "dot_general", "dot_general"),
     ContractionTarget(jnp, "einsum", "einsum"),
@@ -49,7 +57,7 @@ def contraction_targets() -> tuple[ContractionTarget, ...]:
     ContractionTarget(jnp, "matmul", "matmul"),
     *(
       ContractionTarget(cls, attribute, "matmul", operator)
-      for cls in (jax.core.Tracer, array_type)
+      for cls in (jax.core.Tracer, array_class)
       for attribute, operator in (("__matmul__", "left"), ("__rmatmul__", "right"))
     ),
   )
