@@ -7,7 +7,9 @@ metadata in NNX), so `weight_roles` lists it like any dense kernel. The call is
 
 The recipe resolves like the dense layers': the module's own, then the model's
 (`quantize_model` passes it: `linen_call(..., model_recipe=)` from its interceptor,
-`NnxGroupedDense.bind_role` in NNX), then autocast's.
+`NnxGroupedDense.bind_role` in NNX), then autocast's. Under the swap-in each call is a
+row of its report, and with `on_unfit="high_precision"` a kernel whose K or N the
+quantizers do not tile runs in high precision, as the dense layers do.
 
 Seam: these modules take recipes without delayed scaling (per-group `RoleState`s in the
 "quant_state" collection are the next step; `ops.grouped_dense` already takes
@@ -21,14 +23,17 @@ from typing import Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxquant import recipes
+from jaxquant.flax import _contraction as contraction
 from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import annotate_linen_weight, nnx_weight_metadata
 from jaxquant.flax._rng import draws_key, linen_key, nnx_key
 from jaxquant.ops import grouped_dense
+from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import GROUPED_LINEAR, QuantizerRole
 
@@ -46,6 +51,32 @@ def _quantizers(recipe, model_recipe, name, what):
       "state=init_grouped_state(...) or use a current-scaling recipe"
     )
   return recipe, quantizers
+
+
+def _grouped_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, path, call, key):
+  """`ops.grouped_dense` per the quantizers, recorded in the swap-in's session if any.
+
+  Under a session with `on_unfit="high_precision"`, a kernel whose K or N the quantizers'
+  blocks do not tile runs in high precision (each group's M is padded to the blocks);
+  `key()` draws the stochastic-rounding key only for a GEMM that quantizes."""
+  session = sessions.current()
+  record = lambda status: (
+    session
+    and session.record(
+      sessions.Row(path, call, (np.shape(x), np.shape(kernel)), name, quantizers, status)
+    )
+  )
+  if is_high_precision(quantizers):
+    record(sessions.RECIPE_NONE)
+    return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name)
+  if session is not None and session.on_unfit == "high_precision":
+    _, k, n = np.shape(kernel)
+    reason = contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
+    if reason:
+      record(sessions.unfit_status(reason))
+      return grouped_dense(x, kernel, group_sizes, bias, recipe=recipes.bf16, name=name)
+  record(sessions.QUANTIZED)
+  return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name, key=key())
 
 
 class GroupedDense(nn.Module):
@@ -68,8 +99,9 @@ def linen_call(
   module: GroupedDense, x, group_sizes, *, model_recipe: Optional[recipes.CustomRecipe] = None
 ):
   """GroupedDense's computation, under the model's recipe unless the module has its own."""
-  name = "/".join(module.path)
-  what = f"GroupedDense {name!r}"
+  path = "/".join(module.path)
+  name = path or "kernel"  # the root layer's roles by its weight's name
+  what = f"GroupedDense {path!r}"
   recipe, quantizers = _quantizers(module.recipe, model_recipe, name, what)
   session = sessions.current()
   if session is not None and session.weight_gather is not None and quantizers["weight"] is not None:
@@ -92,8 +124,18 @@ def linen_call(
     if module.use_bias
     else None
   )
-  key = linen_key(module, quantizers, what)
-  return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name, key=key)
+  return _grouped_gemm(
+    x,
+    kernel,
+    group_sizes,
+    bias,
+    recipe=recipe,
+    quantizers=quantizers,
+    name=name,
+    path=path,
+    call=type(module).__name__,
+    key=lambda: linen_key(module, quantizers, what),
+  )
 
 
 class NnxGroupedDense(nnx.Module):
@@ -117,7 +159,9 @@ class NnxGroupedDense(nnx.Module):
       kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype)
     )
     self.bias = nnx.Param(jnp.zeros((num_groups, out_features), param_dtype)) if use_bias else None
-    self.recipe, self.model_recipe, self.name = recipe, None, name
+    # A preset's name becomes its recipe; what is no recipe is refused at construction.
+    self.recipe = None if recipe is None else recipes.resolve(recipe)
+    self.model_recipe, self.name = None, name
     quantizers = self._resolve()[1]
     # The module's own stochastic-rounding recipe draws from `rngs`; a model recipe's
     # from the rngs given to `quantize_model`.
@@ -148,8 +192,16 @@ class NnxGroupedDense(nnx.Module):
 
   def _call(self, x, group_sizes):
     recipe, quantizers = self._resolve()
-    key = self._key(quantizers)
     bias = None if self.bias is None else self.bias[...]
-    return grouped_dense(
-      x, self.kernel[...], group_sizes, bias, recipe=recipe, name=self.name, key=key
+    return _grouped_gemm(
+      x,
+      self.kernel[...],
+      group_sizes,
+      bias,
+      recipe=recipe,
+      quantizers=quantizers,
+      name=self.name,
+      path=self.name,
+      call=type(self).__name__,
+      key=lambda: self._key(quantizers),
     )

@@ -2,15 +2,19 @@
 
 Each subclasses Flax's layer of the same name, so constructor arguments, param names,
 shapes and initializers are Flax's, and params load both ways. One more attribute,
-`recipe`, is the module's own recipe; the most specific one wins (`recipes.resolve`):
-the module's, then the model's (`jaxquant.flax.quantize_model`), then `autocast`'s.
+`recipe`, is the module's own recipe (a `CustomRecipe` or a preset's name); the most
+specific one wins (`recipes.resolve`): the module's, then the model's
+(`jaxquant.flax.quantize_model`), then `autocast`'s.
 
-A module's roles are named by its module path ('decoder/layer_0/mlp/wi'). When the
-recipe quantizes nothing for it, the layer runs Flax's own code (bit-identical);
-otherwise its contraction becomes one GEMM through `jaxquant.ops.dense`. Delayed-scaling
-state lives in the "quant_state" collection (`jaxquant.flax.update_quant_state`);
-stochastic rounding draws its key from the "quant" RNG stream (`apply(..., rngs={"quant":
-key})`).
+A module's roles are named by its module path ('decoder/layer_0/mlp/wi'; a root layer's
+by its weight's name, 'kernel'). When the recipe quantizes nothing for it, the layer runs
+Flax's own code (bit-identical); otherwise its contraction becomes one GEMM through
+`jaxquant.ops.dense`. Delayed-scaling state lives in the "quant_state" collection
+(`jaxquant.flax.update_quant_state`): a call that cannot write it back (the collection
+not mutable) warns, once per call site, unless it runs inside `frozen_quant_state()`
+(forward-only evaluation); a state that is not a `RoleState` (a checkpoint restored
+without a target) is refused, naming its path. Stochastic rounding draws its key from
+the "quant" RNG stream (`apply(..., rngs={"quant": key})`).
 
 `gemm_call` is the implementation shared with the swap-in (`jaxquant.flax.swap`), which
 runs it on Flax's own nn.Dense / nn.DenseGeneral / nn.Einsum instances, and `native_call`
@@ -19,10 +23,15 @@ on these layers under the model's recipe.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import sys
+import warnings
 from typing import Callable, Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import opt_einsum
@@ -33,12 +42,12 @@ from jaxquant.flax import _contraction as contraction
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import annotate_linen_weight
 from jaxquant.flax._rng import linen_key
-from jaxquant.flax._state import QUANT_STATE, init_role_states
+from jaxquant.flax._state import QUANT_STATE, init_role_states, is_role_state
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR, gemm_roles
 
-__all__ = ["Dense", "DenseGeneral", "Einsum"]
+__all__ = ["Dense", "DenseGeneral", "Einsum", "frozen_quant_state"]
 
 
 def module_path(module: nn.Module) -> str:
@@ -82,13 +91,26 @@ def _init_flat_then_reshape(init, n_rows: int):
   return wrapped
 
 
-# ---- The three layers' contractions, each as (params, plan) for a quantized GEMM. ----
+# ---- The three layers' contractions, each as its kernel's shape, its plan and a function
+# creating its params; the shape and plan come first, so that a GEMM its quantizers do not
+# fit can still be handed to Flax's own code, which then creates the params itself. ----
+
+
+@dataclasses.dataclass(frozen=True)
+class _Contraction:
+  kernel_shape: tuple[int, ...]
+  plan: contraction.GemmPlan
+  params: Callable[[], tuple]  # () -> (kernel, bias or None, add_bias(y, bias))
 
 
 def _dense(module, x):
-  kernel, bias = _dense_params(module, x)
   plan = contraction.plan_dense_general(x.ndim, (x.ndim - 1,), 1)
-  return kernel, bias, plan, lambda y, b: y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
+
+  def params():
+    kernel, bias = _dense_params(module, x)
+    return kernel, bias, lambda y, b: y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
+
+  return _Contraction((x.shape[-1], module.features), plan, params)
 
 
 def _dense_general(module, x):
@@ -101,19 +123,26 @@ def _dense_general(module, x):
       "(high precision) in the recipe"
     )
   kernel_shape = tuple(x.shape[a] for a in axis) + features
-  kernel = module.param(
-    "kernel",
-    _init_flat_then_reshape(module.kernel_init, len(axis)),
-    kernel_shape,
-    module.param_dtype,
+
+  def params():
+    kernel = module.param(
+      "kernel",
+      _init_flat_then_reshape(module.kernel_init, len(axis)),
+      kernel_shape,
+      module.param_dtype,
+    )
+    bias = (
+      module.param(
+        "bias", _init_flat_then_reshape(module.bias_init, 0), features, module.param_dtype
+      )
+      if module.use_bias
+      else None
+    )
+    return kernel, bias, lambda y, b: y + b
+
+  return _Contraction(
+    kernel_shape, contraction.plan_dense_general(x.ndim, axis, len(features)), params
   )
-  bias = (
-    module.param("bias", _init_flat_then_reshape(module.bias_init, 0), features, module.param_dtype)
-    if module.use_bias
-    else None
-  )
-  plan = contraction.plan_dense_general(x.ndim, axis, len(features))
-  return kernel, bias, plan, lambda y, b: y + b
 
 
 def _einsum(module, x, einsum_str=None):
@@ -123,15 +152,23 @@ def _einsum(module, x, einsum_str=None):
       f"{_describe(module)}: einsum_str must be explicit ('->') with exactly two "
       f"operands, got {einsum_str!r}"
     )
-  kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
-  operands, out, _ = opt_einsum.parser.parse_einsum_input((einsum_str, x, kernel))
+  kernel_shape = tuple(module.shape)
+  operands, out, _ = opt_einsum.parser.parse_einsum_input(
+    (einsum_str, x, jax.ShapeDtypeStruct(kernel_shape, module.param_dtype))
+  )
   lhs, rhs = operands.split(",")
-  bias = None
-  if module.use_bias:
+
+  def params():
+    kernel = module.param("kernel", module.kernel_init, kernel_shape, module.param_dtype)
+    if not module.use_bias:
+      return kernel, None, None
     bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, x, kernel)
     bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
-  plan = contraction.plan_einsum(lhs, rhs, out, _describe(module))
-  return kernel, bias, plan, lambda y, b: y + jnp.reshape(b, broadcast_shape)
+    return kernel, bias, lambda y, b: y + jnp.reshape(b, broadcast_shape)
+
+  return _Contraction(
+    kernel_shape, contraction.plan_einsum(lhs, rhs, out, _describe(module)), params
+  )
 
 
 _CONTRACTIONS = {nn.Dense: _dense, nn.DenseGeneral: _dense_general, nn.Einsum: _einsum}
@@ -144,20 +181,97 @@ def _flax_class(module) -> type:
   raise TypeError(f"{type(module).__name__} is not a Flax Dense, DenseGeneral or Einsum")
 
 
+# ---- Delayed-scaling state: checked when read, written back only where it can be. ----
+
+_FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "jaxquant_frozen_quant_state", default=False
+)
+# Frames of these packages lie between the user's code and a GEMM's state write.
+_LIBRARIES = frozenset({"jaxquant", "flax", "jax", "jaxlib", "contextlib"})
+_STATE_DROPPED = (
+  "jaxquant: a delayed-scaling GEMM ran with the "
+  f"{QUANT_STATE!r} collection immutable: this call's amaxes are dropped and its scales "
+  "will not advance. To train, apply the model with "
+  f"mutable=[{QUANT_STATE!r}] and pass the returned state to "
+  "jaxquant.flax.update_quant_state each step; to evaluate forward-only with the stored "
+  "scales, run it inside jaxquant.flax.linen.frozen_quant_state()"
+)
+
+
+@contextlib.contextmanager
+def frozen_quant_state():
+  """Forward-only evaluation of delayed-scaling Linen modules (jaxquant's layers and the
+  swap-in's): within this context (this thread / task), their GEMMs quantize with the
+  stored scales and write nothing back, even where the "quant_state" collection is
+  mutable, and without the warning that a call with the collection immutable gives
+  elsewhere (its amaxes would be silently lost to training)."""
+  token = _FROZEN.set(True)
+  try:
+    yield
+  finally:
+    _FROZEN.reset(token)
+
+
+def _caller_stacklevel() -> int:
+  """The stacklevel, for a warning raised by this function's caller, of the first frame
+  outside jaxquant, Flax and JAX: the model code that called the layer, so that the
+  warning is shown once per call site."""
+  level, frame = 1, sys._getframe(1)
+  while frame.f_back is not None and (
+    frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES
+  ):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def checked_states(variables: dict, stateful: dict, what: str) -> dict:
+  """{tensor_type: DelayedScalingState} of a GEMM's quant_state `variables` ({tensor_type:
+  Linen variable}), after checking each holds a `RoleState` made for `stateful[type]`."""
+  for t, v in variables.items():
+    where = "/".join((QUANT_STATE, *v.scope.path, v.name))
+    if not is_role_state(v.value):
+      raise TypeError(
+        f"{what}: {where} holds a {type(v.value).__name__}, not a jaxquant.flax.RoleState; "
+        "a checkpoint restored without a target gives plain dicts. Restore it with the "
+        "model's state as the target (the variables of model.init, or the state that "
+        "was saved): orbax's checkpointer.restore(path, args=ocp.args.StandardRestore("
+        "target)), or restore(path, item=target)"
+      )
+    if v.value.quantizer != stateful[t]:
+      raise ValueError(
+        f"{what}: {where} was made for {v.value.quantizer!r} but the recipe now gives "
+        f"{stateful[t]!r}; re-initialise the {QUANT_STATE} collection"
+      )
+  return {t: v.value.scaling for t, v in variables.items()}
+
+
+def write_states(module: nn.Module, variables: dict, new_state: dict) -> None:
+  """Stores a GEMM's new delayed-scaling state in its quant_state `variables`; not at init
+  nor under `frozen_quant_state`. With the collection immutable (a plain `apply`), the
+  state is dropped and a warning says so, once per call site."""
+  if module.is_initializing() or _FROZEN.get():
+    return
+  if not module.is_mutable_collection(QUANT_STATE):
+    warnings.warn(_STATE_DROPPED, UserWarning, stacklevel=_caller_stacklevel())
+    return
+  for t, v in variables.items():
+    v.value = dataclasses.replace(v.value, scaling=new_state[t])
+
+
 def _state_variables(module, roles, quantizers):
   """The module's quant_state variables, created for exactly the delayed-scaling roles."""
   stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
   if not stateful:
-    return {}
+    return {}, None
   fresh = lambda t: init_role_states(roles, quantizers)[t]
   variables = {t: module.variable(QUANT_STATE, t, fresh, t) for t in stateful}
-  for t, v in variables.items():
-    if v.value.quantizer != stateful[t]:
-      raise ValueError(
-        f"{_describe(module)}: its {QUANT_STATE} for {t!r} was made for {v.value.quantizer!r} "
-        f"but the recipe now gives {stateful[t]!r}; re-initialise the {QUANT_STATE} collection"
-      )
-  return variables
+  return variables, checked_states(variables, stateful, _describe(module))
+
+
+def role_name(module: nn.Module) -> str:
+  """The name of a layer's roles: its module path; the root layer's, its weight's name
+  ("kernel"), so that a policy can tell it apart."""
+  return module_path(module) or "kernel"
 
 
 def gemm_call(
@@ -182,14 +296,16 @@ def gemm_call(
   report, and a shape its quantizers do not fit runs Flax's code when the session's
   `on_unfit` is "high_precision".
   """
-  name = module_path(module)
+  name = role_name(module)
   recipe = recipes.resolve(getattr(module, "recipe", None), model_recipe)
   roles = gemm_roles(LINEAR, name)
   quantizers = recipe.quantizers(LINEAR, name)
   session = sessions.current()
   record = lambda status, shapes: (
     session
-    and session.record(sessions.Row(name, type(module).__name__, shapes, name, quantizers, status))
+    and session.record(
+      sessions.Row(module_path(module), type(module).__name__, shapes, name, quantizers, status)
+    )
   )
   if is_high_precision(quantizers):
     y = flax_call(*args, **kwargs)
@@ -211,31 +327,36 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
       f"{what}: a custom dot_general cannot be combined with a quantizing "
       "recipe; map this module to None in the recipe"
     )
-  kernel, bias, plan, add_bias = _CONTRACTIONS[_flax_class(module)](module, x, *args, **kwargs)
-  shapes = (np.shape(x), np.shape(kernel))
+  layer = _CONTRACTIONS[_flax_class(module)](module, x, *args, **kwargs)
+  shapes = (np.shape(x), layer.kernel_shape)
   session = sessions.current()
   if session is not None and session.on_unfit == "high_precision":
     reason = contraction.unfit_reason(
-      *plan.dims(x.shape, kernel.shape), quantizers, backward=recipe.backward
+      *layer.plan.dims(x.shape, layer.kernel_shape), quantizers, backward=recipe.backward
     )
     if reason:
+      # Flax's code creates the params (none exist yet): the plain layer's bits.
       record(sessions.unfit_status(reason), shapes)
       return flax_call(x, *args, **kwargs)
+  kernel, bias, add_bias = layer.params()
   x, kernel, bias = module.promote_dtype(x, kernel, bias, dtype=module.dtype)
-  variables = _state_variables(module, roles, quantizers)
-  state = {t: v.value.scaling for t, v in variables.items()} or None
+  variables, state = _state_variables(module, roles, quantizers)
   gather = None
   if session is not None and session.weight_gather is not None:
     gather = session.weight_gather.kernel_gather(
-      tuple(module.path) + ("kernel",), np.shape(kernel), plan.kernel_perm, plan.n_contracted, what
+      tuple(module.path) + ("kernel",),
+      layer.kernel_shape,
+      layer.plan.kernel_perm,
+      layer.plan.n_contracted,
+      what,
     )
   y, new_state = contraction.quantized_gemm(
-    plan,
+    layer.plan,
     x,
     kernel,
     quantizers=quantizers,
     backward=recipe.backward,
-    name=module_path(module),
+    name=roles["weight"].name,
     what=what,
     key=linen_key(module, quantizers, what),
     state=state,
@@ -243,9 +364,8 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
     fast_accumulation=recipe.fast_accumulation,
   )
   record(sessions.QUANTIZED, shapes)
-  if variables and module.is_mutable_collection(QUANT_STATE) and not module.is_initializing():
-    for t, v in variables.items():
-      v.value = dataclasses.replace(v.value, scaling=new_state[t])
+  if variables:
+    write_states(module, variables, new_state)
   return y if bias is None else add_bias(y, bias)
 
 

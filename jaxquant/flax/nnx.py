@@ -1,9 +1,10 @@
 """Quantized NNX layers: Linear, Einsum.
 
 Each subclasses Flax's layer of the same name (same constructor arguments, Params and
-initializers), plus keyword-only `recipe` (the module's own; it wins over the model's
-and autocast's), `name` (the role name; `quantize_model` sets it to the module path)
-and `quant_rngs` (an `nnx.Rngs` whose "quant" stream keys stochastic rounding).
+initializers), plus keyword-only `recipe` (the module's own, a `CustomRecipe` or a
+preset's name; it wins over the model's and autocast's), `name` (the role name;
+`quantize_model` sets it to the module path) and `quant_rngs` (an `nnx.Rngs` whose
+"quant" stream keys stochastic rounding).
 
 Delayed-scaling state is a `QuantState` Variable, `<module>.quant_state`, holding
 {tensor_type: RoleState} for exactly the roles that need it. It is created when the
@@ -25,7 +26,12 @@ from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import nnx_weight_metadata
 from jaxquant.flax._rng import nnx_key
-from jaxquant.flax._state import QuantState, init_role_states, stacked_role_states
+from jaxquant.flax._state import (
+  QuantState,
+  init_role_states,
+  is_role_state,
+  stacked_role_states,
+)
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR, gemm_roles
@@ -37,7 +43,8 @@ class _QuantizedGemm:
   """What Linear and Einsum share: recipe resolution, state, keys, the GEMM call."""
 
   def _init_quantization(self, recipe, name, quant_rngs):
-    self.recipe = recipe
+    # A preset's name becomes its recipe; what is no recipe is refused at construction.
+    self.recipe = None if recipe is None else recipes.resolve(recipe)
     self.model_recipe = None
     self.role_name = name
     self.quant_rngs = nnx.data(quant_rngs)  # data even while None
@@ -81,6 +88,15 @@ class _QuantizedGemm:
     if not stateful:
       return None
     held = self.quant_state.get_value() if hasattr(self, "quant_state") else {}
+    for t, state in held.items():
+      if not is_role_state(state):
+        raise TypeError(
+          f"{self._what()}: its quant_state[{t!r}] holds a {type(state).__name__}, not a "
+          "jaxquant.flax.RoleState; a checkpoint restored without a target gives plain "
+          "dicts. Restore it with the model's state as the target (nnx.state(model) of "
+          "the model built as it was saved): orbax's checkpointer.restore(path, "
+          "args=ocp.args.StandardRestore(target)), or restore(path, item=target)"
+        )
     for t, q in stateful.items():
       if t not in held or held[t].quantizer != q:
         raise ValueError(

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from jaxquant.flax import linen
 from jaxquant.flax._rng import draws_key, linen_key, nnx_key
 from jaxquant.flax._state import QUANT_STATE, init_role_states
 from jaxquant.quantizers import Quantizer, needs_state
@@ -50,9 +51,11 @@ class WeightRef:
 
   @property
   def role_name(self) -> str:
-    if self.only_weight:
-      return self.path
-    return f"{self.path}/{self.param}" if self.path else self.param
+    """The param's path without its name where that names it alone, else its path; the
+    root module's weights by their own name (a policy can match it, as it can a path)."""
+    if not self.path:
+      return self.param
+    return self.path if self.only_weight else f"{self.path}/{self.param}"
 
 
 @dataclasses.dataclass
@@ -75,21 +78,11 @@ class LinenHost:
     variables = {
       t: self.module.scope.variable(QUANT_STATE, f"{param}_{t}", fresh, t) for t in stateful
     }
-    for t, v in variables.items():
-      if v.value.quantizer != stateful[t]:
-        raise ValueError(
-          f"{what}: its {QUANT_STATE} for {t!r} was made for "
-          f"{v.value.quantizer!r} but the recipe now gives {stateful[t]!r}; "
-          f"re-initialise the {QUANT_STATE} collection"
-        )
     self.variables[param] = variables
-    return {t: v.value.scaling for t, v in variables.items()}
+    return linen.checked_states(variables, stateful, what)
 
   def write_state(self, param: str, new_state: dict) -> None:
-    if self.module.is_initializing() or not self.module.is_mutable_collection(QUANT_STATE):
-      return
-    for t, v in self.variables[param].items():
-      v.value = dataclasses.replace(v.value, scaling=new_state[t])
+    linen.write_states(self.module, self.variables[param], new_state)
 
 
 @dataclasses.dataclass(frozen=True)

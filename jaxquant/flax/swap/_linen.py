@@ -6,7 +6,10 @@ tree is the model's own) and runs it under `nn.intercept_methods`: the intercept
 the layers of `_targets.LINEN_LAYERS` through their routes (Flax's Dense / DenseGeneral /
 Einsum computed by `linen.gemm_call` from their own attributes and params; jaxquant's
 own layers, GroupedDense included, with the model recipe as their fallback), and every
-other contraction of the model's code is routed to `_routed.handle`.
+other contraction of the model's code is routed to `_routed.handle`. It runs them only
+while its own session is the current one: inside a nested `QuantizedModel`, that one's
+interceptor runs them, so the innermost wrapper's recipe and options hold, as they do for
+routed contractions (which read the current session).
 
 `ModuleStack` holds the modules whose methods are running (pushed by the interceptor,
 innermost last). An operand is a weight when it is one of those modules' own params
@@ -26,7 +29,8 @@ from flax.core import meta
 
 from jaxquant import recipes
 from jaxquant.flax import _routing_pause as routing_pause
-from jaxquant.flax._session import OnUnfit, Session, active
+from jaxquant.flax import _session as sessions
+from jaxquant.flax._session import OnUnfit, Session
 from jaxquant.flax._weight_gather import ModelWeightGather
 from jaxquant.flax.swap import _provenance as provenance
 from jaxquant.flax.swap._found_gemms import check_found_gemms
@@ -81,8 +85,15 @@ class ModuleStack:
 
 
 def _linen_interceptor(
-  recipe: Optional[recipes.CustomRecipe], annotate: bool, stack: Optional[ModuleStack] = None
+  recipe: Optional[recipes.CustomRecipe],
+  annotate: bool,
+  stack: Optional[ModuleStack] = None,
+  session: Optional[Session] = None,
 ):
+  """Runs the layers of `LINEN_LAYERS` per `recipe` while `session` is the current one
+  (None: while no quantized model runs). Inside a nested quantized model another
+  session is current: its own interceptor runs them, so the innermost wrapper's recipe,
+  `on_unfit` and `weight_gather` hold there, as they do for its routed contractions."""
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
@@ -95,12 +106,28 @@ def _linen_interceptor(
     layer = method_name == "__call__" and next(
       (layer for layer in LINEN_LAYERS if layer.matches(module)), None
     )
-    if not layer:
+    if not layer or sessions.current() is not session:
       return next_fun(*args, **kwargs)
     with routing_pause.paused():
       return layer.route(module, next_fun, args, kwargs, recipe=recipe, annotate=annotate)
 
   return intercept
+
+
+def _correct_scope_paths(module: nn.Module) -> None:
+  """Gives the scopes of `module`'s bound descendants the paths of their variables.
+
+  `nn.share_scope` moves the children the model had bound before (submodules passed as
+  attributes, `Outer(backbone=Block())`) onto the wrapper's scope, but their scopes keep
+  the path they were made with, under the wrapper's field name ('module/backbone'),
+  while their params live at 'backbone'. Module paths, and so role names, come from
+  these scopes; modules bound later push from the corrected ones."""
+  for child in module._state.children.values():
+    if isinstance(child, nn.Module) and child.scope is not None and child.scope.parent is not None:
+      scope = child.scope
+      scope.path = scope.parent.path + (scope.name,)
+      scope.debug_path = scope.parent.debug_path + (scope.name,)
+      _correct_scope_paths(child)
 
 
 class QuantizedModel(nn.Module):
@@ -122,19 +149,20 @@ class QuantizedModel(nn.Module):
 
   def setup(self):
     nn.share_scope(self, self.module)
+    _correct_scope_paths(self.module)
 
   def __call__(self, *args, **kwargs):
     if self.is_initializing():
       # As written (jaxquant's own layers without a recipe of their own in bf16): this
-      # creates every param, and asks the recipe nothing.
-      with recipes.autocast(recipes.bf16):
+      # creates every param, and asks the recipe nothing. No session either: inside an
+      # outer quantized model, the outer one's would take these layers over.
+      with recipes.autocast(recipes.bf16), sessions.active(None):
         self.module(*args, **kwargs)
+    recipe = None if self.recipe is None else recipes.resolve(self.recipe)
     stack = ModuleStack()
-    session = Session(
-      self.recipe, self.on_unfit, stack.find_weight, weight_gather=self.weight_gather
-    )
-    with active(session), routing(handle):
-      with nn.intercept_methods(_linen_interceptor(self.recipe, self.annotate, stack)):
+    session = Session(recipe, self.on_unfit, stack.find_weight, weight_gather=self.weight_gather)
+    with sessions.active(session), routing(handle):
+      with nn.intercept_methods(_linen_interceptor(recipe, self.annotate, stack, session)):
         y = self.module(*args, **kwargs)
     if self.require_gemm:
       check_found_gemms(session, f"quantize_model({type(self.module).__name__})")
@@ -142,5 +170,7 @@ class QuantizedModel(nn.Module):
 
 
 def intercepting(recipe: Optional[recipes.CustomRecipe], annotate: bool = False):
-  """Context in which every Linen Dense / DenseGeneral / Einsum call follows `recipe`."""
+  """Context in which every Linen Dense / DenseGeneral / Einsum call follows `recipe`
+  (a quantized model running inside keeps its own)."""
+  recipe = None if recipe is None else recipes.resolve(recipe)
   return nn.intercept_methods(_linen_interceptor(recipe, annotate))

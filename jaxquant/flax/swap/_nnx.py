@@ -17,6 +17,7 @@ trace); stochastic rounding draws from the `rngs` given to `quantize_model`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Optional
 
@@ -35,6 +36,7 @@ from jaxquant.flax.swap._targets import NNX_LAYERS, NNX_NATIVE_LAYERS
 PATH_ATTR = "jaxquant_path"
 RNGS_ATTR = "jaxquant_rngs"
 _BASE_ATTR = "_jaxquant_plain_class"
+_OPTIONS_ATTR = "_jaxquant_swap_options"
 
 
 def _own_params(module: nnx.Module) -> dict[str, Any]:
@@ -86,6 +88,24 @@ def _quantized_twin(module: nnx.Module, quant_rngs) -> nnx.Module:
   return twin
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """What `quantize_model` was given for a model, kept on its routed class: a model
+  quantized before an outer one is keeps them for its layers (the innermost wins)."""
+
+  recipe: Optional[recipes.CustomRecipe]
+  annotate: bool
+
+
+def _quantized_submodels(model: nnx.Module) -> dict[tuple, nnx.Module]:
+  """{path: module} of the modules below `model` that were quantized themselves."""
+  return {
+    tuple(path): node
+    for path, node in nnx.iter_graph(model)
+    if path and isinstance(node, nnx.Module) and hasattr(type(node), _OPTIONS_ATTR)
+  }
+
+
 def swap_modules(
   model: nnx.Module,
   recipe: Optional[recipes.CustomRecipe],
@@ -95,22 +115,32 @@ def swap_modules(
 ) -> nnx.Module:
   """Replaces, in place, every nnx.Linear / nnx.Einsum reachable from `model` (every
   reference to it) by its quantized twin, and binds every jaxquant layer to its module
-  path and the model recipe. Returns `model`."""
+  path and the model recipe: the recipe of the innermost module that was quantized,
+  this model or one below it. Returns `model`."""
   if type(model) in NNX_LAYERS:
     raise TypeError(
       f"quantize_model: the model itself is a {type(model).__name__}; wrap it "
       "in a module, or build jaxquant.flax.nnx's layer directly"
     )
+  submodels = _quantized_submodels(model)
+
+  def options(path) -> tuple[_Options, Optional[nnx.Rngs]]:
+    for n in range(len(path) - 1, 0, -1):
+      inner = submodels.get(tuple(path[:n]))
+      if inner is not None:
+        return getattr(type(inner), _OPTIONS_ATTR), getattr(inner, RNGS_ATTR, None) or rngs
+    return _Options(recipe, annotate), rngs
 
   def replace(child, path):
+    own, layer_rngs = options(path)
     if type(child) in NNX_LAYERS:
-      twin = _quantized_twin(child, rngs)
-      twin.bind_role(path_str(path), recipe, annotate=annotate)
+      twin = _quantized_twin(child, layer_rngs)
+      twin.bind_role(path_str(path), own.recipe, annotate=own.annotate)
       return twin
     if isinstance(child, NNX_NATIVE_LAYERS):
-      child.bind_role(path_str(path), recipe)
-      if rngs is not None and child.quant_rngs is None:
-        child.quant_rngs = nnx.data(rngs)
+      child.bind_role(path_str(path), own.recipe)
+      if layer_rngs is not None and child.quant_rngs is None:
+        child.quant_rngs = nnx.data(layer_rngs)
       return child
     return None
 
@@ -118,7 +148,7 @@ def swap_modules(
   return model
 
 
-def _routed_class(cls: type, recipe, on_unfit, require_gemm) -> type:
+def _routed_class(cls: type, recipe, on_unfit, require_gemm, annotate) -> type:
   """`cls` whose `__call__` runs the model with its contractions routed."""
 
   def __call__(self, *args, **kwargs):
@@ -137,6 +167,7 @@ def _routed_class(cls: type, recipe, on_unfit, require_gemm) -> type:
       "__module__": cls.__module__,
       "__qualname__": cls.__qualname__,
       _BASE_ATTR: cls,
+      _OPTIONS_ATTR: _Options(recipe, annotate),
     },
   )
 
@@ -158,5 +189,5 @@ def quantize_nnx_model(
   if rngs is not None:
     setattr(model, RNGS_ATTR, nnx.data(rngs))
   base = getattr(type(model), _BASE_ATTR, type(model))  # quantized again: the plain class
-  model.__class__ = _routed_class(base, recipe, on_unfit, require_gemm)
+  model.__class__ = _routed_class(base, recipe, on_unfit, require_gemm, annotate)
   return model

@@ -21,11 +21,13 @@ operand is a param of the model, it is a weight GEMM named by the param's module
 activations stay in high precision. `swap_report` lists everything met. `_targets`
 names every entry point the swap-in takes over.
 
-Each swapped layer's roles are named by its module path; layers the recipe maps to None
-run Flax's own code. With `annotate=True` the weights of stock layers also carry role
-metadata (`jaxquant.flax.weight_roles`); off by default, since it changes the pytree
-structure of the params (a box in Linen, Variable metadata in NNX) that checkpoints and
-optimizer states of the plain model were made with.
+Each swapped layer's roles are named by its module path, the path of its params; the
+root module's weights by their own name. Layers the recipe maps to None run Flax's own
+code. In a quantized model inside another, the innermost one's recipe and options hold.
+With `annotate=True` the weights of stock layers also carry role metadata
+(`jaxquant.flax.weight_roles`); off by default, since it changes the pytree structure of
+the params (a box in Linen, Variable metadata in NNX) that checkpoints and optimizer
+states of the plain model were made with.
 
 No silent no-op: if a recipe that quantizes meets no weight GEMM in a call of the model,
 that call raises (`_found_gemms`); in Linen at the first trace (init or
@@ -61,7 +63,10 @@ def quantize_model(
 
   Args:
     model: a Linen `nn.Module` (unbound) or an NNX `nnx.Module`.
-    recipe: maps each role (named by module path) to a quantizer or None.
+    recipe: maps each role (named by module path) to a quantizer or None: a
+      `CustomRecipe` or a preset's name ("fp8_current"). Inside a model quantized in
+      turn (a quantized model as a submodule of another), the innermost one's recipe,
+      `on_unfit` and `weight_gather` hold.
     annotate: also put role metadata on the weights of stock layers (see the module
       docstring).
     rngs: NNX only: an `nnx.Rngs` with a "quant" stream, needed when the recipe rounds
@@ -76,6 +81,8 @@ def quantize_model(
       all-gathered in its quantized form over the FSDP axis (docs/sharding.md).
   """
   check_on_unfit(on_unfit)
+  # A preset's name becomes its recipe, and what is no recipe is refused, here and now.
+  recipe = None if recipe is None else recipes.resolve(recipe)
   if weight_gather is not None and not isinstance(weight_gather, ModelWeightGather):
     raise TypeError(
       "quantize_model: weight_gather must be a jaxquant.flax.ModelWeightGather, "
