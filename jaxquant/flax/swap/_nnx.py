@@ -6,7 +6,9 @@
 path and the model recipe, names every other module by its path (a static attribute,
 `PATH_ATTR`, which NNX carries through split / merge, so it is there inside `nnx.jit`,
 `nnx.scan` and `nnx.remat` too), and gives the model a subclass of its own class whose
-`__call__` runs under a `Session` with contractions routed to `_routed.handle`.
+`__call__` runs under a `Session` with contractions routed to `_routed.handle`. A
+submodel quantized before (its class keeps its options) keeps its recipe for the layers
+below it, and its own `__call__` opens its own session: the innermost one holds.
 
 NNX modules do not record which of them is running: the operand's owner is found among
 the `self` of the running methods on the Python stack (innermost first), as the module
@@ -128,7 +130,8 @@ def swap_modules(
     for n in range(len(path) - 1, 0, -1):
       inner = submodels.get(tuple(path[:n]))
       if inner is not None:
-        return getattr(type(inner), _OPTIONS_ATTR), getattr(inner, RNGS_ATTR, None) or rngs
+        own_rngs = getattr(inner, RNGS_ATTR, None)
+        return getattr(type(inner), _OPTIONS_ATTR), rngs if own_rngs is None else own_rngs
     return _Options(recipe, annotate), rngs
 
   def replace(child, path):
