@@ -543,6 +543,22 @@ def results_table(results: list[RecipeResult], not_run: list[str], unigram_entro
       f"{sum(r.wall_seconds for r in runs):.0f}",
     ]
     lines.append("| " + " | ".join(cells) + " |")
+  if band is not None:  # its runs, with their cost, under the recipes
+    others = [r for r in seed_runs(results) if r.recipe == NOISE_BAND and r.completed]
+    cells = [
+      NOISE_BAND,
+      f"{len(others)} (seeds {', '.join(map(str, band.seeds))})",
+      ", ".join(f"{r.final_val_loss:.4f}" for r in others),
+      "n/a",
+      f"±{band.half_width:.2%} (95% band)",
+    ]
+    cells += [""] * (columns - len(cells) - 3)
+    cells += [
+      f"{1e3 * statistics.median(s for r in others for s in r.window_step_seconds):.1f}",
+      "(bf16's steps)",
+      f"{sum(r.wall_seconds for r in others):.0f}",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
   lines.extend(f"| {name} | not run |" + " n/a |" * (columns - 2) for name in not_run)
   lines.append("")
   if band is not None:
