@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import numpy_oracle as orc
 import pytest
 import ref_cases as rc
 
@@ -122,6 +123,31 @@ def test_rht_extreme_blocks():
       ("columnwise",),
       label=f"rht extremes {np.dtype(dtype)}",
     )
+
+
+def test_rht_sums_around_the_lifted_range():
+  """The RHT's exact sums on a flushing backend: blocks of fp32 values around 2^-60 (below
+  it both operands are summed lifted by 2^63), around 2^-126 and 2^-124 (subnormal partial
+  sums and quarters), subnormals, huge values and values that cancel, against the oracle's
+  IEEE sums (NaN payloads aside)."""
+  rng = np.random.default_rng(28)
+  rows = 512
+  exps = [-149, -140, -130, -127, -126, -125, -124, -123, -62, -61, -60, -59, -40, 0, 100, 127]
+  e = rng.choice(exps, (rows, 16)) + rng.integers(-2, 3, (rows, 16))
+  with orc.errstate():  # exponents above 127 give infinities (and NaN sums): kept
+    x = (rng.integers(1 << 23, 1 << 24, (rows, 16)) * np.exp2(e - 23.0)).astype(np.float32)
+  sub = (rng.integers(1, 1 << 23, (rows, 16)) * 2.0**-149).astype(np.float32)
+  x = np.where(rng.random((rows, 16)) < 0.25, sub, x)
+  copies = np.take_along_axis(x, rng.integers(0, 16, (rows, 16)), axis=1)
+  x = np.where(rng.random((rows, 16)) < 0.3, copies, x)
+  x *= np.where(rng.random((rows, 16)) < 0.5, -1, 1).astype(np.float32)
+  x = x.reshape(rows // 16, 256)
+  for dtype in (np.float32, rc.DTYPES["bf16"]):
+    if dtype is not np.float32:
+      x = x.astype(dtype).astype(np.float32)
+    got = jax.jit(rc.reference.apply_rht, static_argnums=1)(jnp.asarray(x), jnp.dtype(dtype))
+    want = orc.rht(x, dtype)
+    np.testing.assert_array_equal(rc.canon_f32_bits(got), rc.canon_f32_bits(want))
 
 
 def test_stochastic_rounding_reproducible_and_key_dependent():
