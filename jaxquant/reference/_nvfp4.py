@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,41 @@ def _per_block(v: jax.Array) -> jax.Array:
 def _per_row(v, rows):
   """A scalar or [rows] vector as a [rows, 1] column for broadcasting over blocks."""
   return jnp.broadcast_to(jnp.reshape(v, (-1, 1)), (rows, 1)) if v.ndim else v
+
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The stochastic-rounding bits of a usage: `jax.random.bits(key, shape, jnp.uint8)`, bit
+  for bit.
+
+  JAX's threefry runs on the CPU as a loop over operand-sized arrays: four uint32 words per
+  element (16 bytes) live at once, more than the rest of a quantized train step takes.
+  Written out here, its 20 rounds are elementwise and XLA fuses them with the counters and
+  the byte conversion: only the bytes are stored. This is JAX's partitionable threefry
+  stream (the default): counter i is the element's row-major index, the bits the low byte
+  of the two output words' xor. Another PRNG implementation, the other stream, or more
+  than 2^32 elements take `jax.random.bits` itself.
+  """
+  typed = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+  if (
+    str(jax.random.key_impl(typed)) != "threefry2x32"
+    or not jax.config.jax_threefry_partitionable
+    or math.prod(shape) >= 2**32
+  ):
+    return jax.random.bits(key, shape, jnp.uint8)
+  words = jax.random.key_data(typed)
+  ks = (words[0], words[1], words[0] ^ words[1] ^ np.uint32(0x1BD11BDA))
+  x0 = jnp.full(shape, ks[0], jnp.uint32)  # the counters' high words are 0
+  x1 = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape) + ks[1]
+  for i in range(5):
+    for r in _THREEFRY_ROTATIONS[i % 2]:
+      x0 = x0 + x1
+      x1 = ((x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))) ^ x0
+    x0 = x0 + ks[(i + 1) % 3]
+    x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+  return (x0 ^ x1).astype(jnp.uint8)
 
 
 def _encode_stochastic(y: jax.Array, random_bits: jax.Array) -> jax.Array:

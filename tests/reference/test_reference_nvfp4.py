@@ -11,6 +11,7 @@ import pytest
 import ref_cases as rc
 
 from jaxquant.quantizers import NVFP4Quantizer
+from jaxquant.reference import _nvfp4 as nvfp4
 
 SQUARE = (128, 128)
 KEY = jax.random.key(1234)
@@ -148,6 +149,23 @@ def test_rht_sums_around_the_lifted_range():
     got = jax.jit(rc.reference.apply_rht, static_argnums=1)(jnp.asarray(x), jnp.dtype(dtype))
     want = orc.rht(x, dtype)
     np.testing.assert_array_equal(rc.canon_f32_bits(got), rc.canon_f32_bits(want))
+
+
+@pytest.mark.parametrize(
+  "key",
+  [jax.random.key(5), jax.random.PRNGKey(6), jax.random.key(7, impl="rbg")],
+  ids=["threefry", "raw", "rbg"],
+)
+def test_stochastic_rounding_bits_are_jax_random_bits(key):
+  """The fused threefry stream is jax.random.bits' (uint8), under vmap too."""
+  for shape in ((128, 96), (3, 5, 16), (0, 16)):
+    want = jax.random.bits(key, shape, jnp.uint8)
+    got = jax.jit(nvfp4.random_bits, static_argnums=1)(key, shape)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  keys = jax.random.split(key, 3)
+  want = jax.vmap(lambda k: jax.random.bits(k, (32, 16), jnp.uint8))(keys)
+  got = jax.jit(jax.vmap(lambda k: nvfp4.random_bits(k, (32, 16))))(keys)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_stochastic_rounding_reproducible_and_key_dependent():
