@@ -24,7 +24,7 @@ def sr_bits(seed, usage: str, shape) -> jax.Array:
   """The reference's random bits for a usage: the same stream as reference.quantize when
   `seed` is the data of a threefry key."""
   key = jax.random.wrap_key_data(seed, impl="threefry2x32")
-  return jax.random.bits(jax.random.fold_in(key, USAGE_INDEX[usage]), shape, jnp.uint8)
+  return nvfp4.random_bits(jax.random.fold_in(key, USAGE_INDEX[usage]), shape)
 
 
 def reference_cast(x, row_amax, col_amax, seed, *, config):

@@ -121,7 +121,7 @@ def quantize(
       bits = None
       if q.stochastic_rounding:
         usage_key = jax.random.fold_in(key, 0 if usage == "rowwise" else 1)
-        bits = jax.random.bits(usage_key, stored.shape, jnp.uint8)
+        bits = nvfp4.random_bits(usage_key, stored.shape)
       slots[usage] = nvfp4.quantize(stored, fmt, random_bits=bits)
   qt = QuantizedTensor(shape=shape, dtype=dtype, **slots)
   return (qt, new_state) if state is not None else qt

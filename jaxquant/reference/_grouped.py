@@ -369,7 +369,7 @@ def quantize_rows(
     return GroupedValues(values, None, layout), None
   assert isinstance(q, NVFP4Quantizer)
   if rowwise:
-    bits = None if not q.stochastic_rounding else jax.random.bits(key, x.shape, jnp.uint8)
+    bits = None if not q.stochastic_rounding else nvfp4.random_bits(key, x.shape)
     values, outer = _nvfp4_rows(x, layout, q, bits)
     if not q.per_token:
       outer = outer[layout.row_gather_ids()]
@@ -378,7 +378,7 @@ def quantize_rows(
     layout_p = pad_layout(layout, RHT_BLOCK)
     x = hadamard.apply_rht(to_layout(x, layout, layout_p).T, input_dtype).T
     layout = layout_p
-  bits = None if not q.stochastic_rounding else jax.random.bits(key, x.shape, jnp.uint8)
+  bits = None if not q.stochastic_rounding else nvfp4.random_bits(key, x.shape)
   values, outer = _nvfp4_columns(x, layout, bits)
   return GroupedValues(values, outer, layout), None
 

@@ -14,7 +14,7 @@ from jaxquant.reference import _fp32 as fp32
 from jaxquant.reference._blocks import block_reduce
 from jaxquant.tensor import QuantizedData
 
-_FLT_MAX = jnp.float32(np.finfo(np.float32).max)
+_FLT_MAX = np.float32(np.finfo(np.float32).max)  # numpy: importing must not start a backend
 _ONE_SIXTH = np.float32(1.0) / np.float32(6.0)
 
 
@@ -37,6 +37,20 @@ def _by_block(x: jax.Array, block: tuple[int, int]) -> jax.Array:
 def _per_block(v: jax.Array) -> jax.Array:
   """One value per block, [rows / br, cols / bc], against `_by_block`'s layout."""
   return v[:, None, :, None]
+
+
+def _block_abs_max(blocks: jax.Array, axis) -> jax.Array:
+  """`fp32.abs_max` of every block, a reduction XLA never evaluates at compile time.
+
+  A constant matrix (the output gradient of a loss that sums the output is all ones) would
+  have XLA fold this reduction element by element while it compiles: seconds for a large
+  one. The reduction's initial value comes through an optimization barrier, so one of its
+  operands is never constant.
+  """
+  magnitudes = fp32.bits(blocks) & np.uint32(0x7FFFFFFF)
+  start = jax.lax.optimization_barrier(np.uint32(0))
+  block_max = jax.lax.reduce(magnitudes, start, jax.lax.max, tuple(axis))
+  return fp32.abs_max(fp32.from_bits(block_max), axis=())  # NaNs as abs_max gives them
 
 
 def _per_row(v, rows):
@@ -100,7 +114,7 @@ def quantize(x: jax.Array, fmt: Format, *, random_bits=None, amax=None) -> Quant
   it, e.g. reduced across shards; by default this matrix's own.
   """
   rows, _ = x.shape
-  block_amax = block_reduce(x, fmt.block, fp32.abs_max)
+  block_amax = block_reduce(x, fmt.block, _block_abs_max)
   if amax is None:
     # The max of the block amaxes, the same bits: XLA fuses that reduction with its input,
     # where it splits one over the whole matrix around a copy of it.
