@@ -235,6 +235,27 @@ def quantize_row(label, shape):
   return Row(f"reference.quantize {label} of shape {list(shape)}", call, check)
 
 
+def ops_quantize_row(label, shape):
+  """ops.quantize and ops.dequantize of an empty tensor under the kernel backend: the
+  reference's result, no kernel bound to it."""
+  q = QUANTIZERS[label]
+  x = jnp.zeros(shape, jnp.bfloat16)
+  state = scaling.init_state(q) if needs_state(q) else None
+
+  def call():
+    out = jq.ops.quantize(x, q, key=jax.random.key(0), state=state)
+    qt = out[0] if state is not None else out
+    return [jq.ops.dequantize(qt, u) for u in ("rowwise", "columnwise")]
+
+  def check(got):
+    for a in got:
+      assert a.shape == shape and a.dtype == jnp.bfloat16
+
+  return Row(
+    f"ops.quantize {label} of shape {list(shape)} JAXQUANT_BACKEND=kernel", ("kernel", call), check
+  )
+
+
 # ---- The GEMM route of empty problems ----
 
 _FORMATS = {
@@ -418,6 +439,8 @@ def _rows():
     rows.append(quantize_row(label, (32, 0)))
   rows.append(quantize_row("mxfp8", (0, 0)))
   rows.append(quantize_row("nvfp4_rht_sr", (2, 16, 0)))
+  for label in ("fp8", "delayed", "mxfp8", "nvfp4_rht_sr"):
+    rows.append(ops_quantize_row(label, (32, 0)))
   # grouped_dense: no rows (M = 0) where a columnwise usage pads groups (RHT), no groups
   # (G = 0), an empty contraction (K = 0).
   for name in ("nvfp4", "hybrid"):

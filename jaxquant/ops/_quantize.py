@@ -47,8 +47,9 @@ def quantize_with(
   key: Optional[jax.Array] = None,
   state: Optional[DelayedScalingState] = None,
 ):
-  """`quantize` under a backend choice already read."""
-  if not backend.binds("quantize_usages"):
+  """`quantize` under a backend choice already read. An empty tensor is the reference's: no
+  kernel is launched on it."""
+  if not backend.binds("quantize_usages") or 0 in x.shape:
     return reference.quantize(x, quantizer, usages, key=key, state=state)
   reference.check_input(x, quantizer)
   usages = check_usages(usages)
@@ -94,7 +95,12 @@ def dequantize(
   """Same contract as `jaxquant.reference.dequantize`."""
   backend = read_backend(implementation)
   stored = qt.usage(usage)
-  if not backend.binds("dequantize_data") or stored is None or not hasattr(stored, "format"):
+  if (
+    not backend.binds("dequantize_data")
+    or stored is None
+    or not hasattr(stored, "format")
+    or 0 in stored.stored_shape
+  ):
     return reference.dequantize(qt, usage, dtype)
   dtype = dtype or qt.dtype
   rows, cols = stored.stored_shape
