@@ -12,6 +12,7 @@ that the FP8 casts saturated.
 
 from jaxquant.reference._scaling import (
   DelayedScalingState,
+  check_state,
   combine,
   fan_out,
   fold_grad_amax,
@@ -29,6 +30,7 @@ from jaxquant.reference._scaling import (
 
 __all__ = [
   "DelayedScalingState",
+  "check_state",
   "combine",
   "fan_out",
   "fold_grad_amax",

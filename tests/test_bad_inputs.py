@@ -325,6 +325,79 @@ def _quantizer_error(make, error, match):
   return (make, Raises(error, match))
 
 
+# ---- Delayed-scaling states handed in by the user ----
+
+_DELAYED = DelayedFloat8Quantizer(history_len=4)
+_GOOD = scaling.init_state(_DELAYED)
+_X_STATE = jnp.ones((8, 32), jnp.bfloat16)
+BAD_STATES = {
+  "history of two tensors' shape [2, 4]": (
+    scaling.DelayedScalingState(jnp.zeros((2, 4), jnp.float32), _GOOD.scale),
+    Raises(
+      ValueError,
+      r"amax_history must be a non-empty float32 vector \[history_len\] \(one tensor's\), "
+      r"got float32 of shape \(2, 4\)",
+    ),
+  ),
+  "history of bf16": (
+    scaling.DelayedScalingState(jnp.zeros((4,), jnp.bfloat16), _GOOD.scale),
+    Raises(ValueError, r"amax_history must be .* got bfloat16 of shape \(4,\)"),
+  ),
+  "scale vector [2]": (
+    scaling.DelayedScalingState(_GOOD.amax_history, jnp.ones((2,), jnp.float32)),
+    Raises(ValueError, r"scale must be a float32 scalar, got float32 of shape \(2,\)"),
+  ),
+  "scale 0": (
+    scaling.DelayedScalingState(_GOOD.amax_history, jnp.float32(0)),
+    Raises(ValueError, r"scale must be finite and > 0, got 0.0"),
+  ),
+  "scale NaN": (
+    scaling.DelayedScalingState(_GOOD.amax_history, jnp.float32(np.nan)),
+    Raises(ValueError, r"scale must be finite and > 0, got nan"),
+  ),
+  "scale -1": (
+    scaling.DelayedScalingState(_GOOD.amax_history, jnp.float32(-1)),
+    Raises(ValueError, r"scale must be finite and > 0, got -1.0"),
+  ),
+  "a dict restored without a target": (
+    {"amax_history": _GOOD.amax_history, "scale": _GOOD.scale},
+    Raises(TypeError, r"needs a DelayedScalingState, got dict: restore checkpoints with"),
+  ),
+}
+
+
+def state_rows():
+  rows = []
+  for label, (state, expect) in BAD_STATES.items():
+    rows.append(
+      Row(
+        f"reference.quantize delayed, {label}",
+        lambda state=state: reference.quantize(_X_STATE, _DELAYED, state=state),
+        expect,
+      )
+    )
+    rows.append(
+      Row(
+        f"ops.quantize delayed, {label} JAXQUANT_BACKEND=kernel",
+        ("kernel", lambda state=state: jq.ops.quantize(_X_STATE, _DELAYED, state=state)),
+        expect,
+      )
+    )
+  # Through the layer op, in a jitted step: the shapes are checked where the scale is traced.
+  bad_input = dict(_state_for(recipes.fp8_delayed, LINEAR))
+  bad_input["input"] = BAD_STATES["scale vector [2]"][0]
+  rows.append(
+    Row(
+      "dense fp8_delayed, the input's scale a vector [2], jitted",
+      lambda: jax.jit(lambda x, w, s: jq.dense(x, w, recipe=recipes.fp8_delayed, state=s))(
+        _X_STATE, jnp.ones((32, 16), jnp.bfloat16), bad_input
+      ),
+      BAD_STATES["scale vector [2]"][1],
+    )
+  )
+  return rows
+
+
 BAD_OPTIONS = {
   "DelayedFloat8Quantizer(history_len=1.5)": _quantizer_error(
     lambda: DelayedFloat8Quantizer(history_len=1.5),
@@ -533,6 +606,7 @@ def _rows():
     ),
   ]
   rows += [Row(label, make, expect) for label, (make, expect) in BAD_OPTIONS.items()]
+  rows += state_rows()
   return rows
 
 

@@ -20,7 +20,7 @@ import jax
 
 from jaxquant import kernels, reference
 from jaxquant.ops._backend import Backend, read_backend
-from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key, needs_state
+from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key
 from jaxquant.scaling import DelayedScalingState, record_amax
 from jaxquant.tensor import QuantizedTensor, Usage, check_usages
 
@@ -53,8 +53,7 @@ def quantize_with(
     return reference.quantize(x, quantizer, usages, key=key, state=state)
   reference.check_input(x, quantizer)
   usages = check_usages(usages)
-  if needs_state(quantizer) and state is None:
-    raise ValueError(f"{quantizer!r} uses delayed scaling: pass its DelayedScalingState as state=")
+  reference.check_delayed_state(quantizer, state)
   if any(needs_key(for_usage(quantizer, u)) for u in usages) and key is None:
     raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
   shape = tuple(x.shape)

@@ -47,6 +47,7 @@ __all__ = [
   "outer_scale",
   "outer_scales",
   "check_input",
+  "check_delayed_state",
 ]
 
 
@@ -58,6 +59,15 @@ def check_input(x, quantizer) -> None:
     raise ValueError("cannot quantize a rank-0 tensor: quantization needs a last (K) dim")
   if jnp.dtype(x.dtype) not in INPUT_DTYPES:
     raise TypeError(f"input dtype must be one of bfloat16, float16, float32, got {x.dtype}")
+
+
+def check_delayed_state(quantizer: Quantizer, state) -> None:
+  """A delayed-scaling quantizer's state is given and fits one tensor (`scaling.check_state`)."""
+  if not needs_state(quantizer):
+    return
+  if state is None:
+    raise ValueError(f"{quantizer!r} uses delayed scaling: pass its DelayedScalingState as state=")
+  scaling.check_state(state)
 
 
 def _stored_matrix(x2d, usage: Usage):
@@ -80,8 +90,7 @@ def quantize(
   """
   check_input(x, quantizer)
   usages = check_usages(usages)
-  if needs_state(quantizer) and state is None:
-    raise ValueError(f"{quantizer!r} uses delayed scaling: pass its DelayedScalingState as state=")
+  check_delayed_state(quantizer, state)
   if any(needs_key(for_usage(quantizer, u)) for u in usages) and key is None:
     raise ValueError(f"{quantizer!r} rounds stochastically: pass a PRNG key as key=")
   shape, dtype = tuple(x.shape), jnp.dtype(x.dtype)

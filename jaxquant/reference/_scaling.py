@@ -38,6 +38,38 @@ def init_state(quantizer: DelayedFloat8Quantizer) -> DelayedScalingState:
   )
 
 
+def check_state(state) -> None:
+  """Raises, naming the value and the rule, where `state` cannot be one tensor's
+  delayed-scaling state: not a DelayedScalingState (e.g. a checkpoint restored without a
+  target), a history that is not an fp32 vector or a scale that is not an fp32 scalar
+  (either would broadcast into a wrong result), or a concrete scale that is not a finite
+  positive number (every quantized value would be NaN, 0 or inf). A traced scale is
+  checked by shape only; `update` never makes a scale that fails this."""
+  if not isinstance(state, DelayedScalingState):
+    raise TypeError(
+      f"delayed scaling needs a DelayedScalingState, got {type(state).__name__}: restore "
+      "checkpoints with the model's state as target"
+    )
+  history, scale = state.amax_history, state.scale
+  if jnp.ndim(history) != 1 or jnp.size(history) == 0 or jnp.result_type(history) != jnp.float32:
+    raise ValueError(
+      "DelayedScalingState.amax_history must be a non-empty float32 vector [history_len] "
+      f"(one tensor's), got {jnp.result_type(history)} of shape {tuple(jnp.shape(history))}"
+    )
+  if tuple(jnp.shape(scale)) != () or jnp.result_type(scale) != jnp.float32:
+    raise ValueError(
+      "DelayedScalingState.scale must be a float32 scalar, got "
+      f"{jnp.result_type(scale)} of shape {tuple(jnp.shape(scale))}"
+    )
+  if not isinstance(scale, jax.core.Tracer):
+    value = float(np.asarray(scale))
+    if not (math.isfinite(value) and value > 0):
+      raise ValueError(
+        f"DelayedScalingState.scale must be finite and > 0, got {value} (every quantized "
+        "value would be 0, inf or NaN)"
+      )
+
+
 def max_amax(a, b) -> jax.Array:
   """Elementwise max of amaxes (>= 0 or NaN), NaN propagating and exact on subnormals.
 
