@@ -325,6 +325,28 @@ def _quantizer_error(make, error, match):
   return (make, Raises(error, match))
 
 
+# ---- update_quant_state twice in one step ----
+
+
+def _twice_updated():
+  """A fresh fp8_delayed role state (history_len 4) that recorded an amax of 2 in its
+  step's forward pass, then updated twice."""
+  role = jq.roles.QuantizerRole(LINEAR, "input", "l")
+  q = DelayedFloat8Quantizer(history_len=4)
+  state = {"l": jq.flax.RoleState(scaling.record_amax(scaling.init_state(q), 2.0), role, q)}
+  once = jq.flax.update_quant_state(state)
+  return once, jq.flax.update_quant_state(once)
+
+
+def _check_twice_updated(got):
+  # The second update is a step with nothing recorded: the scale holds (448 / 2, the same
+  # history max) and the recorded amax moves one slot nearer the end of the history.
+  once, twice = (s["l"].scaling for s in got)
+  assert float(once.scale) == float(twice.scale) == 224.0
+  np.testing.assert_array_equal(once.amax_history, [0, 0, 0, 2])
+  np.testing.assert_array_equal(twice.amax_history, [0, 0, 2, 0])
+
+
 # ---- Delayed-scaling states handed in by the user ----
 
 _DELAYED = DelayedFloat8Quantizer(history_len=4)
@@ -607,6 +629,7 @@ def _rows():
   ]
   rows += [Row(label, make, expect) for label, (make, expect) in BAD_OPTIONS.items()]
   rows += state_rows()
+  rows.append(Row("update_quant_state twice in one step", _twice_updated, _check_twice_updated))
   return rows
 
 

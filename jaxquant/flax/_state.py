@@ -186,6 +186,10 @@ def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True
 
   Returns:
     The state for the next step: the new scales, the histories rolled.
+
+  Call it once per step. A second call on its result is a step in which nothing was
+  recorded (the state cannot tell the two apart): each scale is recomputed from the same
+  history and the history rolls once more, so this step's amaxes leave it one step sooner.
   """
   if isinstance(quant_state, nnx.Module):
     model = quant_state
