@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import uuid
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import flax.linen as nn
-from flax.core import meta
+from flax.core import FrozenDict, meta
 
 from jaxquant import recipes
 from jaxquant.flax import _routing_pause as routing_pause
@@ -130,6 +131,41 @@ def _correct_scope_paths(module: nn.Module) -> None:
       _correct_scope_paths(child)
 
 
+# The scope flag that names the session a trace of the model belongs to (see `_session_scopes`).
+SESSION_FLAG = "jaxquant_session"
+
+
+def _bound_scopes(module: nn.Module):
+  """The scopes of `module` and of its bound descendants."""
+  if module.scope is not None:
+    yield module.scope
+  for child in module._state.children.values():
+    if isinstance(child, nn.Module):
+      yield from _bound_scopes(child)
+
+
+@contextlib.contextmanager
+def _session_scopes(module: nn.Module, token: Optional[str]):
+  """Puts `token`, the running session's name, into the flags of `module`'s scope and of
+  its bound descendants' (scopes pushed later copy their parent's flags).
+
+  Flax's `nn.jit` keys its cached trace on the module's fields and its scope's flags
+  (and the arguments' shapes), never on the interceptor or the session, while the routed
+  contractions, and the rows that the no-GEMM check, `swap_report` and the log count,
+  exist only while a trace runs. A token per session makes every call of a quantized
+  model trace its `nn.jit` parts anew: a recipe or model change never reuses another's
+  trace, and a second call records its rows. A random name, not an id: a trace cached
+  under a dead session's id would match the next session that got the id."""
+  saved = [(scope, scope.flags) for scope in _bound_scopes(module)]
+  for scope, flags in saved:
+    scope.flags = FrozenDict({**flags, SESSION_FLAG: token})
+  try:
+    yield
+  finally:
+    for scope, flags in saved:
+      scope.flags = flags
+
+
 class QuantizedModel(nn.Module):
   """A Linen model whose GEMMs follow `recipe`: its Dense / DenseGeneral / Einsum layers
   and every contraction its own code makes with a param operand.
@@ -157,11 +193,12 @@ class QuantizedModel(nn.Module):
       # creates every param, and asks the recipe nothing. No session either: inside an
       # outer quantized model, the outer one's would take these layers over.
       with recipes.autocast(recipes.bf16), sessions.active(None):
-        self.module(*args, **kwargs)
+        with _session_scopes(self.module, None):
+          self.module(*args, **kwargs)
     recipe = None if self.recipe is None else recipes.resolve(self.recipe)
     stack = ModuleStack()
     session = Session(recipe, self.on_unfit, stack.find_weight, weight_gather=self.weight_gather)
-    with sessions.active(session), routing(handle):
+    with sessions.active(session), routing(handle), _session_scopes(self.module, uuid.uuid4().hex):
       with nn.intercept_methods(_linen_interceptor(recipe, self.annotate, stack, session)):
         y = self.module(*args, **kwargs)
     if self.require_gemm:
