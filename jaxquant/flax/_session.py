@@ -9,13 +9,19 @@ check counts). The layers read it without knowing the swap-in: it sits below bot
 
 The swap-in also supplies `find_weight(operand)`: which param of the model an operand
 is (a `jaxquant.flax.swap` weight reference), or None.
+
+`FirstCallLog`, kept by each quantized model, logs what the first call of each recipe
+found: one INFO line on the `jaxquant` logger (`summary`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
+import logging
+import threading
 from typing import Any, Callable, Literal, Optional
 
 from jaxquant import recipes
@@ -84,6 +90,11 @@ def collecting(rows: list):
     _REPORT.reset(token)
 
 
+def reporting() -> bool:
+  """Whether `swap_report` is tracing (it lists what was met; nothing raises for it)."""
+  return _REPORT.get() is not None
+
+
 def current() -> Optional[Session]:
   return _SESSION.get()
 
@@ -100,3 +111,44 @@ def active(session: Optional[Session]):
 def check_on_unfit(on_unfit: str) -> None:
   if on_unfit not in ON_UNFIT:
     raise ValueError(f"on_unfit must be one of {ON_UNFIT}, got {on_unfit!r}")
+
+
+LOGGER = logging.getLogger("jaxquant")
+_HIGH_PRECISION = "high precision: "
+
+
+def summary(session: Session, what: str) -> str:
+  """One line: the weight GEMMs that `session` met, quantized or in high precision and
+  why, and the contractions without a param operand."""
+  recipe = recipes.resolve(session.recipe)
+  weights = [r for r in session.rows if r.is_weight_gemm]
+  quantized = sum(r.status == QUANTIZED for r in weights)
+  reasons = collections.Counter(
+    r.status.removeprefix(_HIGH_PRECISION) for r in weights if r.status != QUANTIZED
+  )
+  why = ", ".join(f"{reason}: {n}" for reason, n in reasons.items())
+  others = len(session.rows) - len(weights)
+  return (
+    f"{what} under recipe {recipe.name!r}: {quantized} of {len(weights)} weight GEMMs "
+    f"quantized, {len(weights) - quantized} in high precision{f' ({why})' if why else ''}; "
+    f"{others} other contractions (no param operand) in high precision"
+  )
+
+
+@dataclasses.dataclass(eq=False)
+class FirstCallLog:
+  """Logs `summary` at the first call of a quantized model under each recipe. A model
+  keeps its own (its copies share it), so nothing is global."""
+
+  logged: set = dataclasses.field(default_factory=set)
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+  def log(self, session: Session, what: str) -> None:
+    if reporting():
+      return  # swap_report lists every row; its trace is no call of the model
+    recipe = recipes.resolve(session.recipe)
+    with self.lock:
+      if recipe in self.logged:
+        return
+      self.logged.add(recipe)
+    LOGGER.info("%s", summary(session, what))
