@@ -25,7 +25,7 @@ from jaxquant.flax import _contraction as contraction
 from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import nnx_weight_metadata
-from jaxquant.flax._rng import nnx_key
+from jaxquant.flax._rng import draws_key, layer_index, nnx_key
 from jaxquant.flax._state import (
   QuantState,
   init_role_states,
@@ -68,6 +68,12 @@ class _QuantizedGemm:
       )
     elif hasattr(self, "quant_state"):
       del self.quant_state
+    # Layers stacked by nnx.vmap share their role name and their call's key: each folds
+    # in its own index, which nnx.scan / nnx.vmap hand it.
+    if self._stacked_dims() and draws_key(quantizers):
+      self.quant_layer_index = layer_index(self._stacked_dims())
+    elif hasattr(self, "quant_layer_index"):
+      del self.quant_layer_index
     if annotate:
       self.kernel.set_metadata(**nnx_weight_metadata(roles["weight"], quantizers["weight"]))
 
@@ -112,6 +118,7 @@ class _QuantizedGemm:
       quantizers,
       self._what(),
       "quant_rngs=nnx.Rngs(quant=seed) (or rngs= to quantize_model)",
+      getattr(self, "quant_layer_index", None),
     )
 
   def _gemm(self, flax_call, plan_fn, inputs, *args, **kwargs):

@@ -14,7 +14,11 @@ NNX modules do not record which of them is running: the operand's owner is found
 the `self` of the running methods on the Python stack (innermost first), as the module
 whose own `nnx.Param` the operand is (`_provenance.find`). Routed contractions of NNX
 models take no delayed-scaling recipe (their state would have to exist before the first
-trace); stochastic rounding draws from the `rngs` given to `quantize_model`.
+trace). Stochastic rounding draws one key per model call from the `rngs` given to
+`quantize_model`, where the model lives; every GEMM inside (swapped layer or routed
+contraction) derives its own from it (`_rng.call_keys`), so no stream is mutated from
+inside `jax.checkpoint`, `nnx.remat` or `nnx.scan`, and no layer holds the stream (a
+scanned stack could not).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from flax import nnx
 
 from jaxquant import recipes
 from jaxquant.flax._nnx_graph import path_str, replace_submodules
+from jaxquant.flax._rng import call_keys
 from jaxquant.flax._session import Session, active
 from jaxquant.flax.swap import _provenance as provenance
 from jaxquant.flax.swap._found_gemms import check_found_gemms
@@ -57,20 +62,20 @@ def _running_modules():
     frame = frame.f_back
 
 
-def _finder(rngs):
+def _finder():
   def find_weight(operand) -> Optional[WeightRef]:
     for module in _running_modules():
       params = _own_params(module)
       name = provenance.find(operand, params)
       if name is not None:
         weights = [n for n, v in params.items() if len(getattr(v, "shape", ())) >= 2]
-        return WeightRef(getattr(module, PATH_ATTR), name, weights == [name], NnxHost(rngs))
+        return WeightRef(getattr(module, PATH_ATTR), name, weights == [name], NnxHost(None))
     return None
 
   return find_weight
 
 
-def _quantized_twin(module: nnx.Module, quant_rngs) -> nnx.Module:
+def _quantized_twin(module: nnx.Module) -> nnx.Module:
   """A jaxquant layer holding the very same Variables and attributes as `module`.
 
   Built abstractly (no weights are initialised), then given the original's attributes.
@@ -86,7 +91,7 @@ def _quantized_twin(module: nnx.Module, quant_rngs) -> nnx.Module:
   for attr, value in vars(module).items():
     if not attr.startswith("_pytree__"):
       setattr(twin, attr, value)
-  twin.quant_rngs = nnx.data(quant_rngs)
+  twin.quant_rngs = nnx.data(None)  # keys from the model call's (`call_keys`)
   return twin
 
 
@@ -113,7 +118,6 @@ def swap_modules(
   recipe: Optional[recipes.CustomRecipe],
   *,
   annotate: bool = False,
-  rngs: Optional[nnx.Rngs] = None,
 ) -> nnx.Module:
   """Replaces, in place, every nnx.Linear / nnx.Einsum reachable from `model` (every
   reference to it) by its quantized twin, and binds every jaxquant layer to its module
@@ -126,24 +130,21 @@ def swap_modules(
     )
   submodels = _quantized_submodels(model)
 
-  def options(path) -> tuple[_Options, Optional[nnx.Rngs]]:
+  def options(path) -> _Options:
     for n in range(len(path) - 1, 0, -1):
       inner = submodels.get(tuple(path[:n]))
       if inner is not None:
-        own_rngs = getattr(inner, RNGS_ATTR, None)
-        return getattr(type(inner), _OPTIONS_ATTR), rngs if own_rngs is None else own_rngs
-    return _Options(recipe, annotate), rngs
+        return getattr(type(inner), _OPTIONS_ATTR)
+    return _Options(recipe, annotate)
 
   def replace(child, path):
-    own, layer_rngs = options(path)
+    own = options(path)
     if type(child) in NNX_LAYERS:
-      twin = _quantized_twin(child, layer_rngs)
+      twin = _quantized_twin(child)
       twin.bind_role(path_str(path), own.recipe, annotate=own.annotate)
       return twin
     if isinstance(child, NNX_NATIVE_LAYERS):
       child.bind_role(path_str(path), own.recipe)
-      if layer_rngs is not None and child.quant_rngs is None:
-        child.quant_rngs = nnx.data(layer_rngs)
       return child
     return None
 
@@ -155,8 +156,8 @@ def _routed_class(cls: type, recipe, on_unfit, require_gemm, annotate) -> type:
   """`cls` whose `__call__` runs the model with its contractions routed."""
 
   def __call__(self, *args, **kwargs):
-    session = Session(recipe, on_unfit, _finder(getattr(self, RNGS_ATTR, None)))
-    with active(session), routing(handle):
+    session = Session(recipe, on_unfit, _finder())
+    with active(session), routing(handle), call_keys(getattr(self, RNGS_ATTR, None)):
       y = cls.__call__(self, *args, **kwargs)
     if require_gemm:
       check_found_gemms(session, f"quantize_model({cls.__name__})")
@@ -185,7 +186,7 @@ def quantize_nnx_model(
   require_gemm: bool,
 ) -> nnx.Module:
   """In place: stock layers swapped, modules named, the model's calls routed. Returns it."""
-  swap_modules(model, recipe, annotate=annotate, rngs=rngs)
+  swap_modules(model, recipe, annotate=annotate)
   for path, node in nnx.iter_graph(model):
     if isinstance(node, nnx.Module) and not isinstance(node, NNX_NATIVE_LAYERS):
       setattr(node, PATH_ATTR, path_str(path))
