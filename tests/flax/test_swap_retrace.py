@@ -115,3 +115,24 @@ def test_user_jit_of_each_model(setup):
   mx = jax.jit(lambda v, x: quantized.apply(v, x))(variables, x)
   assert not np.array_equal(np.asarray(mx), np.asarray(plain))
   np.testing.assert_array_equal(mx, _apply(model, "mxfp8", variables, x))
+
+
+class Holder(nn.Module):
+  """A submodule passed as an attribute: bound before the wrapper's call begins."""
+
+  block: nn.Module
+
+  def __call__(self, x):
+    return self.block(x)
+
+
+def test_nn_jit_submodule_passed_as_attribute(setup):
+  _, x = setup
+  make = lambda: Holder(block=nn.jit(Block)())
+  variables = make().init(jax.random.key(0), x)
+  plain = np.asarray(make().apply(variables, x))
+  quantized = jqf.quantize_model(make(), "mxfp8")
+  mx = np.asarray(quantized.apply(variables, x))
+  assert not np.array_equal(mx, plain)
+  np.testing.assert_array_equal(np.asarray(quantized.apply(variables, x)), mx)
+  np.testing.assert_array_equal(_apply(make(), "bf16", variables, x), plain)

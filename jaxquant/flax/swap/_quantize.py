@@ -30,9 +30,12 @@ the params (a box in Linen, Variable metadata in NNX) that checkpoints and optim
 states of the plain model were made with.
 
 No silent no-op: if a recipe that quantizes meets no weight GEMM in a call of the model,
-that call raises (`_found_gemms`); in Linen at the first trace (init or
-apply: the wrapper is returned before any), in NNX at each call. `require_gemm=False`
-silences it.
+that call raises (`_found_gemms`); in Linen at each trace (init or apply: the wrapper is
+returned before any; the parts of the model under Flax's `nn.jit` are traced at every
+call of the wrapper, see `_linen._session_scopes`), in NNX at each call.
+`require_gemm=False` silences it; `swap_report` lists such a model instead. The first
+call under each recipe logs one INFO line on the `jaxquant` logger: the weight GEMMs
+quantized, those left in high precision and why.
 """
 
 from __future__ import annotations
