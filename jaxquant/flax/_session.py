@@ -135,13 +135,14 @@ def summary(session: Session, what: str) -> str:
   )
 
 
-@dataclasses.dataclass(eq=False)
 class FirstCallLog:
   """Logs `summary` at the first call of a quantized model under each recipe. A model
-  keeps its own (its copies share it), so nothing is global."""
+  keeps its own (its copies share it), so nothing is global. A plain object, hashed by
+  identity: `nn.jit`'s key of a module holding the wrapper does not change as it logs."""
 
-  logged: set = dataclasses.field(default_factory=set)
-  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+  def __init__(self):
+    self.logged: set[recipes.CustomRecipe] = set()
+    self.lock = threading.Lock()
 
   def log(self, session: Session, what: str) -> None:
     if reporting():
