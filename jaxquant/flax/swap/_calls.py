@@ -5,13 +5,18 @@ two arrays; written as einsum letters (`lhs,rhs->out`, in the output order the f
 itself produces) they share one planner (`jaxquant.flax._contraction`). A call that
 is no two-operand contraction (a scalar product, a three-operand einsum, a broadcast
 matmul) gets a reason instead.
+
+`lax.ragged_dot` (and `lax.ragged_dot_general` with its plain dimension numbers) is a
+grouped GEMM: `[M, K]` rows in consecutive groups, each times its `[K, N]` of a
+`[G, K, N]` rhs; it reads as a `RaggedContraction`, whose rows `ops.grouped_dense`
+takes as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import string
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 import opt_einsum
@@ -21,7 +26,8 @@ _LETTERS = string.ascii_letters
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-  """One routed contraction: `kind` in ("dot_general", "einsum", "dot", "matmul").
+  """One routed contraction: `kind` in ("dot_general", "einsum", "dot", "matmul",
+  "ragged_dot", "ragged_dot_general").
 
   For "matmul" (also `a @ b`) `args` is (a, b) in mathematical order.
   """
@@ -51,6 +57,22 @@ class Contraction:
   @property
   def equation(self) -> str:
     return f"{self.lhs_letters},{self.rhs_letters}->{self.out_letters}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedContraction:
+  """`out[m] = lhs[m] @ rhs[g]` for the rows m of group g: lhs `[M, K]`, rhs `[G, K, N]`,
+  `group_sizes` `[G]` (rows past their sum give zeros)."""
+
+  lhs: Any
+  rhs: Any
+  group_sizes: Any
+  preferred_element_type: Any = None
+  equation = "mk,gkn->mn"
+
+
+# `lax.ragged_dot`'s dimension numbers: lhs [M, K] ragged along M, rhs [G, K, N].
+_PLAIN_RAGGED = ((((1,), (1,)), ((), ())), (0,), (0,))
 
 
 def _arg(call: Call, index: int, name: str, default=None):
@@ -125,17 +147,47 @@ def _matmul(call: Call) -> Union[Contraction, str]:
   return Contraction(a, b, a_l, b_l, out, call.kwargs.get("preferred_element_type"))
 
 
-_PARSERS = {"dot_general": _dot_general, "einsum": _einsum, "dot": _dot, "matmul": _matmul}
+def _ragged_dot(call: Call) -> Union[RaggedContraction, str]:
+  lhs, rhs, group_sizes = call.args[0], _arg(call, 1, "rhs"), _arg(call, 2, "group_sizes")
+  general = call.kind == "ragged_dot_general"
+  if general:
+    numbers = _arg(call, 3, "ragged_dot_dimension_numbers")
+    (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
+    read = (
+      ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))),
+      tuple(numbers.lhs_ragged_dimensions),
+      tuple(numbers.rhs_group_dimensions),
+    )
+    if read != _PLAIN_RAGGED:
+      return f"a ragged_dot_general with dimension numbers {numbers} (not ragged_dot's)"
+  if _arg(call, 6 if general else 5, "group_offset") is not None:
+    return "a ragged_dot with a group_offset"
+  if np.ndim(lhs) != 2 or np.ndim(rhs) != 3:
+    return f"a ragged_dot of shapes {np.shape(lhs)} and {np.shape(rhs)}"
+  return RaggedContraction(
+    lhs, rhs, group_sizes, _arg(call, 5 if general else 4, "preferred_element_type")
+  )
 
 
-def contraction(call: Call) -> Union[Contraction, str]:
-  """The call as a Contraction, or why it is none (a str)."""
+_PARSERS = {
+  "dot_general": _dot_general,
+  "einsum": _einsum,
+  "dot": _dot,
+  "matmul": _matmul,
+  "ragged_dot": _ragged_dot,
+  "ragged_dot_general": _ragged_dot,
+}
+
+
+def contraction(call: Call) -> Union[Contraction, RaggedContraction, str]:
+  """The call as a Contraction (a RaggedContraction for a ragged dot), or why it is none
+  (a str)."""
   if call.kwargs.get("out_sharding") is not None:
     return "a contraction with an out_sharding"
   return _PARSERS[call.kind](call)
 
 
-def describe(call: Call, found: Optional[Contraction]) -> str:
+def describe(call: Call, found: Union[Contraction, RaggedContraction, None]) -> str:
   """What the model's code called, for the report: e.g. "einsum 'btd,dnh->btnh'"."""
   if found is None:
     return call.kind

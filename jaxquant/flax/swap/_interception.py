@@ -1,30 +1,43 @@
 """Routes the contractions a model's code calls to a handler: the hook of the swap-in.
 
-`jax.lax.dot_general`, `jax.numpy.einsum`, `jax.numpy.dot`, `jax.numpy.matmul` and the
-`@` operator of JAX arrays and tracers (`_targets.contraction_targets()`) are what a
-Flax module calls to contract two arrays; JAX offers no public hook on them. While a
-`routing(handler)` context is open anywhere in the process, those entry points are
-replaced by dispatchers. A dispatcher hands the call to the handler of the *current*
-context (a contextvar, so other threads and code outside any context call the originals
-unchanged) unless routing is paused (`jaxquant.flax._routing_pause`: a layer computing
-its own GEMM); the handler runs with routing paused, so the contractions it makes
-itself, and the originals it falls back to, are not routed again. When the last context
-closes, JAX's classes and modules are left exactly as they were: an attribute the owner
-held is put back, one it inherited is deleted again.
+`jax.lax.dot_general`, `jax.lax.ragged_dot`, `jax.lax.ragged_dot_general`,
+`jax.numpy.einsum`, `jax.numpy.dot`, `jax.numpy.matmul` and the `@` operator of JAX
+arrays and tracers (`_targets.contraction_targets()`) are what a Flax module calls to
+contract two arrays; JAX offers no public hook on them. While a `routing(handler)`
+context is open anywhere in the process, they dispatch: a call goes to the handler of
+the *current* context (a contextvar, so other threads and code outside any context call
+the originals unchanged) unless routing is paused (`jaxquant.flax._routing_pause`: a
+layer computing its own GEMM); the handler runs with routing paused, so the
+contractions it makes itself, and the originals it falls back to, are not routed again.
+When the last context closes, JAX's functions, classes and modules are left exactly as
+they were.
+
+Two ways to dispatch, by what the entry point is:
+
+- A plain Python function (`dot_general`, `ragged_dot`, `ragged_dot_general`, `einsum`
+  on JAX 0.10 to 0.12) is redirected in place (`_Redirect`): the function object keeps
+  its identity, only its code is swapped for a trampoline into the dispatcher (and its
+  original code and defaults run as a copy). So `einsum is jnp.einsum` stays true for a
+  function bound before routing began (MaxText passes `precision=` only then), and a
+  name bound before routing began (`from jax.numpy import einsum`, a module attribute)
+  is routed too. Calls that JAX's own modules make run as written, as they did when only
+  the public names were replaced: `jnp.einsum` and the jnp products call `dot_general`,
+  their transposes too, and a jitted JAX function caches its trace.
+- A compiled jitted function (`jnp.dot` and `jnp.matmul` are `PjitFunction`s) and an
+  operator are replaced by a dispatcher on their owner (`_Patch`): `jnp.dot` seen while
+  routing is not the `jnp.dot` bound before, and a name bound before routing began
+  reaches the original: the swap report (`_report`) shows what was found.
 
 Threads: which handler runs, and whether routing is paused, is per thread (and task);
 the patched entry points are the same for every thread and trace (the concrete array
 class is found under `jax.ensure_compile_time_eval`, not in whatever trace the first
-context opens in). See
-`_Patched` for why opening, closing and dispatching need no more than one lock.
+context opens in). See `_Patched` for why opening, closing and dispatching need no more
+than one lock.
 
 Why the entry points and not `lax.dot_general` alone: `jnp.dot`, `jnp.matmul` and
-`jnp.einsum` are jitted, and a jitted function reuses its cached trace, so a hook below
-them would miss every call whose trace is already cached.
-
-Calls through a name bound before routing began (`from jax.numpy import einsum` at
-import, a function stored as a default argument or attribute) reach the originals: the
-swap report (`_report`) shows what was found.
+`jnp.einsum` are jitted inside, and a jitted function reuses its cached trace, so a hook
+below them would miss every call whose trace is already cached, and would see the
+operands as the inner trace's tracers, not as the model's params.
 """
 
 from __future__ import annotations
@@ -33,7 +46,9 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import sys
 import threading
+import types
 from typing import Any, Callable, Optional
 
 from jaxquant.flax import _routing_pause as routing_pause
@@ -103,6 +118,82 @@ class _Patch:
       delattr(self.owner, self.attribute)
 
 
+# The dispatcher's keyword in the redirected function's keyword defaults.
+_ROUTE = "_jaxquant_route"
+
+
+def _trampoline(*args, _jaxquant_route, **kwargs):
+  # Runs as the code of a JAX function, in that function's module globals: it reads
+  # nothing but its arguments, and has no closure (the function it replaces has none).
+  return _jaxquant_route(args, kwargs)
+
+
+def _called_by_jax(frame) -> bool:
+  module = frame.f_globals.get("__name__", "") if frame is not None else ""
+  return module.partition(".")[0] in ("jax", "jaxlib")
+
+
+def _copy(function: types.FunctionType) -> types.FunctionType:
+  """A new function object running `function`'s code with its globals and defaults."""
+  copy = types.FunctionType(
+    function.__code__,
+    function.__globals__,
+    function.__name__,
+    function.__defaults__,
+    function.__closure__,
+  )
+  copy.__kwdefaults__ = dict(function.__kwdefaults__ or {})
+  return functools.update_wrapper(copy, function)
+
+
+def _router(kind: str, original: Callable) -> Callable:
+  def route(args, kwargs):
+    # Frame 0: route, 1: the trampoline, 2: whoever called the JAX function.
+    if _HANDLER.get() is None or _called_by_jax(sys._getframe(2)):
+      return original(*args, **kwargs)
+    return _dispatch(kind, original, args, kwargs)
+
+  return route
+
+
+def redirects_in_place(target: ContractionTarget) -> bool:
+  """A function target that is a plain Python function (not a compiled jitted one)."""
+  return target.operator is None and isinstance(
+    getattr(target.owner, target.attribute), types.FunctionType
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Redirect:
+  """A plain function whose code is swapped for the trampoline into its dispatcher, and
+  how to undo it. The keyword defaults are widened before the code is swapped and
+  narrowed after it is put back, so that a call in another thread meanwhile finds the
+  defaults its code needs (extra keyword defaults are ignored)."""
+
+  function: types.FunctionType
+  code: types.CodeType
+  kwdefaults: Optional[dict]
+
+  @classmethod
+  def apply(cls, target: ContractionTarget) -> _Redirect:
+    function = getattr(target.owner, target.attribute)
+    if function.__closure__:
+      raise TypeError(f"{function!r} has a closure: it cannot be redirected in place")
+    redirect = cls(function, function.__code__, function.__kwdefaults__)
+    route = _router(target.kind, _copy(function))
+    function.__kwdefaults__ = {**(redirect.kwdefaults or {}), _ROUTE: route}
+    function.__code__ = _trampoline.__code__
+    return redirect
+
+  def undo(self):
+    self.function.__code__ = self.code
+    self.function.__kwdefaults__ = self.kwdefaults
+
+
+def _apply(target: ContractionTarget):
+  return (_Redirect if redirects_in_place(target) else _Patch).apply(target)
+
+
 class _Patched:
   """The process-wide part of routing: how many contexts are open, in all threads, and
   the patches set while any is.
@@ -117,14 +208,15 @@ class _Patched:
   runs the original it holds, unchanged; a thread inside a context never sees its
   dispatchers removed, as its context keeps the count positive. A lock there would
   serialize every contraction of every thread. Setting or deleting a class or module
-  attribute is atomic for the threads that read it. The targets are resolved before
+  attribute, and setting a function's code or keyword defaults, is atomic for the
+  threads that read it (`_Redirect` orders its two settings). The targets are resolved before
   the lock is taken: the first resolution runs JAX, which takes locks of its own.
   """
 
   def __init__(self):
     self._lock = threading.Lock()
     self._contexts = 0
-    self._patches: list[_Patch] = []
+    self._patches: list = []  # _Patch and _Redirect
 
   def open(self):
     targets = contraction_targets()
@@ -132,7 +224,7 @@ class _Patched:
       if self._contexts == 0:
         try:
           for target in targets:
-            self._patches.append(_Patch.apply(target))
+            self._patches.append(_apply(target))
         except BaseException:
           self._undo()
           raise

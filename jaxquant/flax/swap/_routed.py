@@ -17,6 +17,10 @@ active:
    shape a quantizer does not fit raises, or with `on_unfit="high_precision"` runs as
    written; every other one runs through `ops.dense` / `ops.grouped_dense` in the dtype
    the call would have produced.
+
+A ragged dot (`lax.ragged_dot`: rows in groups, one `[K, N]` of its `[G, K, N]` rhs per
+group) whose rhs is a param is a "grouped_linear" role, run by `ops.grouped_dense` on
+the call's own rows and group sizes; a param lhs alone is no weight GEMM.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def handle(call: Call):
     shapes = tuple(np.shape(a) for a in call.args if hasattr(a, "shape"))
     session.record(_row("", call, None, shapes, status=f"{sessions.NOT_A_WEIGHT_GEMM} ({found})"))
     return call.fallback()
+  if isinstance(found, calls.RaggedContraction):
+    return _ragged(session, call, found)
   shapes = (np.shape(found.lhs), np.shape(found.rhs))
   refs = (session.find_weight(found.lhs), session.find_weight(found.rhs))
   if (refs[0] is None) == (refs[1] is None):
@@ -82,24 +88,13 @@ def handle(call: Call):
       k,
       n,
       quantizers,
-      backward=recipe.backward if session.on_unfit == "high_precision" else None,
+      # ops.grouped_dense checks the weight's backward usages even for a forward only.
+      backward=recipe.backward if grouped or session.on_unfit == "high_precision" else None,
     )
   if reason:
-    if session.on_unfit == "error":
-      raise ValueError(
-        f"{what}: {reason}; change the shape or map role {ref.role_name!r} to "
-        "another quantizer (or None) in the recipe, or pass "
-        "on_unfit='high_precision' to quantize_model"
-      )
-    session.record(row(sessions.unfit_status(reason)))
+    _unfit(session, what, reason, ref, row)
     return call.fallback()
-  if session.weight_gather is not None and quantizers["weight"] is not None:
-    raise ValueError(
-      f"{what}: quantize_model's weight_gather gathers the kernels of Dense, "
-      "DenseGeneral and Einsum layers; a weight the model's own code contracts "
-      "would be gathered in high precision. Map role "
-      f"{ref.role_name!r} to None in the recipe, or leave weight_gather out"
-    )
+  _check_weight_gather(session, quantizers, what, ref)
   session.record(row(sessions.QUANTIZED))
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
   x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
@@ -126,6 +121,69 @@ def handle(call: Call):
 
 
 def _grouped(plan, x, w, quantizers, recipe, ref, key, what):
+  def grouped_gemm(x2d, k3d, group_sizes):
+    return _grouped_dense(x2d, k3d, group_sizes, quantizers, recipe, ref, key, what), None
+
+  return plan.run(x, w, grouped_gemm)[0]
+
+
+def _check_weight_gather(session, quantizers, what, ref):
+  if session.weight_gather is not None and quantizers["weight"] is not None:
+    raise ValueError(
+      f"{what}: quantize_model's weight_gather gathers the kernels of Dense, "
+      "DenseGeneral and Einsum layers; a weight the model's own code contracts "
+      "would be gathered in high precision. Map role "
+      f"{ref.role_name!r} to None in the recipe, or leave weight_gather out"
+    )
+
+
+def _unfit(session, what, reason, ref, row):
+  """Raises for `on_unfit="error"`; records the row of a call run as written otherwise."""
+  if session.on_unfit == "error":
+    raise ValueError(
+      f"{what}: {reason}; change the shape or map role {ref.role_name!r} to "
+      "another quantizer (or None) in the recipe, or pass "
+      "on_unfit='high_precision' to quantize_model"
+    )
+  session.record(row(sessions.unfit_status(reason)))
+
+
+def _ragged(session, call: Call, found: calls.RaggedContraction):
+  """A ragged dot with a param rhs through `ops.grouped_dense`, per the recipe."""
+  shapes = (np.shape(found.lhs), np.shape(found.rhs))
+  lhs_ref, ref = session.find_weight(found.lhs), session.find_weight(found.rhs)
+  if ref is None or lhs_ref is not None:
+    why = {
+      (False, False): "",
+      (True, False): " (its lhs is a param, not its [G, K, N] rhs)",
+      (True, True): " (both operands are params)",
+    }[lhs_ref is not None, ref is not None]
+    path = (lhs_ref or ref).path if (lhs_ref or ref) else ""
+    session.record(_row(path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
+    return call.fallback()
+  what = f"{calls.describe(call, found)} with weight {ref.role_name!r}"
+  recipe = recipes.resolve(session.recipe)
+  quantizers = recipe.quantizers(GROUPED_LINEAR, ref.role_name)
+  row = lambda status: _row(ref.path, call, found, shapes, ref.role_name, quantizers, status)
+  if is_high_precision(quantizers):
+    session.record(row(sessions.RECIPE_NONE))
+    return call.fallback()
+  _, k, n = np.shape(found.rhs)
+  # ops.grouped_dense checks the weight's backward usages even for a forward only.
+  reason = contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
+  if reason:
+    _unfit(session, what, reason, ref, row)
+    return call.fallback()
+  _check_weight_gather(session, quantizers, what, ref)
+  session.record(row(sessions.QUANTIZED))
+  dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
+  x, w = jnp.asarray(found.lhs, dtype), jnp.asarray(found.rhs, dtype)
+  key = ref.host.key(quantizers, what)
+  return _grouped_dense(x, w, found.group_sizes, quantizers, recipe, ref, key, what)
+
+
+def _grouped_dense(x, w, group_sizes, quantizers, recipe, ref, key, what):
+  """`ops.grouped_dense` of a routed weight: current scaling only."""
   delayed = sorted(t for t, q in quantizers.items() if needs_state(q))
   if delayed:
     raise ValueError(
@@ -133,16 +191,12 @@ def _grouped(plan, x, w, quantizers, recipe, ref, key, what):
       "contractions do not hold state for; use a current-scaling recipe for "
       "this role"
     )
-
-  def grouped_gemm(x2d, k3d, group_sizes):
-    return ops.grouped_dense(
-      x2d,
-      k3d,
-      group_sizes,
-      quantizers=dict(quantizers),
-      backward=recipe.backward,
-      name=ref.role_name,
-      key=key,
-    ), None
-
-  return plan.run(x, w, grouped_gemm)[0]
+  return ops.grouped_dense(
+    x,
+    w,
+    group_sizes,
+    quantizers=dict(quantizers),
+    backward=recipe.backward,
+    name=ref.role_name,
+    key=key,
+  )

@@ -1,8 +1,8 @@
 """What the swap-in intercepts, as data: every entry point it takes over, and its route.
 
 - `contraction_targets()`: the functions and operators a model's code calls to contract
-  two arrays. While a `routing` context is open (`_interception`), each is replaced by a
-  dispatcher that hands the handler a `Call` of the target's kind.
+  two arrays. While a `routing` context is open (`_interception`), each dispatches: it
+  hands the handler a `Call` of the target's kind.
 - `LINEN_LAYERS`: the Linen layers whose `__call__` the method interceptor (`_linen`) runs
   itself, each through its route, with routing paused (their GEMM is theirs).
 - `NNX_LAYERS`: the NNX layers replaced, in place, by jaxquant's twin (`_nnx`), and
@@ -44,7 +44,9 @@ class ContractionTarget:
 def contraction_targets() -> tuple[ContractionTarget, ...]:
   """The same targets for every thread and trace. `@` is taken over on `jax.core.Tracer`
   (every tracer class inherits its operators) and on the concrete array class, which
-  owns operators of its own."""
+  owns operators of its own. `ragged_dot` is `ragged_dot_general` with the plain
+  dimension numbers (`[M, K]` rows in groups, `[G, K, N]`); JAX's `ragged_dot` calls
+  `ragged_dot_general` from its own module, which is not routed again."""
   # The concrete class is found by building an array, so on first use rather than at
   # import (which would start JAX's backend), and at compile time: inside a trace
   # `jnp.zeros` gives a tracer.
@@ -52,6 +54,8 @@ def contraction_targets() -> tuple[ContractionTarget, ...]:
     array_class = type(jnp.zeros(()))
   return (
     ContractionTarget(jax.lax, "dot_general", "dot_general"),
+    ContractionTarget(jax.lax, "ragged_dot", "ragged_dot"),
+    ContractionTarget(jax.lax, "ragged_dot_general", "ragged_dot_general"),
     ContractionTarget(jnp, "einsum", "einsum"),
     ContractionTarget(jnp, "dot", "dot"),
     ContractionTarget(jnp, "matmul", "matmul"),
