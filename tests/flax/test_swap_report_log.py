@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import jaxquant.flax as jqf
 from jaxquant import recipes
@@ -81,3 +82,44 @@ def test_a_wrapper_without_recipe_logs_once_per_recipe(caplog):
     "quantize_model(Small) under recipe 'mxfp8'",
     "quantize_model(Small) under recipe 'bf16'",
   ]
+
+
+class NnxNoWeightGemm(nnx.Module):
+  def __init__(self, rngs):
+    self.scale = nnx.Param(jnp.ones((64,)))
+
+  def __call__(self, x):
+    x = x * self.scale
+    return jnp.einsum("bd,bd->b", x, x)
+
+
+class NnxSmall(nnx.Module):
+  def __init__(self, rngs):
+    self.fc = nnx.Linear(64, 64, rngs=rngs)
+    self.head = nnx.Linear(64, 32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.fc(x))
+
+
+def test_swap_report_of_an_nnx_model_without_weight_gemm():
+  model = jqf.quantize_model(NnxNoWeightGemm(nnx.Rngs(0)), "mxfp8")
+  report = jqf.swap_report(model, X)
+  assert report.quantized == () and len(report.rows) == 1, str(report)
+  with pytest.raises(ValueError, match="made no GEMM with a weight"):
+    model(X)
+
+
+def test_an_nnx_model_logs_one_line_at_its_first_call(caplog):
+  caplog.set_level(logging.INFO, logger="jaxquant")
+  model = jqf.quantize_model(NnxSmall(nnx.Rngs(0)), HEAD_IN_BF16)
+  jqf.swap_report(model, X)
+  assert _lines(caplog) == []
+  model(X)
+  model(X)
+  (line,) = _lines(caplog)
+  assert line.getMessage() == (
+    "quantize_model(NnxSmall) under recipe 'head_bf16': 1 of 2 weight GEMMs quantized, "
+    "1 in high precision (the recipe maps it to None: 1); "
+    "0 other contractions (no param operand) in high precision"
+  )
