@@ -221,3 +221,21 @@ def test_other_ragged_dimension_numbers_run_as_written_and_are_reported():
   np.testing.assert_array_equal(model.apply(params, x), RaggedContracting().apply(params, x))
   (row,) = jqf.swap_report(model, params, x).rows
   assert row.status.startswith(f"{sessions.NOT_A_WEIGHT_GEMM} (a ragged_dot_general with")
+
+
+class EinsumExperts(nn.Module):
+  """Per-expert weights through einsum: a grouped GEMM of equal groups."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(0.05), (EXPERTS, D, 48))
+    return jnp.einsum("gmk,gkn->gmn", x, w)
+
+
+def test_an_unfit_einsum_expert_raises_naming_the_role_before_grouped_dense_does():
+  # N = 48 fits the forward's MXFP8 blocks but not the weight's columnwise (backward)
+  # usage, which ops.grouped_dense checks even for a forward only.
+  x = jax.random.normal(jax.random.key(1), (EXPERTS, 8, D))
+  params = EinsumExperts().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="'w'.*dim N .* = 48.*on_unfit='high_precision'"):
+    jqf.quantize_model(EinsumExperts(), recipes.mxfp8).apply(params, x)
