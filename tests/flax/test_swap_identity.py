@@ -3,6 +3,7 @@ code like MaxText's attention, which passes `precision=` only `if einsum is jnp.
 for an `einsum` it stored before, computes what it computes unquantized, and the bf16
 recipe lowers to the plain model's HLO."""
 
+import inspect
 import re
 from typing import Callable
 
@@ -103,15 +104,22 @@ class Probe(nn.Module):
       "lax.ragged_dot_general": jax.lax.ragged_dot_general,
     }
     self.record({name: current[name] is f for name, f in ENTRY_POINTS.items()})
+    self.record({f"{name} signature": inspect.signature(f) for name, f in ENTRY_POINTS.items()})
     return x @ w
 
 
 def test_entry_points_are_the_objects_bound_before_routing():
   x = inputs()
+  before = {name: (f.__code__, f.__kwdefaults__, dict(vars(f))) for name, f in ENTRY_POINTS.items()}
+  signatures = {f"{name} signature": inspect.signature(f) for name, f in ENTRY_POINTS.items()}
   seen = {}
   model = jqf.quantize_model(Probe(seen.update), recipes.fp8_current)
   model.apply(model.init(jax.random.key(0), x), x)
-  assert seen == dict.fromkeys(ENTRY_POINTS, True)
+  assert seen == {**dict.fromkeys(ENTRY_POINTS, True), **signatures}
+  # ... and the functions are left as they were.
+  for name, f in ENTRY_POINTS.items():
+    code, kwdefaults, namespace = before[name]
+    assert f.__code__ is code and f.__kwdefaults__ is kwdefaults and vars(f) == namespace
 
 
 class BoundAtImport(nn.Module):

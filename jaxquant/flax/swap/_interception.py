@@ -46,6 +46,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import sys
 import threading
 import types
@@ -143,7 +144,8 @@ def _copy(function: types.FunctionType) -> types.FunctionType:
     function.__closure__,
   )
   copy.__kwdefaults__ = dict(function.__kwdefaults__ or {})
-  return functools.update_wrapper(copy, function)
+  copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
+  return copy
 
 
 def _router(kind: str, original: Callable) -> Callable:
@@ -157,9 +159,15 @@ def _router(kind: str, original: Callable) -> Callable:
 
 
 def redirects_in_place(target: ContractionTarget) -> bool:
-  """A function target that is a plain Python function (not a compiled jitted one)."""
-  return target.operator is None and isinstance(
-    getattr(target.owner, target.attribute), types.FunctionType
+  """A function target that is a plain Python function (not a compiled jitted one) with
+  no closure (the trampoline has none) and no signature of its own to keep: else it is
+  replaced on its owner."""
+  function = getattr(target.owner, target.attribute)
+  return (
+    target.operator is None
+    and isinstance(function, types.FunctionType)
+    and not function.__closure__
+    and "__signature__" not in vars(function)
   )
 
 
@@ -168,7 +176,8 @@ class _Redirect:
   """A plain function whose code is swapped for the trampoline into its dispatcher, and
   how to undo it. The keyword defaults are widened before the code is swapped and
   narrowed after it is put back, so that a call in another thread meanwhile finds the
-  defaults its code needs (extra keyword defaults are ignored)."""
+  defaults its code needs (extra keyword defaults are ignored). `inspect.signature`
+  keeps reading the original's (`__signature__`, deleted again on undo)."""
 
   function: types.FunctionType
   code: types.CodeType
@@ -177,10 +186,9 @@ class _Redirect:
   @classmethod
   def apply(cls, target: ContractionTarget) -> _Redirect:
     function = getattr(target.owner, target.attribute)
-    if function.__closure__:
-      raise TypeError(f"{function!r} has a closure: it cannot be redirected in place")
     redirect = cls(function, function.__code__, function.__kwdefaults__)
     route = _router(target.kind, _copy(function))
+    function.__signature__ = inspect.signature(function)
     function.__kwdefaults__ = {**(redirect.kwdefaults or {}), _ROUTE: route}
     function.__code__ = _trampoline.__code__
     return redirect
@@ -188,6 +196,7 @@ class _Redirect:
   def undo(self):
     self.function.__code__ = self.code
     self.function.__kwdefaults__ = self.kwdefaults
+    del self.function.__signature__
 
 
 def _apply(target: ContractionTarget):
