@@ -20,9 +20,12 @@ Two ways to dispatch, by what the entry point is:
   original code and defaults run as a copy). So `einsum is jnp.einsum` stays true for a
   function bound before routing began (MaxText passes `precision=` only then), and a
   name bound before routing began (`from jax.numpy import einsum`, a module attribute)
-  is routed too. Calls that JAX's own modules make run as written, as they did when only
-  the public names were replaced: `jnp.einsum` and the jnp products call `dot_general`,
-  their transposes too, and a jitted JAX function caches its trace.
+  is routed too. Calls that JAX's own modules make (`_called_by_jax`) run as written, as
+  they did when only the public names were replaced: `jnp.einsum`, the jnp products and
+  the transpose rules call `dot_general` directly, `ragged_dot` calls
+  `ragged_dot_general`, and a trace JAX caches inside its own jitted functions never
+  holds a routed call. So does a JAX transformation applied to the function itself
+  (`jax.vmap(jnp.einsum)` calls it from JAX's module).
 - A compiled jitted function (`jnp.dot` and `jnp.matmul` are `PjitFunction`s) and an
   operator are replaced by a dispatcher on their owner (`_Patch`): `jnp.dot` seen while
   routing is not the `jnp.dot` bound before, and a name bound before routing began
