@@ -71,19 +71,16 @@ def handle(call: Call):
   )
   shapes = (np.shape(x), np.shape(w))
   what = f"{calls.describe(call, found)} with weight {ref.role_name!r}"
-  reason = contraction.not_a_gemm(x_l, w_l, found.out_letters)
-  plan = None if reason else contraction.plan_contraction(x_l, w_l, found.out_letters)
+  not_gemm = contraction.not_a_gemm(x_l, w_l, found.out_letters)
+  plan = None if not_gemm else contraction.plan_contraction(x_l, w_l, found.out_letters)
   grouped = isinstance(plan, contraction.GroupedPlan)
   module_type = GROUPED_LINEAR if grouped else LINEAR
-  recipe = recipes.resolve(session.recipe)
-  quantizers = recipe.quantizers(module_type, ref.role_name)
-  row = lambda status: _row(ref.path, call, found, shapes, ref.role_name, quantizers, status)
-  if is_high_precision(quantizers):
-    session.record(row(sessions.RECIPE_NONE))
-    return call.fallback()
-  if plan is not None:
+
+  def unfit(recipe, quantizers):
+    if plan is None:
+      return not_gemm
     m, k, n = plan.dims(np.shape(x), np.shape(w))
-    reason = contraction.unfit_reason(
+    return contraction.unfit_reason(
       0 if grouped else m,
       k,
       n,
@@ -91,11 +88,11 @@ def handle(call: Call):
       # ops.grouped_dense checks the weight's backward usages even for a forward only.
       backward=recipe.backward if grouped or session.on_unfit == "high_precision" else None,
     )
-  if reason:
-    _unfit(session, what, reason, ref, row)
+
+  admitted = _admit(session, call, found, shapes, ref, module_type, what, unfit)
+  if admitted is None:
     return call.fallback()
-  _check_weight_gather(session, quantizers, what, ref)
-  session.record(row(sessions.QUANTIZED))
+  recipe, quantizers = admitted
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
   x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
   key = ref.host.key(quantizers, what)
@@ -125,6 +122,26 @@ def _grouped(plan, x, w, quantizers, recipe, ref, key, what):
     return _grouped_dense(x2d, k3d, group_sizes, quantizers, recipe, ref, key, what), None
 
   return plan.run(x, w, grouped_gemm)[0]
+
+
+def _admit(session, call, found, shapes, ref, module_type, what, unfit_reason):
+  """(recipe, quantizers) of a routed weight GEMM, its row recorded as quantized; None,
+  its row recorded with the reason, where it runs as written: the recipe maps its role to
+  high precision, or `unfit_reason(recipe, quantizers)` names why its shape does not fit
+  (which raises under `on_unfit="error"`)."""
+  recipe = recipes.resolve(session.recipe)
+  quantizers = recipe.quantizers(module_type, ref.role_name)
+  row = lambda status: _row(ref.path, call, found, shapes, ref.role_name, quantizers, status)
+  if is_high_precision(quantizers):
+    session.record(row(sessions.RECIPE_NONE))
+    return None
+  reason = unfit_reason(recipe, quantizers)
+  if reason:
+    _unfit(session, what, reason, ref, row)
+    return None
+  _check_weight_gather(session, quantizers, what, ref)
+  session.record(row(sessions.QUANTIZED))
+  return recipe, quantizers
 
 
 def _check_weight_gather(session, quantizers, what, ref):
@@ -162,20 +179,16 @@ def _ragged(session, call: Call, found: calls.RaggedContraction):
     session.record(_row(path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
     return call.fallback()
   what = f"{calls.describe(call, found)} with weight {ref.role_name!r}"
-  recipe = recipes.resolve(session.recipe)
-  quantizers = recipe.quantizers(GROUPED_LINEAR, ref.role_name)
-  row = lambda status: _row(ref.path, call, found, shapes, ref.role_name, quantizers, status)
-  if is_high_precision(quantizers):
-    session.record(row(sessions.RECIPE_NONE))
-    return call.fallback()
   _, k, n = np.shape(found.rhs)
-  # ops.grouped_dense checks the weight's backward usages even for a forward only.
-  reason = contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
-  if reason:
-    _unfit(session, what, reason, ref, row)
+
+  def unfit(recipe, quantizers):
+    # ops.grouped_dense checks the weight's backward usages even for a forward only.
+    return contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
+
+  admitted = _admit(session, call, found, shapes, ref, GROUPED_LINEAR, what, unfit)
+  if admitted is None:
     return call.fallback()
-  _check_weight_gather(session, quantizers, what, ref)
-  session.record(row(sessions.QUANTIZED))
+  recipe, quantizers = admitted
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
   x, w = jnp.asarray(found.lhs, dtype), jnp.asarray(found.rhs, dtype)
   key = ref.host.key(quantizers, what)
