@@ -82,14 +82,14 @@ MLP = {
   "gating_einsum": ((2, D, FF), "...F,NFH->...NH", ("gate", "embed", "mlp")),
   "linear": ((FF, D), "...H,HF->...F", ("mlp", "embed")),
 }
-# The roles the recipe sees: every weight GEMM, named by its module path (each module
-# holds one weight); the head is the embedder's table.
+# The roles the recipe sees: every weight GEMM, named by its param's path (a param not
+# named `kernel` keeps its name); the head is the embedder's table.
 GEMMA_ROLES = (
-  tuple(f"layer_0/attn/{n}" for n in ATTENTION)
-  + tuple(f"layer_0/mlp/{n}" for n in MLP)
-  + ("embedder",)
+  tuple(f"layer_0/attn/{n}/w" for n in ATTENTION)
+  + tuple(f"layer_0/mlp/{n}/w" for n in MLP)
+  + ("embedder/table",)
 )
-HEAD_ROLE = "embedder"
+HEAD_ROLE = "embedder/table"
 
 
 class Block(nn.Module):

@@ -107,11 +107,11 @@ def test_gemma_fp8_grads_equal_stock_layers(gemma):
 
 def test_gemma_report_lists_attention_in_high_precision(gemma):
   params, data = gemma
-  model = jqf.quantize_model(cl.GemmaStyleLM(), head_in_bf16(recipes.mxfp8_factory, "embedder"))
+  model = jqf.quantize_model(cl.GemmaStyleLM(), head_in_bf16(recipes.mxfp8_factory, cl.HEAD_ROLE))
   report = jqf.swap_report(model, {"params": params}, data[:, :-1])
-  assert {r.role for r in report.quantized} == set(cl.GEMMA_ROLES) - {"embedder"}
+  assert {r.role for r in report.quantized} == set(cl.GEMMA_ROLES) - {cl.HEAD_ROLE}
   assert all(r.quantizers["weight"] == recipes.mxfp8_factory(None) for r in report.quantized)
-  (head,) = [r for r in report.rows if r.role == "embedder"]
+  (head,) = [r for r in report.rows if r.role == cl.HEAD_ROLE]
   assert head.status == "high precision: the recipe maps it to None"
   assert head.call == "dot 'abc,cd->abd'" and head.shapes == ((4, 16, 64), (64, 64))
   activations = [r for r in report.rows if r.role is None]

@@ -60,7 +60,7 @@ class JaxquantDotGeneral(nn.Module):
     self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
   ):
     caller = "/".join(self.path[:-1])
-    weight = WeightRef(caller, "kernel", True, LinenHost(self))
+    weight = WeightRef(caller, "kernel", LinenHost(self))
     return _contract(
       "dot_general",
       (lhs, rhs, dimension_numbers),
@@ -80,7 +80,7 @@ class JaxquantEinsum(nn.Module):
 
   def __call__(self, equation, lhs, rhs, **kwargs):
     caller = "/".join(self.path[:-1])
-    weight = WeightRef(caller, "kernel", True, LinenHost(self))
+    weight = WeightRef(caller, "kernel", LinenHost(self))
     if self.dtype is not None:
       rhs = jnp.asarray(rhs, self.dtype)
     return _contract("einsum", (equation, lhs, rhs), kwargs, weight, self.recipe, jnp.einsum)
@@ -107,7 +107,7 @@ class dot_general:  # noqa: N801 (used like a function: nnx.Linear(dot_general=.
   def __call__(
     self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
   ):
-    weight = WeightRef(self.name, "kernel", True, HookHost())
+    weight = WeightRef(self.name, "kernel", HookHost())
     return _contract(
       "dot_general",
       (lhs, rhs, dimension_numbers),
@@ -126,7 +126,7 @@ class einsum_op:  # noqa: N801 (used like a function: nnx.Einsum(einsum_op=...))
   recipe: Optional[recipes.CustomRecipe] = None
 
   def __call__(self, equation, lhs, rhs, **kwargs):
-    weight = WeightRef(self.name, "kernel", True, HookHost())
+    weight = WeightRef(self.name, "kernel", HookHost())
     return _contract("einsum", (equation, lhs, rhs), kwargs, weight, self.recipe, jnp.einsum)
 
 

@@ -22,6 +22,7 @@ from jaxquant.quantizers import Quantizer, needs_state
 from jaxquant.roles import QuantizerRole
 
 Quantizers = dict[str, Optional[Quantizer]]
+KERNEL = "kernel"  # the param name Flax's layers give their one weight
 
 
 class Host(Protocol):
@@ -41,21 +42,21 @@ class Host(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class WeightRef:
-  """A param the model's code contracted: its owner's path, its name, whether it is the
-  owner's only weight (then the role is named by the path alone), and the owner's host."""
+  """A param the model's code contracted: its owner's path, its name and the owner's host."""
 
   path: str
   param: str
-  only_weight: bool
   host: Host
 
   @property
   def role_name(self) -> str:
-    """The param's path without its name where that names it alone, else its path; the
-    root module's weights by their own name (a policy can match it, as it can a path)."""
+    """The owner's path for a `kernel` (Flax's name for a layer's one weight, as the stock
+    layers' roles are named), else the param's full path; the root module's weights by
+    their own name. The rule reads this param alone, so a role keeps its name when the
+    owner gains or loses sibling params (a policy written for it keeps matching)."""
     if not self.path:
       return self.param
-    return self.path if self.only_weight else f"{self.path}/{self.param}"
+    return self.path if self.param == KERNEL else f"{self.path}/{self.param}"
 
 
 @dataclasses.dataclass

@@ -55,10 +55,6 @@ def own_params(module: nn.Module) -> dict[str, Any]:
   return {name: _raw(v) for name, v in params.items() if not isinstance(v, Mapping)}
 
 
-def _is_weight_like(value) -> bool:
-  return len(getattr(value, "shape", ())) >= 2
-
-
 @dataclasses.dataclass
 class ModuleStack:
   """The Linen modules whose methods are running, innermost last."""
@@ -80,8 +76,7 @@ class ModuleStack:
       params = own_params(module)
       name = provenance.find(operand, params)
       if name is not None:
-        weights = [n for n, v in params.items() if _is_weight_like(v)]
-        return WeightRef("/".join(module.path), name, weights == [name], LinenHost(module))
+        return WeightRef("/".join(module.path), name, LinenHost(module))
     return None
 
 

@@ -68,8 +68,7 @@ def _finder():
       params = _own_params(module)
       name = provenance.find(operand, params)
       if name is not None:
-        weights = [n for n, v in params.items() if len(getattr(v, "shape", ())) >= 2]
-        return WeightRef(getattr(module, PATH_ATTR), name, weights == [name], NnxHost(None))
+        return WeightRef(getattr(module, PATH_ATTR), name, NnxHost(None))
     return None
 
   return find_weight

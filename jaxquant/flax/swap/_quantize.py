@@ -17,7 +17,7 @@
 Every other contraction the model's code makes (`lax.dot_general`, `jnp.einsum`,
 `jnp.dot`, `jnp.matmul`, `@`) is routed (`_interception`) to `_routed.handle`: where one
 operand is a param of the model, it is a weight GEMM named by the param's module path
-(plus the param's name when that module holds several weights). Contractions of two
+(plus the param's name unless it is `kernel`). Contractions of two
 activations stay in high precision. `swap_report` lists everything met. `_targets`
 names every entry point the swap-in takes over.
 

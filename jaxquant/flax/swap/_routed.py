@@ -9,8 +9,8 @@ active:
 2. each operand is looked up among the model's params (`Session.find_weight`); with no
    param operand (attention scores, probabilities times values) or two, it runs as
    written, listed as not a weight GEMM;
-3. the weight's role is named by its owner module's path (plus the param's name when the
-   owner holds several weights); the recipe gives its quantizers ("linear" roles, or
+3. the weight's role is named by its owner module's path (plus the param's name unless it
+   is `kernel`, so that siblings never rename it); the recipe gives its quantizers ("linear" roles, or
    "grouped_linear" when axes are shared by both operands and the output: per-expert
    weights, one GEMM per expert through `ops.grouped_dense`);
 4. a contraction the recipe maps to None runs as written (bit-identical); one whose
