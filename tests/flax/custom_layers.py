@@ -248,5 +248,6 @@ class NnxCustomLM(nnx.Module):
     return self.head(x).astype(jnp.float32)
 
 
-NNX_ROLES = ("wi", "wo", "head")
-NNX_HEAD_ROLE = "head"
+NNX_LAYERS = ("wi", "wo", "head")
+NNX_ROLES = tuple(f"{n}/w" for n in NNX_LAYERS)  # each layer's param `w`
+NNX_HEAD_ROLE = "head/w"

@@ -155,14 +155,14 @@ def test_unfit_shape_raises_or_runs_in_high_precision():
   model = jqf.quantize_model(NarrowHead(), recipes.mxfp8)
   variables = jax.eval_shape(model.init, jax.random.key(0), x)
   loss = lambda v: jnp.sum(model.apply(v, x).astype(jnp.float32))
-  with pytest.raises(ValueError, match=r"'head'.*weight.*divisible by its block 32"):
+  with pytest.raises(ValueError, match=r"'head/w'.*weight.*divisible by its block 32"):
     jax.eval_shape(jax.grad(loss), variables)
   model = jqf.quantize_model(NarrowHead(), recipes.mxfp8, on_unfit="high_precision")
   variables = jax.jit(model.init)(jax.random.key(0), x)
   report = jqf.swap_report(model, variables, x)
-  assert [r.role for r in report.quantized] == ["proj"]
+  assert [r.role for r in report.quantized] == ["proj/w"]
   (head,) = report.high_precision
-  assert head.role == "head" and head.status.startswith("high precision: the shape does not fit")
+  assert head.role == "head/w" and head.status.startswith("high precision: the shape does not fit")
   plain = cl.Einsum((64, 10), ("mlp", "vocab")).apply(
     {"params": variables["params"]["head"]},
     "bf,fv->bv",

@@ -53,9 +53,9 @@ def test_roles_bf16_identity_and_report():
     jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(0)), head_in_bf16(recipes.mxfp8_factory)),
     data[:, :-1],
   )
-  assert [r.role for r in report.quantized] == ["wi", "wo"]
+  assert [r.role for r in report.quantized] == ["wi/w", "wo/w"]
   assert [(r.role, r.call, r.status) for r in report.high_precision] == [
-    ("head", "matmul 'abc,cd->abd'", "high precision: the recipe maps it to None")
+    ("head/w", "matmul 'abc,cd->abd'", "high precision: the recipe maps it to None")
   ]
 
 
@@ -93,12 +93,12 @@ def test_fp8_grads_equal_stock_layers(read_value):
   recipe = head_in_bf16(recipes.fp8_current_factory)
   stock = jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(0), stock=True), recipe)
   custom = jqf.quantize_model(cl.NnxCustomLM(nnx.Rngs(1), read_value=read_value), recipe)
-  for name in cl.NNX_ROLES:  # the stock layers' weights in the custom modules
+  for name in cl.NNX_LAYERS:  # the stock layers' weights in the custom modules
     getattr(custom, name).w.set_value(getattr(stock, name).kernel.get_value())
   custom.embed.embedding.set_value(stock.embed.embedding.get_value())
   _, stock_grads = loss_and_grads(stock, data)
   _, custom_grads = loss_and_grads(custom, data)
-  for name in cl.NNX_ROLES:
+  for name in cl.NNX_LAYERS:
     np.testing.assert_array_equal(
       getattr(custom_grads, name).w.get_value(), getattr(stock_grads, name).kernel.get_value()
     )

@@ -111,7 +111,7 @@ def test_linen_nested_models_take_the_innermost_recipe():
   roles = _roles(jqf.swap_report(model, variables, X))
   assert roles == {
     "inner/fc": Float8Quantizer("e4m3"),
-    "inner": Float8Quantizer("e4m3"),  # the only param of its module
+    "inner/w": Float8Quantizer("e4m3"),  # a param not named kernel keeps its name
     "top": DelayedFloat8Quantizer("e4m3"),
   }
 
@@ -138,7 +138,7 @@ def test_nnx_nested_models_take_the_innermost_recipe():
   model = jqf.quantize_model(NnxNested(nnx.Rngs(0)), recipes.mxfp8)
   assert _roles(jqf.swap_report(model, X)) == {
     "inner/fc": Float8Quantizer("e4m3"),
-    "inner": Float8Quantizer("e4m3"),  # the only param of its module
+    "inner/w": Float8Quantizer("e4m3"),  # a param not named kernel keeps its name
     "top": MXFP8Quantizer("e4m3"),
   }
 
