@@ -8,7 +8,10 @@ path and the model recipe, names every other module by its path (a static attrib
 `nnx.scan` and `nnx.remat` too), and gives the model a subclass of its own class whose
 `__call__` runs under a `Session` with contractions routed to `_routed.handle`. A
 submodel quantized before (its class keeps its options) keeps its recipe for the layers
-below it, and its own `__call__` opens its own session: the innermost one holds.
+below it, and its own `__call__` opens its own session: the innermost one holds. While a
+session runs, every module of the model carries its token (`_session_token`), so that
+`nnx.jit` on a module's own method traces anew for each call of the model and never
+reuses a trace made under another recipe or outside the model.
 
 NNX modules do not record which of them is running: the operand's owner is found among
 the `self` of the running methods on the Python stack (innermost first), as the module
@@ -23,8 +26,11 @@ scanned stack could not).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import threading
+import uuid
 from typing import Any, Optional
 
 from flax import nnx
@@ -41,6 +47,9 @@ from jaxquant.flax.swap._routed import handle
 from jaxquant.flax.swap._targets import NNX_LAYERS, NNX_NATIVE_LAYERS
 
 PATH_ATTR = "jaxquant_path"
+# The static attribute that names the session a trace of the model belongs to
+# (`_session_token`).
+SESSION_ATTR = "jaxquant_session"
 RNGS_ATTR = "jaxquant_rngs"
 _BASE_ATTR = "_jaxquant_plain_class"
 _OPTIONS_ATTR = "_jaxquant_swap_options"
@@ -72,6 +81,45 @@ def _finder():
     return None
 
   return find_weight
+
+
+_ABSENT = object()  # a module without the session attribute (`_session_token`)
+
+
+@contextlib.contextmanager
+def _session_token(model: nnx.Module, token: str):
+  """Gives every module of `model`'s graph the static attribute `SESSION_ATTR = token`
+  while the session runs; then puts back what each had (most have none).
+
+  `nnx.jit` keys its cached trace on the graphdef of its module arguments (their types
+  and static attributes) and the arrays' shapes, never on the session, while the routed
+  contractions, and the rows that the no-GEMM check, `swap_report` and the log count,
+  exist only while a trace runs. A token per session, in every graphdef, makes each call
+  of the quantized model trace its `nnx.jit` parts (also under `nnx.remat` and
+  `nnx.scan`) anew: no recipe reuses another's trace, a second call records its rows,
+  and a module called outside the session (no token) never meets a quantized trace. A
+  random name, not an id: a trace cached under a dead session's id would match the next
+  session that got the id.
+
+  Set with `object.__setattr__`: the model may be an outer trace's (a `jax.jit` closing
+  over it), where NNX refuses a mutation because an array attribute could leak a tracer;
+  a string cannot, and the attribute is gone again when the call returns.
+  """
+  saved = [
+    (node, vars(node).get(SESSION_ATTR, _ABSENT))
+    for _, node in nnx.iter_graph(model)
+    if isinstance(node, nnx.Module)
+  ]
+  for module, _ in saved:
+    object.__setattr__(module, SESSION_ATTR, token)
+  try:
+    yield
+  finally:
+    for module, value in saved:
+      if value is _ABSENT:
+        object.__delattr__(module, SESSION_ATTR)
+      else:
+        object.__setattr__(module, SESSION_ATTR, value)
 
 
 def _quantized_twin(module: nnx.Module) -> nnx.Module:
@@ -155,11 +203,15 @@ def _routed_class(cls: type, recipe, on_unfit, require_gemm, annotate) -> type:
   """`cls` whose `__call__` runs the model with its contractions routed."""
 
   first_call_log = FirstCallLog()  # this quantized model's: one line per recipe
+  # One call at a time (re-entrant for a nested call in the same thread): the session
+  # token sits on the model's modules, which concurrent eager calls of the model share.
+  calling = threading.RLock()
 
   def __call__(self, *args, **kwargs):
     session = Session(recipe, on_unfit, _finder())
-    with active(session), routing(handle), call_keys(getattr(self, RNGS_ATTR, None)):
-      y = cls.__call__(self, *args, **kwargs)
+    with calling, _session_token(self, uuid.uuid4().hex):
+      with active(session), routing(handle), call_keys(getattr(self, RNGS_ATTR, None)):
+        y = cls.__call__(self, *args, **kwargs)
     what = f"quantize_model({cls.__name__})"
     first_call_log.log(session, what)
     # Under swap_report a model with no weight GEMM is what the report is asked to show.
