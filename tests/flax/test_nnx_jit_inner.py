@@ -13,7 +13,9 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
+from flax.errors import TraceContextError
 
 import jaxquant.flax as jqf
 from jaxquant import ops
@@ -166,3 +168,11 @@ def test_concurrent_calls_of_one_model():
   for y in results:
     np.testing.assert_array_equal(y, fp8)
   assert "jaxquant_session" not in vars(model.block.own)
+
+
+def test_closing_jax_jit_meets_nnx_own_error():
+  """`nnx.jit` inside a `jax.jit` closing over the model cannot update the modules (they
+  belong to the outer trace): NNX's error reaches the caller, as for the plain model."""
+  model = jqf.quantize_model(Model(nnx.Rngs(0)), "fp8_current")
+  with pytest.raises(TraceContextError, match="different trace level"):
+    jax.jit(lambda x: model(x))(inputs())

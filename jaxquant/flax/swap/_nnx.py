@@ -116,10 +116,10 @@ def _session_token(model: nnx.Module, token: str):
     yield
   finally:
     for module, value in saved:
-      if value is _ABSENT:
-        object.__delattr__(module, SESSION_ATTR)
-      else:
+      if value is not _ABSENT:
         object.__setattr__(module, SESSION_ATTR, value)
+      elif SESSION_ATTR in vars(module):  # gone if nnx.jit failed updating the module
+        object.__delattr__(module, SESSION_ATTR)
 
 
 def _quantized_twin(module: nnx.Module) -> nnx.Module:
