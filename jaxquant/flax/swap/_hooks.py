@@ -11,7 +11,11 @@
   stochastic rounding (a clear error otherwise); jaxquant's own NNX layers take any.
 - MaxText: `MaxTextQuantization(recipe)` has MaxText's quantization protocol:
   `dot_general_cls(mesh_axes=())` returns the Linen class above, `einsum(dtype)` a Linen
-  module called as `(equation, lhs, rhs)` with rhs the weight.
+  module called as `(equation, lhs, rhs)` with rhs the weight; `quant_mode` and
+  `needs_apply_rngs` are what MaxText's layers read. MaxText's NNX layers bridge such a
+  module alone into NNX, so it has no path there: `_bridged` finds the calling layer's
+  (named by `quantize_model`) and keeps delayed-scaling state where MaxText's train step
+  advances it.
 
 The recipe resolves as everywhere: the hook's own, then the model's (when the model runs
 under `quantize_model`), then autocast's. With nothing quantized the contraction is
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
 import jax
@@ -31,9 +35,12 @@ import jax.numpy as jnp
 from jaxquant import recipes
 from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
+from jaxquant.flax._rng import draws_key
+from jaxquant.flax.swap import _bridged as bridged
 from jaxquant.flax.swap._calls import Call
-from jaxquant.flax.swap._hosts import HookHost, LinenHost, WeightRef
+from jaxquant.flax.swap._hosts import KERNEL, HookHost, LinenHost, WeightRef
 from jaxquant.flax.swap._routed import handle
+from jaxquant.roles import GROUPED_LINEAR, LINEAR
 
 
 def _contract(kind: str, args: tuple, kwargs: dict, weight: WeightRef, recipe, original):
@@ -51,6 +58,14 @@ def _contract(kind: str, args: tuple, kwargs: dict, weight: WeightRef, recipe, o
     return handle(call)
 
 
+def _hooked(module: nn.Module, contract: bridged.Contract, plain, lhs, rhs):
+  """A Linen hook's contraction: inside a Linen model its parent is the calling layer;
+  a hook with no path is bridged into NNX on its own (MaxText's NNX layers: `_bridged`)."""
+  if module.path:
+    return contract(WeightRef("/".join(module.path[:-1]), KERNEL, LinenHost(module)), lhs, rhs)
+  return bridged.contract(module, module.recipe, contract, plain, lhs, rhs)
+
+
 class JaxquantDotGeneral(nn.Module):
   """Linen: `lax.dot_general(lhs, rhs, dimension_numbers, ...)` with rhs the weight."""
 
@@ -59,16 +74,14 @@ class JaxquantDotGeneral(nn.Module):
   def __call__(
     self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
   ):
-    caller = "/".join(self.path[:-1])
-    weight = WeightRef(caller, "kernel", LinenHost(self))
-    return _contract(
-      "dot_general",
-      (lhs, rhs, dimension_numbers),
-      dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs),
-      weight,
-      self.recipe,
-      jax.lax.dot_general,
-    )
+    kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs)
+
+    def contract(weight, lhs, rhs):
+      args = (lhs, rhs, dimension_numbers)
+      return _contract("dot_general", args, kwargs, weight, self.recipe, jax.lax.dot_general)
+
+    plain = lambda lhs, rhs: jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
+    return _hooked(self, contract, plain, lhs, rhs)
 
 
 class JaxquantEinsum(nn.Module):
@@ -79,11 +92,17 @@ class JaxquantEinsum(nn.Module):
   dtype: Any = None  # the rhs is cast to it first, as MaxText's einsum wrappers do
 
   def __call__(self, equation, lhs, rhs, **kwargs):
-    caller = "/".join(self.path[:-1])
-    weight = WeightRef(caller, "kernel", LinenHost(self))
     if self.dtype is not None:
       rhs = jnp.asarray(rhs, self.dtype)
-    return _contract("einsum", (equation, lhs, rhs), kwargs, weight, self.recipe, jnp.einsum)
+    return _hooked(
+      self,
+      lambda weight, lhs, rhs: _contract(
+        "einsum", (equation, lhs, rhs), kwargs, weight, self.recipe, jnp.einsum
+      ),
+      lambda lhs, rhs: jnp.einsum(equation, lhs, rhs, **kwargs),
+      lhs,
+      rhs,
+    )
 
 
 def dot_general_cls(recipe: Optional[recipes.CustomRecipe] = None):
@@ -107,7 +126,7 @@ class dot_general:  # noqa: N801 (used like a function: nnx.Linear(dot_general=.
   def __call__(
     self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
   ):
-    weight = WeightRef(self.name, "kernel", HookHost())
+    weight = WeightRef(self.name, KERNEL, HookHost())
     return _contract(
       "dot_general",
       (lhs, rhs, dimension_numbers),
@@ -126,7 +145,7 @@ class einsum_op:  # noqa: N801 (used like a function: nnx.Einsum(einsum_op=...))
   recipe: Optional[recipes.CustomRecipe] = None
 
   def __call__(self, equation, lhs, rhs, **kwargs):
-    weight = WeightRef(self.name, "kernel", HookHost())
+    weight = WeightRef(self.name, KERNEL, HookHost())
     return _contract("einsum", (equation, lhs, rhs), kwargs, weight, self.recipe, jnp.einsum)
 
 
@@ -135,10 +154,27 @@ class MaxTextQuantization:
   """MaxText's quantization protocol (`quant=` of its layers), backed by a jaxquant recipe."""
 
   recipe: Optional[recipes.CustomRecipe] = None
+  # MaxText's layers read it (serving and converting checkpoints are AQT's modes).
+  quant_mode: ClassVar[str] = "train"
+
+  @property
+  def needs_apply_rngs(self) -> bool:
+    """Whether the hooks draw keys when applied: MaxText keeps a layer's Rngs for its
+    hook only then. True without a recipe of its own (the model's or autocast's is not
+    known when MaxText asks, building the layer), else whether the recipe rounds
+    stochastically for the role name a layer being built is asked for ("")."""
+    if self.recipe is None:
+      return True
+    recipe = recipes.resolve(self.recipe)
+    return any(
+      draws_key(recipe.quantizers(t, bridged.BUILDING_NAME)) for t in (LINEAR, GROUPED_LINEAR)
+    )
 
   def dot_general_cls(self, mesh_axes: tuple = ()):
     del mesh_axes  # jaxquant's kernels partition per operand sharding (see README)
     return dot_general_cls(self.recipe)
 
-  def einsum(self, dtype: Any = None):
+  def einsum(self, dtype: Any = None, mesh_axes: tuple = ()):
+    """MaxText's MoE asks `einsum(mesh_axes=...)`, its FP8 paths `einsum(dtype=...)`."""
+    del mesh_axes
     return JaxquantEinsum(recipe=self.recipe, dtype=dtype)

@@ -1,0 +1,204 @@
+"""A jaxquant Linen hook bridged into NNX on its own, as MaxText's NNX layers use it.
+
+MaxText's NNX layers (`linears.DenseGeneral`, the MoE's) take the Linen module of
+`quant.dot_general_cls(...)()` / `quant.einsum(...)` and wrap it alone in a Linen-to-NNX
+bridge (`ToNNX`): the hook is the root of its own `init` / `apply`, so its path is empty.
+They build it in their `__init__` (`lazy_init` and a call, on a dummy input), call it with
+`mutable=["aqt"]`, and MaxText's train step writes back no state of theirs but the
+`_overwrite_with_gradient` collection, which it overwrites with its gradient (as Flax's
+own FP8 ops use it). So such a hook:
+
+- names its role by the path of the NNX layer calling it: the innermost NNX module running
+  on the Python stack that `quantize_model` named (`_paths`), the bridge itself skipped.
+  A layer being built has no path yet: its dummy call runs as written (MaxText throws the
+  output away), and so does `init`. Any other call from an unnamed layer is an error that
+  says to give the built model to `quantize_model`: a role without a name would match no
+  per-layer policy, silently.
+- keeps its delayed-scaling state in `_overwrite_with_gradient`, made at `init` (asking
+  the recipe for the layer's path, or for the name "" while the layer is being built),
+  and makes the gradient of that state its next value: the forward records the input and
+  weight amaxes, the backward the grad_output amax, then `update_quant_state` advances it,
+  as jaxquant's own train step does for every layer (a step counts as finite). A role the
+  recipe gives delayed scaling but no state was made for is an error naming the rule.
+- draws stochastic-rounding keys from the bridge's "quant" stream, else from MaxText's
+  "aqt" stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Callable, Optional
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from jaxquant import recipes
+from jaxquant.flax import _routing_pause as routing_pause
+from jaxquant.flax import _session as sessions
+from jaxquant.flax._rng import QUANT_RNG, draws_key
+from jaxquant.flax._state import RoleState, init_role_states, update_quant_state
+from jaxquant.flax.swap._hosts import KERNEL, WeightRef
+from jaxquant.flax.swap._paths import is_linen_bridge, module_path
+from jaxquant.quantizers import needs_state
+from jaxquant.roles import LINEAR, gemm_roles
+
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"  # Flax's and MaxText's collection
+MAXTEXT_RNG = "aqt"  # the stream MaxText's training Rngs hold for quantization
+BUILDING_NAME = ""  # the role name a layer being built is asked for (it has no path yet)
+
+# `contract(weight, lhs, rhs)`: the hook's contraction of `rhs` as `weight`, per the recipe.
+Contract = Callable[[WeightRef, jax.Array, jax.Array], jax.Array]
+
+
+def _state_name(param: str, tensor_type: str) -> str:
+  return f"{param}_{tensor_type}"
+
+
+def _calling_layer() -> tuple[Optional[str], bool]:
+  """(the calling NNX layer's path, None if unnamed; whether that layer is being built).
+
+  The innermost NNX module among the `self` of the running methods, bridges skipped: a
+  named one gives its path; an unnamed one whose `__init__` is running is being built."""
+  frame = inspect.currentframe()
+  while frame is not None:
+    module = frame.f_locals.get("self")
+    if isinstance(module, nnx.Module) and not is_linen_bridge(module):
+      path = module_path(module)
+      if path is not None:
+        return path, False
+      if frame.f_code.co_name == "__init__":
+        return None, True
+    frame = frame.f_back
+  return None, False
+
+
+def _recipe(recipe) -> recipes.CustomRecipe:
+  outer = sessions.current()
+  return recipes.resolve(recipe, outer.recipe if outer else None)
+
+
+def _init_states(module: nn.Module, recipe, name: str) -> None:
+  """The `_overwrite_with_gradient` variables of the delayed-scaling roles of `name`."""
+  states = init_role_states(gemm_roles(LINEAR, name), _recipe(recipe).quantizers(LINEAR, name))
+  for tensor_type, state in states.items():
+    module.scope.variable(
+      OVERWRITE_WITH_GRADIENT, _state_name(KERNEL, tensor_type), lambda s=state: s
+    )
+
+
+def _draw_key(module: nn.Module) -> Optional[jax.Array]:
+  for stream in (QUANT_RNG, MAXTEXT_RNG):
+    if module.has_rng(stream):
+      return module.make_rng(stream)
+  return None
+
+
+@dataclasses.dataclass
+class BridgedHost:
+  """The host of a bridged hook's weight: the states and key its call was given (inputs
+  of `_overwrite_with_gradient`), and the states its GEMM wrote."""
+
+  states: dict  # {"<param>_<tensor_type>": RoleState}
+  drawn_key: Optional[jax.Array]
+  written: dict = dataclasses.field(default_factory=dict)
+
+  def key(self, quantizers, what: str) -> Optional[jax.Array]:
+    if not draws_key(quantizers):
+      return None
+    if self.drawn_key is None:
+      raise ValueError(
+        f"{what}: its recipe rounds stochastically, and the bridge gave the hook no "
+        f"{QUANT_RNG!r} or {MAXTEXT_RNG!r} stream. MaxText keeps a layer's Rngs for its hook "
+        "only where MaxTextQuantization.needs_apply_rngs is True: give MaxTextQuantization "
+        "a recipe that rounds stochastically for the role name '' (the name a layer being "
+        "built is asked for), or none of its own"
+      )
+    return self.drawn_key
+
+  def state(self, param: str, roles, quantizers, what: str) -> Optional[dict]:
+    stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
+    if not stateful:
+      return None
+    missing = sorted(t for t in stateful if _state_name(param, t) not in self.states)
+    if missing:
+      raise ValueError(
+        f"{what}: the recipe gives roles {missing} delayed scaling, but no state was made "
+        f"for them: MaxText makes a layer's state when it builds the layer, before the "
+        f"layer has a path, and the recipe gave role name {BUILDING_NAME!r} no delayed "
+        "scaling there. Give role name '' the same delayed quantizers, or this role "
+        "current scaling"
+      )
+    states = {t: self.states[_state_name(param, t)] for t in stateful}
+    for t, state in states.items():
+      if not isinstance(state, RoleState) or state.quantizer != stateful[t]:
+        raise ValueError(
+          f"{what}: {OVERWRITE_WITH_GRADIENT}/{_state_name(param, t)} holds "
+          f"{getattr(state, 'quantizer', state)!r}, not a state made for {stateful[t]!r}; "
+          "rebuild the model (its state is made with the layer)"
+        )
+    return {t: state.scaling for t, state in states.items()}
+
+  def write_state(self, param: str, new_state: dict) -> None:
+    self.written.update({_state_name(param, t): s for t, s in new_state.items()})
+
+
+def _advanced(states: dict, written: dict, state_grads: dict) -> dict:
+  """The next value of each state: advanced where the GEMM wrote it, else as it was."""
+  recorded = {n: dataclasses.replace(states[n], scaling=s) for n, s in written.items()}
+  new = update_quant_state(recorded, {n: state_grads[n] for n in written})
+  return {n: new.get(n, state) for n, state in states.items()}
+
+
+def _overwrite_with_gradient(run, operands, states: dict) -> jax.Array:
+  """`run(operands, states)`'s output, whose gradient with respect to `states` is their
+  next value (`_advanced`); `run` returns (output, the states its GEMM wrote)."""
+
+  @jax.custom_vjp
+  def gemm(operands, states):
+    return run(operands, states)[0]
+
+  def forward(operands, states):
+    y, backward, written = jax.vjp(run, operands, states, has_aux=True)
+    return y, (backward, states, written)
+
+  def backward(residuals, y_grad):
+    backward, states, written = residuals
+    operand_grads, state_grads = backward(y_grad)
+    return operand_grads, _advanced(states, written, state_grads)
+
+  gemm.defvjp(forward, backward)
+  return gemm(operands, states)
+
+
+def contract(
+  module: nn.Module, recipe, contract_fn: Contract, plain: Callable, lhs, rhs
+) -> jax.Array:
+  """A bridged hook's contraction of `rhs` (the weight) with `lhs` (module docstring);
+  `plain(lhs, rhs)` is the contraction as written."""
+  path, building = _calling_layer()
+  if module.is_initializing() or building:
+    if module.is_initializing():
+      _init_states(module, recipe, path if path is not None else BUILDING_NAME)
+    with routing_pause.paused():  # a dummy call: nothing of it is kept
+      return plain(lhs, rhs)
+  if path is None:
+    raise ValueError(
+      f"{type(module).__name__}: the NNX layer calling this hook has no path, so its "
+      "role would have none (MaxText's NNX layers bridge the hook alone and do not know "
+      "their path). Give the built model to jaxquant.flax.quantize_model(model, recipe): "
+      "it names every layer, and quantizes the layers MaxText gives no quant= "
+      "(logits_dense)"
+    )
+  states = dict(module.variables.get(OVERWRITE_WITH_GRADIENT, {}))
+
+  def run(operands, states):
+    lhs, rhs, key = operands
+    host = BridgedHost(states, key)
+    return contract_fn(WeightRef(path, KERNEL, host), lhs, rhs), host.written
+
+  operands = (lhs, rhs, _draw_key(module))
+  if not states:
+    return run(operands, states)[0]
+  return _overwrite_with_gradient(run, operands, states)

@@ -1,0 +1,219 @@
+"""MaxText's `quant=` protocol as MaxText 0.2.5 calls it, on a small model in its style.
+
+MaxText's NNX `DenseGeneral` asks `quant.dot_general_cls(mesh_axes=...)()` for a Linen
+module, bridges it alone into NNX (`ToNNX`, so the module's own path is empty), builds it
+in its `__init__` with a dummy input, calls it with `mutable=["aqt"]`, reads
+`quant.quant_mode` and `quant.needs_apply_rngs`, and gives `logits_dense` no `quant`.
+Its train step differentiates the params and the `_overwrite_with_gradient` variables
+and overwrites the latter with their gradient.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxquant.flax as jqf
+from jaxquant import recipes
+
+D, FF, VOCAB, TOKENS = 32, 64, 64, (2, 32)
+OWG = "_overwrite_with_gradient"
+WO = "decoder/layers_0/mlp/wo"  # the layer a per-layer policy keeps in bf16
+HOOKED = ("decoder/layers_0/mlp/wi_0", "decoder/layers_0/mlp/wi_1", WO)
+
+
+class ToNNX(nnx.bridge.ToNNX):
+  """MaxText's `nnx_wrappers.ToNNX`: Flax's, plus dropping the forked Rngs after init."""
+
+  def release_rngs(self):
+    self.to_nnx__rngs = None
+
+
+def in_serve_mode(quant):
+  return quant and quant.quant_mode == "serve"
+
+
+class DenseGeneral(nnx.Module):
+  """MaxText 0.2.5's `linears.DenseGeneral`, one contracted axis."""
+
+  def __init__(self, d_in, d_out, quant=None, *, rngs):
+    self.kernel = nnx.Param(nn.initializers.lecun_normal()(rngs.params(), (d_in, d_out)))
+    self.quant = quant
+    self.dtype = jnp.bfloat16
+    if quant:
+      dot_general_linen = quant.dot_general_cls(mesh_axes=("embed", "mlp"))()
+      quant_dot_general = ToNNX(dot_general_linen, rngs=rngs)
+      self._quant_dot_general_name = f"{type(dot_general_linen).__name__}_0"
+      setattr(self, self._quant_dot_general_name, quant_dot_general)
+      block_size = getattr(quant, "get_block_size", lambda: 1)()
+      self(jnp.zeros((block_size, d_in), self.dtype), _initializing=True)
+      if not quant.needs_apply_rngs:
+        quant_dot_general.release_rngs()
+    else:
+      self._quant_dot_general_name = None
+
+  def __call__(self, inputs, _initializing=False):
+    inputs = jnp.asarray(inputs, self.dtype)
+    assert not in_serve_mode(self.quant)
+    kernel = jnp.asarray(self.kernel[...], self.dtype)
+    dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+    if self._quant_dot_general_name is not None:
+      quant_dot_general = getattr(self, self._quant_dot_general_name)
+      if _initializing:
+        quant_dot_general.lazy_init(inputs, kernel, dims, precision=None)
+      return quant_dot_general(inputs, kernel, dims, precision=None, mutable=["aqt"])
+    return jax.lax.dot_general(inputs, kernel, dims, precision=jax.lax.Precision("default"))
+
+
+class Mlp(nnx.Module):
+  def __init__(self, quant, rngs):
+    self.wi_0 = DenseGeneral(D, FF, quant, rngs=rngs)
+    self.wi_1 = DenseGeneral(D, FF, quant, rngs=rngs)
+    self.wo = DenseGeneral(FF, D, quant, rngs=rngs)
+
+  def __call__(self, x):
+    return self.wo(jax.nn.silu(self.wi_0(x)) * self.wi_1(x))
+
+
+class Layer(nnx.Module):
+  def __init__(self, quant, rngs):
+    self.mlp = Mlp(quant, rngs)
+
+  def __call__(self, x):
+    return x + self.mlp(x)
+
+
+class Decoder(nnx.Module):
+  """MaxText's NNXDecoder: unscanned `layers_<i>` (one here), and `logits_dense` without
+  `quant`."""
+
+  def __init__(self, quant, rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.layers_0 = Layer(quant, rngs)
+    self.logits_dense = DenseGeneral(D, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens).astype(jnp.bfloat16)
+    x = self.layers_0(x)
+    return self.logits_dense(x).astype(jnp.float32)
+
+
+class Transformer(nnx.Module):
+  def __init__(self, quant=None, seed=0):
+    # MaxText's training Rngs: "aqt" is the stream its quantizations draw from.
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1, aqt=seed + 2)
+    self.decoder = Decoder(quant, rngs)
+
+  def __call__(self, tokens):
+    return self.decoder(tokens)
+
+
+TOKEN_DATA = jax.random.randint(jax.random.key(7), TOKENS, 0, VOCAB)
+
+
+def loss_fn(model, tokens=TOKEN_DATA):
+  logits = model(tokens)
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1))
+
+
+def quantize(model, recipe):
+  """What a MaxText user does with the built model: `quantize_model` names its layers and
+  quantizes the contractions MaxText gives no `quant=` (logits_dense)."""
+  return jqf.quantize_model(model, recipe, rngs=nnx.Rngs(quant=3))
+
+
+@pytest.fixture(scope="module")
+def built():
+  """A model given `quant=MaxTextQuantization()`: its hooks take the model's recipe."""
+  return Transformer(jqf.MaxTextQuantization())
+
+
+def train(model, steps, lr=0.05):
+  """MaxText's NNX train step, `steps` times: grads of the params and of the
+  _overwrite_with_gradient variables; params by SGD, the others overwritten by their
+  gradient. Returns the losses."""
+  owg = nnx.variablelib.variable_type_from_name(OWG, allow_register=True)
+  graphdef, params, custom, rest = nnx.split(model, nnx.Param, owg, ...)
+
+  @jax.jit
+  def step(params, custom):
+    loss = lambda params, custom: loss_fn(nnx.merge(graphdef, params, custom, rest, copy=True))
+    value, (grads, custom_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, custom)
+    return value, jax.tree.map(lambda p, g: p - lr * g, params, grads), custom_grads
+
+  losses = []
+  for _ in range(steps):
+    value, params, custom = step(params, custom)
+    losses.append(float(value))
+  nnx.update(model, params, custom)
+  return losses
+
+
+@pytest.mark.parametrize("recipe", [recipes.fp8_current, recipes.mxfp8, recipes.nvfp4])
+def test_runs_quantized(built, recipe):
+  model = quantize(nnx.clone(built), recipe)
+  value = nnx.jit(loss_fn)(model)
+  assert np.isfinite(value) and value != loss_fn(Transformer())
+  report = jqf.swap_report(model, TOKEN_DATA)
+  assert {r.role for r in report.quantized} == set(HOOKED) | {"decoder/logits_dense"}
+
+
+def test_roles_are_layer_paths_and_a_policy_holds(built):
+  seen = set()
+
+  def policy(role):
+    seen.add(role.name)
+    return None if role.name == WO else recipes.fp8_current_factory(role)
+
+  report = jqf.swap_report(quantize(nnx.clone(built), recipes.CustomRecipe(policy)), TOKEN_DATA)
+  assert {r.role for r in report.quantized} == (set(HOOKED) - {WO}) | {"decoder/logits_dense"}
+  assert WO in {r.role for r in report.high_precision}
+  assert set(HOOKED) <= seen
+
+
+def _owg_states(model):
+  owg = nnx.variablelib.variable_type_from_name(OWG, allow_register=True)
+  leaves = jax.tree.leaves(nnx.state(model, owg), is_leaf=lambda x: isinstance(x, jqf.RoleState))
+  return [leaf for leaf in leaves if isinstance(leaf, jqf.RoleState)]
+
+
+def test_fp8_delayed_state_advances_in_maxtexts_train_step():
+  # logits_dense is contracted by MaxText's own code (no quant=), routed by quantize_model:
+  # NNX routed contractions hold no delayed-scaling state, so it takes current scaling.
+  recipe = recipes.CustomRecipe(
+    lambda role: (
+      recipes.fp8_current_factory(role)
+      if role.name == "decoder/logits_dense"
+      else recipes.fp8_delayed_factory(role)
+    )
+  )
+  model = quantize(Transformer(jqf.MaxTextQuantization(recipe)), recipe)
+  before = _owg_states(model)
+  assert len(before) == 3 * len(HOOKED)
+  assert all(np.all(s.scaling.scale == 1) for s in before)
+  losses = train(model, steps=3)
+  after = _owg_states(model)
+  assert np.all(np.isfinite(losses))
+  for state in after:
+    assert np.any(state.scaling.amax_history != 0), state.role
+    assert np.all(state.scaling.scale != 1), state.role
+    assert np.all(np.isfinite(state.scaling.scale)), state.role
+
+
+def test_bf16_is_the_plain_model(built):
+  plain = Transformer()
+  model = quantize(nnx.clone(built), recipes.bf16)
+  nnx.update(model, nnx.state(plain, nnx.Param))
+  value, grads = nnx.value_and_grad(loss_fn)(model)
+  plain_value, plain_grads = nnx.value_and_grad(loss_fn)(plain)
+  assert value == plain_value
+  jax.tree.map(np.testing.assert_array_equal, grads, plain_grads)
+
+
+def test_unnamed_layer_is_an_error():
+  """Without quantize_model nothing names MaxText's layers: no role could match a policy."""
+  model = Transformer(jqf.MaxTextQuantization(recipes.fp8_current))
+  with pytest.raises(ValueError, match="quantize_model"):
+    loss_fn(model)
