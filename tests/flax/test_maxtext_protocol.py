@@ -20,8 +20,6 @@ from jaxquant import recipes
 
 D, FF, VOCAB, TOKENS = 32, 64, 64, (2, 32)
 OWG = "_overwrite_with_gradient"
-WO = "decoder/layers_0/mlp/wo"  # the layer a per-layer policy keeps in bf16
-HOOKED = ("decoder/layers_0/mlp/wi_0", "decoder/layers_0/mlp/wi_1", WO)
 
 
 class ToNNX(nnx.bridge.ToNNX):
@@ -85,29 +83,69 @@ class Layer(nnx.Module):
     return x + self.mlp(x)
 
 
-class Decoder(nnx.Module):
-  """MaxText's NNXDecoder: unscanned `layers_<i>` (one here), and `logits_dense` without
-  `quant`."""
+def scanned_layers(quant, rngs, length):
+  """MaxText's `nnx_scan.create_scanned_layers`: the layers built in a `lax.scan`, their
+  variables stacked."""
+  rngs_graphdef, rngs_state = nnx.split(rngs.split(length))
+  reference = Layer(quant, nnx.merge(rngs_graphdef, jax.tree.map(lambda x: x[0], rngs_state)))
+  graphdef, _, _ = nnx.split(reference, nnx.Param, ...)
 
-  def __init__(self, quant, rngs):
+  def build(carry, rng_state):
+    _, params, rest = nnx.split(Layer(quant, nnx.merge(rngs_graphdef, rng_state)), nnx.Param, ...)
+    return carry, (params, rest)
+
+  _, (params, rest) = jax.lax.scan(build, None, rngs_state)
+  return nnx.merge(graphdef, params, rest)
+
+
+def apply_scanned_layers(layers, x):
+  """MaxText's `nnx_scan.apply_scanned_layers`, rematerialized: each layer merged in the
+  scan body, its non-param state written back."""
+  graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+
+  def body(carry, state):
+    layer = nnx.merge(graphdef, *state)
+    carry = layer(carry)
+    return carry, nnx.split(layer, nnx.Param, ...)[2]
+
+  x, rest = jax.lax.scan(jax.checkpoint(body), x, (params, rest))
+  nnx.update(layers, rest)
+  return x
+
+
+class Decoder(nnx.Module):
+  """MaxText's NNXDecoder: one unscanned layer `layers_0`, or two scanned `layers`, and
+  `logits_dense` without `quant`."""
+
+  def __init__(self, quant, rngs, scanned):
     self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-    self.layers_0 = Layer(quant, rngs)
+    if scanned:
+      self.layers = scanned_layers(quant, rngs, 2)
+    else:
+      self.layers_0 = Layer(quant, rngs)
     self.logits_dense = DenseGeneral(D, VOCAB, rngs=rngs)
+    self.scanned = scanned
 
   def __call__(self, tokens):
     x = self.embed(tokens).astype(jnp.bfloat16)
-    x = self.layers_0(x)
+    x = apply_scanned_layers(self.layers, x) if self.scanned else self.layers_0(x)
     return self.logits_dense(x).astype(jnp.float32)
 
 
 class Transformer(nnx.Module):
-  def __init__(self, quant=None, seed=0):
+  def __init__(self, quant=None, seed=0, scanned=False):
     # MaxText's training Rngs: "aqt" is the stream its quantizations draw from.
     rngs = nnx.Rngs(params=seed, dropout=seed + 1, aqt=seed + 2)
-    self.decoder = Decoder(quant, rngs)
+    self.decoder = Decoder(quant, rngs, scanned)
 
   def __call__(self, tokens):
     return self.decoder(tokens)
+
+
+def hooked(scanned):
+  """The roles of the layers MaxText gives `quant=`: their paths."""
+  layers = "decoder/layers" if scanned else "decoder/layers_0"
+  return tuple(f"{layers}/mlp/{n}" for n in ("wi_0", "wi_1", "wo"))
 
 
 TOKEN_DATA = jax.random.randint(jax.random.key(7), TOKENS, 0, VOCAB)
@@ -126,8 +164,16 @@ def quantize(model, recipe):
 
 @pytest.fixture(scope="module")
 def built():
-  """A model given `quant=MaxTextQuantization()`: its hooks take the model's recipe."""
-  return Transformer(jqf.MaxTextQuantization())
+  """`built(scanned)`: a model given `quant=MaxTextQuantization()` (its hooks take the
+  model's recipe), built once; each test quantizes a clone."""
+  models = {}
+
+  def get(scanned=False):
+    if scanned not in models:
+      models[scanned] = Transformer(jqf.MaxTextQuantization(), scanned=scanned)
+    return nnx.clone(models[scanned])
+
+  return get
 
 
 def train(model, steps, lr=0.05):
@@ -153,24 +199,27 @@ def train(model, steps, lr=0.05):
 
 @pytest.mark.parametrize("recipe", [recipes.fp8_current, recipes.mxfp8, recipes.nvfp4])
 def test_runs_quantized(built, recipe):
-  model = quantize(nnx.clone(built), recipe)
+  model = quantize(built(), recipe)
   value = nnx.jit(loss_fn)(model)
   assert np.isfinite(value) and value != loss_fn(Transformer())
   report = jqf.swap_report(model, TOKEN_DATA)
-  assert {r.role for r in report.quantized} == set(HOOKED) | {"decoder/logits_dense"}
+  assert {r.role for r in report.quantized} == set(hooked(False)) | {"decoder/logits_dense"}
 
 
-def test_roles_are_layer_paths_and_a_policy_holds(built):
+@pytest.mark.parametrize("scanned", [False, True], ids=["unscanned", "scanned"])
+def test_roles_are_layer_paths_and_a_policy_holds(built, scanned):
+  roles = hooked(scanned)
+  wo = roles[-1]  # kept in bf16 by the policy
   seen = set()
 
   def policy(role):
     seen.add(role.name)
-    return None if role.name == WO else recipes.fp8_current_factory(role)
+    return None if role.name == wo else recipes.fp8_current_factory(role)
 
-  report = jqf.swap_report(quantize(nnx.clone(built), recipes.CustomRecipe(policy)), TOKEN_DATA)
-  assert {r.role for r in report.quantized} == (set(HOOKED) - {WO}) | {"decoder/logits_dense"}
-  assert WO in {r.role for r in report.high_precision}
-  assert set(HOOKED) <= seen
+  report = jqf.swap_report(quantize(built(scanned), recipes.CustomRecipe(policy)), TOKEN_DATA)
+  assert {r.role for r in report.quantized} == set(roles[:-1]) | {"decoder/logits_dense"}
+  assert wo in {r.role for r in report.high_precision}
+  assert set(roles) <= seen
 
 
 def _owg_states(model):
@@ -179,7 +228,8 @@ def _owg_states(model):
   return [leaf for leaf in leaves if isinstance(leaf, jqf.RoleState)]
 
 
-def test_fp8_delayed_state_advances_in_maxtexts_train_step():
+@pytest.mark.parametrize("scanned", [False, True], ids=["unscanned", "scanned"])
+def test_fp8_delayed_state_advances_in_maxtexts_train_step(scanned):
   # logits_dense is contracted by MaxText's own code (no quant=), routed by quantize_model:
   # NNX routed contractions hold no delayed-scaling state, so it takes current scaling.
   recipe = recipes.CustomRecipe(
@@ -189,22 +239,21 @@ def test_fp8_delayed_state_advances_in_maxtexts_train_step():
       else recipes.fp8_delayed_factory(role)
     )
   )
-  model = quantize(Transformer(jqf.MaxTextQuantization(recipe)), recipe)
+  model = quantize(Transformer(jqf.MaxTextQuantization(recipe), scanned=scanned), recipe)
   before = _owg_states(model)
-  assert len(before) == 3 * len(HOOKED)
+  assert len(before) == 3 * len(hooked(scanned))
   assert all(np.all(s.scaling.scale == 1) for s in before)
   losses = train(model, steps=3)
-  after = _owg_states(model)
   assert np.all(np.isfinite(losses))
-  for state in after:
-    assert np.any(state.scaling.amax_history != 0), state.role
+  for state in _owg_states(model):  # each layer's own (scanned: stacked along axis 0)
+    assert np.all(np.any(state.scaling.amax_history != 0, axis=-1)), state.role
     assert np.all(state.scaling.scale != 1), state.role
     assert np.all(np.isfinite(state.scaling.scale)), state.role
 
 
 def test_bf16_is_the_plain_model(built):
   plain = Transformer()
-  model = quantize(nnx.clone(built), recipes.bf16)
+  model = quantize(built(), recipes.bf16)
   nnx.update(model, nnx.state(plain, nnx.Param))
   value, grads = nnx.value_and_grad(loss_fn)(model)
   plain_value, plain_grads = nnx.value_and_grad(loss_fn)(plain)
