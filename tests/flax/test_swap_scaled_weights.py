@@ -109,6 +109,36 @@ def test_linen_scaled_weight_grads_are_its_quantized_gemms(remat):
   assert not np.array_equal(got["params"]["proj"]["w"], plain["params"]["proj"]["w"])
 
 
+class ScannedLayer(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    w = self.param("w", nn.initializers.normal(0.05), (D, D))
+    return jnp.einsum("bd,de->be", h, w * self.param("w_scale", scale_init, (D,))), None
+
+
+class Scanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    layers = nn.scan(
+      ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+    )
+    return layers(name="layers")(x, None)[0]
+
+
+def test_linen_scanned_scaled_weights_are_their_weight_gemms():
+  """`nn.scan` traces its body twice, first by partial evaluation (tracers that record
+  their equation as a `recipe`): the weight is found in both."""
+  x = inputs()
+  model = jqf.quantize_model(Scanned(), RECIPE)
+  params = jax.jit(model.init)(jax.random.key(0), x)
+  rows = jqf.swap_report(model, params, x).rows
+  assert rows and {(r.role, r.status) for r in rows} == {("layers/w", sessions.QUANTIZED)}
+  p, h = params["params"]["layers"], x
+  for i in range(2):
+    h = ops.dense(h, p["w"][i] * p["w_scale"][i], recipe=RECIPE, name="layers/w")
+  np.testing.assert_array_equal(jax.jit(model.apply)(params, x), h)
+
+
 class NnxScaledEinsum(nnx.Module):
   def __init__(self, kind, rngs):
     self.kind = kind

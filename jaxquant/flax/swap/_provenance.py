@@ -29,11 +29,13 @@ carry its shape, none does (a param-only operand sliced, gathered or contracted 
 params), or its computation is longer than the walk follows (`_MAX_VALUES`).
 
 JAX has no public query for "which operation produced this traced value". The walk
-reads what its tracers record while tracing (`parent`: the traced equation, its
-primitive, `in_tracers`, and the jaxpr a jitted or custom-JVP function calls; `primal` /
+reads what its tracers record while tracing (`parent`, or a partial-evaluation tracer's
+`recipe`: the traced equation, its primitive, `in_tracers`, and the jaxpr a jitted or
+custom-JVP function calls; `primal` /
 `val`: the value inside a JVP, linearize or batching tracer; a traced constant's `val`:
-a `Literal`, or a variable of its trace's constants, whose value may be a tracer of the
-enclosing trace, followed there), fields that JAX 0.10 to 0.12 share; where they are
+a `Literal`, or a variable of its trace's constants, or a partial-evaluation tracer's
+known value or constant recipe, any of which may be a tracer of the enclosing trace,
+followed there), fields that JAX 0.10 to 0.12 share; where they are
 missing, a value counts as an input (never as a param or constant), so nothing is
 matched that should not be. Concrete (eager) values record nothing: eagerly, an operand
 matches a weight-shaped param (rank >= 2) whose values, cast to the operand's dtype, it
@@ -138,9 +140,20 @@ def _inner(value: Any) -> Any:
   return value
 
 
+def _equation(value: Any) -> Any:
+  """The traced equation that produced `value`, if any: a jit trace's tracer records it as
+  its `parent`, a partial-evaluation trace's (the first pass of `nn.scan`) as its
+  `recipe`; either has a `primitive` and `in_tracers`."""
+  eqn = getattr(value, "parent", None)
+  if eqn is None:
+    recipe = getattr(value, "recipe", None)
+    eqn = recipe if hasattr(recipe, "primitive") and hasattr(recipe, "in_tracers") else None
+  return eqn
+
+
 def _producer_input(value: Any) -> Optional[Any]:
   """The input of the value-preserving equation that produced `value`, if any."""
-  eqn = getattr(value, "parent", None)
+  eqn = _equation(value)
   inputs = getattr(eqn, "in_tracers", None)
   primitive = getattr(getattr(eqn, "primitive", None), "name", None)
   if primitive not in _VALUE_PRESERVING or inputs is None or len(inputs) != 1:
@@ -169,6 +182,11 @@ def _traced_constant(value: jax.core.Tracer) -> Any:
   """For a tracer that no equation produced: `_CONSTANT` for a literal or a concrete
   constant of its trace; the enclosing trace's tracer that a constant of an inner trace
   (`jax.checkpoint`, a scan body) stands for; None for anything else (an input)."""
+  recipe = getattr(value, "recipe", None)  # a partial-evaluation tracer's
+  pval = getattr(value, "pval", None)
+  if hasattr(recipe, "val") or (recipe is None and pval is not None and pval.is_known()):
+    constant = recipe.val if recipe is not None else pval.get_known()
+    return constant if isinstance(constant, jax.core.Tracer) else _CONSTANT
   atom = getattr(value, "val", None)
   if isinstance(atom, Literal):
     return _CONSTANT
@@ -213,7 +231,7 @@ def _sources(operand: Any, ids: Mapping[int, Any]) -> _Sources:
       continue
     if not isinstance(value, jax.core.Tracer):
       continue  # a concrete value: a constant
-    eqn = getattr(value, "parent", None)
+    eqn = _equation(value)
     inputs = getattr(eqn, "in_tracers", None)
     if eqn is None:
       constant = _traced_constant(value)
