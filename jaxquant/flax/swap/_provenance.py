@@ -29,21 +29,21 @@ carry its shape, none does (a param-only operand sliced, gathered or contracted 
 params), or its computation is longer than the walk follows (`_MAX_VALUES`).
 
 JAX has no public query for "which operation produced this traced value". The walk
-reads what its tracers record while tracing (`parent`, or a partial-evaluation tracer's
-`recipe`: the traced equation, its primitive, `in_tracers`, and the jaxpr a jitted or
-custom-JVP function calls; `primal` /
-`val`: the value inside a JVP, linearize or batching tracer; a traced constant's `val`:
-a `Literal`, or a variable of its trace's constants, or a partial-evaluation tracer's
-known value or constant recipe, any of which may be a tracer of the enclosing trace,
-followed there), fields that JAX 0.10 to 0.12 share; where they are
-missing, a value counts as an input (never as a param or constant), so nothing is
-matched that should not be. Concrete (eager) values record nothing: eagerly, an operand
-matches a weight-shaped param (rank >= 2) whose values, cast to the operand's dtype, it
-holds in the same order or transposed (`.T`). An eager operand of a param's shape holding
-other values (a scaled weight, or an activation of that shape) is unresolved: only
-tracing the call (`jax.jit`, `nnx.jit`) tells the two apart. An operand that matches no
-param is an activation, and its contraction is listed by the swap report as not a weight
-GEMM: a mismatch is visible, never silent.
+reads what its tracers record while tracing: the traced equation (a jit tracer's
+`parent`, a partial-evaluation tracer's `recipe`: its primitive, `in_tracers`, and the
+jaxpr a jitted or custom-JVP function calls); the value inside a JVP, linearize or
+batching tracer (`primal` / `val`); a traced constant (a `Literal`, a variable of its
+trace's constants, a partial-evaluation tracer's known value or constant recipe), which
+may be a tracer of the enclosing trace (a value closed over by `jax.checkpoint`),
+followed there. JAX 0.10 to 0.12 share these fields; where they are missing, a value
+counts as an input (never as a param or constant), so nothing is matched that should
+not be. Concrete (eager) values record nothing: eagerly, an operand matches a
+weight-shaped param (rank >= 2) whose values, cast to the operand's dtype, it holds in
+the same order or transposed (`.T`). An eager operand of a param's shape holding other
+values (a scaled weight, or an activation of that shape) is unresolved: only tracing the
+call (`jax.jit`, `nnx.jit`) tells the two apart. An operand that matches no param is an
+activation, and its contraction is listed by the swap report as not a weight GEMM: a
+mismatch is visible, never silent.
 """
 
 from __future__ import annotations
