@@ -296,6 +296,7 @@ def test_nnx_model_level_effect_is_the_swap_ins():
   assert_effect(report, float(loss), grads, float(loss_q), grads_q)
 
 
+@pytest.mark.slow  # over 20 s: run under the newest JAX only
 def test_nnx_nvfp4_ranks_the_module_with_outlier_inputs_first():
   model = NnxNet(GAIN_NVFP4, nnx.Rngs(0))
   before = nnx.state(model)

@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jaxquant.flax as jqf
@@ -39,6 +40,7 @@ class MoeLikeEinsum(nn.Module):
     return einsum("td,df->tf", x, jnp.asarray(kernel, jnp.bfloat16))
 
 
+@pytest.mark.slow  # over 20 s: run under the newest JAX only
 def test_linen_dot_general_cls_is_the_swap_in():
   seen = []
   recipe = recipes.CustomRecipe(lambda r: seen.append(r.name) or recipes.fp8_current_factory(r))
@@ -58,6 +60,7 @@ def test_linen_dot_general_cls_is_the_swap_in():
   jax.tree.map(np.testing.assert_array_equal, bf16, plain)
 
 
+@pytest.mark.slow  # over 20 s: run under the newest JAX only
 def test_maxtext_einsum_is_the_swap_in():
   params = MoeLikeEinsum().init(jax.random.key(0), X)["params"]
   quant = jqf.MaxTextQuantization(recipes.mxfp8)

@@ -23,6 +23,7 @@ def _role_states(collections):
   return jax.tree.leaves(collections, is_leaf=jqf.is_role_state)
 
 
+@pytest.mark.slow  # over 20 s: run under the newest JAX only
 def test_scanned_remat_state_is_per_layer_and_advances_once_per_step():
   windows = tt.batch()
   model = jqf.quantize_model(tt.ScannedLinenLM(), recipes.fp8_delayed)
@@ -43,6 +44,7 @@ def test_scanned_remat_state_is_per_layer_and_advances_once_per_step():
       assert not np.array_equal(hist[0], hist[1]), state.role
 
 
+@pytest.mark.slow  # over 20 s: run under the newest JAX only
 def test_gradient_accumulation_combines_by_max():
   big, small = tt.batch(1), tt.batch(2)
   model = jqf.quantize_model(tt.LinenLM(), recipes.fp8_delayed)

@@ -101,6 +101,7 @@ def loss_and_grads(model, params, x, jit):
   return (jax.jit(fn) if jit else fn)(params)
 
 
+@pytest.mark.slow  # over 20 s: run under the newest JAX only
 @pytest.mark.parametrize(
   "gemm, jit",
   [
@@ -157,6 +158,7 @@ def test_bf16_is_the_plain_model_bit_for_bit(gemm, jit):
   )
 
 
+@pytest.mark.slow  # over 20 s: run under the newest JAX only
 def test_preferred_element_type_is_the_output_dtype():
   kwargs = {"preferred_element_type": jnp.float32}
   block = MoEBlock(gemm_kwargs=kwargs)
