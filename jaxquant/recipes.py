@@ -88,12 +88,25 @@ class CustomRecipe:
   kernel may skip promoting the tensor cores' partial sums to fp32 along k (cuBLASLt's
   FAST_ACCUM; faster, less accurate for long k: docs/numerics.md). GEMMs of other formats
   have no such mode and accumulate as always; the reference's sums are exact either way.
+
+  `tiny_gemms_in_high_precision` (every preset sets it; False by default): the Flax layers
+  and the swap-in run a *tiny* weight GEMM as written, in high precision, instead of
+  refusing it as unfit (or following `quantize_model`'s `on_unfit`), and `swap_report`
+  says why ("high precision: N=4 is smaller than one block (32) of mxfp8"). A GEMM is
+  tiny when its K or N (the weight's dims, the same at every call: never M, the tokens,
+  so a layer does not change format between training and few-token inference) is
+  smaller than one block that a quantizer applies along that dim, in a usage its GEMMs
+  consume (the backward's too, per `backward`): an MoE router of 4 experts under MXFP8
+  (blocks of 32), NVFP4 (16). Formats whose edge blocks may be partial (block FP8) and
+  per-tensor FP8 tile every shape, so nothing is tiny for them: every GEMM that fits
+  runs as it did.
   """
 
   qfactory: QFactory
   backward: BackwardMode = "quantized"
   name: str = "custom"
   fast_accumulation: frozenset = frozenset()
+  tiny_gemms_in_high_precision: bool = False
 
   def __post_init__(self):
     if not callable(self.qfactory):
@@ -106,6 +119,11 @@ class CustomRecipe:
     object.__setattr__(
       self, "fast_accumulation", check_fast_accumulation(self.fast_accumulation, "CustomRecipe")
     )
+    if not isinstance(self.tiny_gemms_in_high_precision, bool):
+      raise TypeError(
+        "CustomRecipe.tiny_gemms_in_high_precision must be a bool, got "
+        f"{self.tiny_gemms_in_high_precision!r}"
+      )
 
   def quantizer(self, role: QuantizerRole) -> Optional[Quantizer]:
     q = self.qfactory(role)
@@ -170,17 +188,19 @@ def hybrid_factory(role: QuantizerRole):
 # fast_accumulation=GEMMS)` does the same here.)
 FP8_FAST_ACCUMULATION = frozenset({"fprop"})
 
-bf16 = CustomRecipe(bf16_factory, name="bf16")
+# The presets keep tiny GEMMs (an MoE router of a few experts) in high precision.
+_PRESET = dict(tiny_gemms_in_high_precision=True)
+bf16 = CustomRecipe(bf16_factory, name="bf16", **_PRESET)
 fp8_current = CustomRecipe(
-  fp8_current_factory, name="fp8_current", fast_accumulation=FP8_FAST_ACCUMULATION
+  fp8_current_factory, name="fp8_current", fast_accumulation=FP8_FAST_ACCUMULATION, **_PRESET
 )
 fp8_delayed = CustomRecipe(
-  fp8_delayed_factory, name="fp8_delayed", fast_accumulation=FP8_FAST_ACCUMULATION
+  fp8_delayed_factory, name="fp8_delayed", fast_accumulation=FP8_FAST_ACCUMULATION, **_PRESET
 )
-fp8_block = CustomRecipe(fp8_block_factory, name="fp8_block")
-mxfp8 = CustomRecipe(mxfp8_factory, name="mxfp8")
-nvfp4 = CustomRecipe(nvfp4_factory, name="nvfp4")
-hybrid = CustomRecipe(hybrid_factory, name="hybrid")
+fp8_block = CustomRecipe(fp8_block_factory, name="fp8_block", **_PRESET)
+mxfp8 = CustomRecipe(mxfp8_factory, name="mxfp8", **_PRESET)
+nvfp4 = CustomRecipe(nvfp4_factory, name="nvfp4", **_PRESET)
+hybrid = CustomRecipe(hybrid_factory, name="hybrid", **_PRESET)
 
 PRESETS = {r.name: r for r in (bf16, fp8_current, fp8_delayed, fp8_block, mxfp8, nvfp4, hybrid)}
 

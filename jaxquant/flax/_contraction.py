@@ -14,13 +14,15 @@ runs through `jaxquant.ops.grouped_dense` (equal group sizes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxquant import ops
+from jaxquant import ops, recipes
+from jaxquant.flax import _session as sessions
 from jaxquant.ops._operands import FORWARD_USAGES, gemm_matrices, usages_to_quantize
 from jaxquant.quantizers import Quantizer, for_usage
 from jaxquant.roles import LINEAR
@@ -162,18 +164,11 @@ def plan_contraction(lhs: str, rhs: str, out: str):
   return GemmPlan(x_perm, kernel_perm, len(contracted), out_perm)
 
 
-def unfit_reason(
-  m: int,
-  k: int,
-  n: int,
-  quantizers: Mapping[str, Optional[Quantizer]],
-  *,
-  backward: Optional[str] = None,
-) -> Optional[str]:
-  """Why a quantizer's blocks do not tile a dim of a matrix its GEMMs quantize (naming the
-  role and the GEMM dim M, K or N), or None. The forward's usages only, unless `backward`
-  (a recipes.BackwardMode) asks for those of the backward GEMMs too. M = 0 skips M (a
-  grouped GEMM pads each group to its blocks)."""
+def _blocked_dims(m, k, n, quantizers, backward):
+  """(tensor type, quantizer, usage, format, size, dim, block) of each dim of a matrix the
+  GEMMs quantize in blocks that must tile it: the forward's usages, and the backward's
+  too when `backward` (a recipes.BackwardMode) is given. Formats whose edge blocks may be
+  partial tile every size and are left out."""
   sizes = gemm_matrices(m, k, n)
   for tensor_type, quantizer in quantizers.items():
     rows, cols = sizes[tensor_type]
@@ -195,27 +190,86 @@ def unfit_reason(
       if usage == "columnwise":
         stored = stored[::-1]
       for (size, dim), block in zip(stored, fmt.block, strict=False):
-        if block > 1 and size % block:
-          return (
-            f"the {tensor_type} quantizer {q!r} does not fit dim {dim} = {size}: its "
-            f"{usage} usage needs it divisible by {block}"
-          )
+        if block > 1:
+          yield tensor_type, q, usage, fmt, size, dim, block
+
+
+def unfit_reason(
+  m: int,
+  k: int,
+  n: int,
+  quantizers: Mapping[str, Optional[Quantizer]],
+  *,
+  backward: Optional[str] = None,
+) -> Optional[str]:
+  """Why a quantizer's blocks do not tile a dim of a matrix its GEMMs quantize (naming the
+  role and the GEMM dim M, K or N), or None. The forward's usages only, unless `backward`
+  (a recipes.BackwardMode) asks for those of the backward GEMMs too. M = 0 skips M (a
+  grouped GEMM pads each group to its blocks)."""
+  for tensor_type, q, usage, _, size, dim, block in _blocked_dims(m, k, n, quantizers, backward):
+    if size % block:
+      return (
+        f"the {tensor_type} quantizer {q!r} does not fit dim {dim} = {size}: its "
+        f"{usage} usage needs it divisible by {block}"
+      )
   return None
 
 
+def tiny_reason(
+  k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]], backward: str
+) -> Optional[str]:
+  """Why a weight GEMM is tiny, e.g. "N=4 is smaller than one block (32) of mxfp8", or
+  None: its N, else its K, is smaller than the largest block that a quantizer applies
+  along it in a usage its GEMMs (forward and backward, per `backward`) consume. M (the
+  rows of a call) never counts. A tiny GEMM never fits (`unfit_reason`)."""
+  blocked = list(_blocked_dims(0, k, n, quantizers, backward))
+  for letter, size in (("N", n), ("K", k)):
+    blocks = [(b, fmt) for _, _, _, fmt, s, dim, b in blocked if dim.startswith(letter) and s]
+    if blocks and size < max(b for b, _ in blocks):
+      block, fmt = max(blocks, key=lambda bf: bf[0])
+      return f"{letter}={size} is smaller than one block ({block}) of {fmt.family.value}"
+  return None
+
+
+def tiny_status(k: int, n: int, quantizers, recipe: recipes.CustomRecipe) -> Optional[str]:
+  """The status row of a tiny weight GEMM that `recipe` keeps in high precision
+  (`CustomRecipe.tiny_gemms_in_high_precision`), or None: the GEMM follows the recipe."""
+  if not recipe.tiny_gemms_in_high_precision:
+    return None
+  reason = tiny_reason(k, n, quantizers, recipe.backward)
+  return None if reason is None else sessions.high_precision_status(reason)
+
+
+def unfit_error(what: str, reason: str, role: str) -> ValueError:
+  """The error of a GEMM whose shape its quantizers do not fit, naming the role and the
+  ways out, `on_unfit='high_precision'` among them."""
+  return ValueError(
+    f"{what}: {reason}; change the shape or map role {role!r} to another quantizer (or "
+    "None) in the recipe, or pass on_unfit='high_precision' to quantize_model"
+  )
+
+
 def check_gemm_dims(
-  m: int, k: int, n: int, quantizers: Mapping[str, Optional[Quantizer]], what: str
+  m: int,
+  k: int,
+  n: int,
+  quantizers: Mapping[str, Optional[Quantizer]],
+  what: str,
+  role: str,
+  *,
+  backward: Optional[str] = None,
 ) -> None:
-  """Raises, naming the role and the GEMM dim (M, K or N), if a quantizer's blocks do not
-  tile a dim of the matrix the forward GEMM quantizes (`ops.dense` checks the backward's
-  usages when a backward is traced, so that few-token inference is not refused)."""
+  """Raises `unfit_error` if a quantizer's blocks do not tile a dim of a matrix the
+  forward GEMM quantizes, or, given `backward`, K or N (the weight's dims) of one a
+  backward GEMM quantizes: such a weight can never train, and the error comes at its first
+  call rather than from the gradient's trace (under `jax.checkpoint`, far from this
+  layer). M of the backward is checked when a backward is traced (`quantized_gemm`), so
+  that few-token inference is not refused."""
   reason = unfit_reason(m, k, n, quantizers)
+  if reason is None and backward is not None:
+    reason = unfit_reason(0, k, n, quantizers, backward=backward)
   if reason:
-    raise ValueError(
-      f"{what}: {reason}; change the layer's shape or map this role to another "
-      "quantizer (or None) in the recipe, or pass on_unfit='high_precision' to "
-      "quantize_model"
-    )
+    raise unfit_error(what, reason, role)
 
 
 def quantized_gemm(
@@ -237,8 +291,10 @@ def quantized_gemm(
   GEMMs allowed FP8 fast accumulation (ops.dense)."""
 
   def gemm(x2d, k2d):
-    check_gemm_dims(x2d.shape[0], x2d.shape[1], k2d.shape[1], quantizers, what)
-    out = ops.dense(
+    m, k, n = x2d.shape[0], x2d.shape[1], k2d.shape[1]
+    check_gemm_dims(m, k, n, quantizers, what, name, backward=backward)
+    dense = functools.partial(
+      ops.dense,
       x2d,
       k2d,
       quantizers=dict(quantizers),
@@ -250,6 +306,19 @@ def quantized_gemm(
       weight_gather=weight_gather,
       fast_accumulation=fast_accumulation,
     )
+    backward_reason = unfit_reason(m, k, n, quantizers, backward=backward)
+    if backward_reason is None:
+      out = dense()
+    else:
+      # The rows M of this call do not tile a backward usage: ops.dense refuses them when
+      # a gradient is traced (its forward rule runs inside this call, unless a
+      # `jax.checkpoint` defers it); the error says which role and what to do.
+      try:
+        out = dense()
+      except ValueError as error:
+        raise unfit_error(
+          what, f"{backward_reason}, for a backward GEMM ({error})", name
+        ) from error
     return out if state is not None else (out, None)
 
   return plan.run(x, kernel, gemm)

@@ -8,8 +8,9 @@ metadata in NNX), so `weight_roles` lists it like any dense kernel. The call is
 The recipe resolves like the dense layers': the module's own, then the model's
 (`quantize_model` passes it: `linen_call(..., model_recipe=)` from its interceptor,
 `NnxGroupedDense.bind_role` in NNX), then autocast's. Under the swap-in each call is a
-row of its report, and with `on_unfit="high_precision"` a kernel whose K or N the
-quantizers do not tile runs in high precision, as the dense layers do.
+row of its report; as for the dense layers, a tiny GEMM runs in high precision where the
+recipe keeps those there (the presets do), and a kernel whose K or N the quantizers do
+not tile raises, or runs in high precision with `on_unfit="high_precision"`.
 
 Seam: these modules take recipes without delayed scaling (per-group `RoleState`s in the
 "quant_state" collection are the next step; `ops.grouped_dense` already takes
@@ -53,12 +54,20 @@ def _quantizers(recipe, model_recipe, name, what):
   return recipe, quantizers
 
 
-def _grouped_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, path, call, key):
+def _grouped_gemm(x, kernel, group_sizes, bias, **kwargs):
+  """`_weight_gemm` in the scope of met contractions (`_session.param_contraction_scope`)."""
+  with sessions.param_contraction_scope():
+    return _weight_gemm(x, kernel, group_sizes, bias, **kwargs)
+
+
+def _weight_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, path, call, key, what):
   """`ops.grouped_dense` per the quantizers, recorded in the swap-in's session if any.
 
-  Under a session with `on_unfit="high_precision"`, a kernel whose K or N the quantizers'
-  blocks do not tile runs in high precision (each group's M is padded to the blocks);
-  `key()` draws the stochastic-rounding key only for a GEMM that quantizes."""
+  A tiny GEMM (`_contraction.tiny_reason`) runs in high precision when the recipe keeps
+  such GEMMs there (every preset does). A kernel whose K or N the quantizers' blocks do
+  not tile (each group's M is padded to the blocks) raises `_contraction.unfit_error`, or
+  runs in high precision under a session with `on_unfit="high_precision"`. `key()` draws
+  the stochastic-rounding key only for a GEMM that quantizes."""
   session = sessions.current()
   record = lambda status: (
     session
@@ -69,12 +78,21 @@ def _grouped_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, pat
   if is_high_precision(quantizers):
     record(sessions.RECIPE_NONE)
     return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name)
-  if session is not None and session.on_unfit == "high_precision":
-    _, k, n = np.shape(kernel)
-    reason = contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
-    if reason:
-      record(sessions.unfit_status(reason))
-      return grouped_dense(x, kernel, group_sizes, bias, recipe=recipes.bf16, name=name)
+  _, k, n = np.shape(kernel)
+  high_precision = lambda: grouped_dense(
+    x, kernel, group_sizes, bias, recipe=recipes.bf16, name=name
+  )
+  tiny = contraction.tiny_status(k, n, quantizers, recipe)
+  if tiny:
+    record(tiny)
+    return high_precision()
+  # ops.grouped_dense checks the weight's backward usages even for a forward only.
+  reason = contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
+  if reason and (session is None or session.on_unfit == "error"):
+    raise contraction.unfit_error(what, reason, name)
+  if reason:
+    record(sessions.unfit_status(reason))
+    return high_precision()
   record(sessions.QUANTIZED)
   return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name, key=key())
 
@@ -135,6 +153,7 @@ def linen_call(
     path=path,
     call=type(module).__name__,
     key=lambda: linen_key(module, quantizers, what),
+    what=what,
   )
 
 
@@ -204,4 +223,5 @@ class NnxGroupedDense(nnx.Module):
       path=self.name,
       call=type(self).__name__,
       key=lambda: self._key(quantizers),
+      what=f"GroupedDense {self.name!r}",
     )

@@ -8,7 +8,9 @@ each contraction they meet as a `Row` (what `swap_report` prints and what the no
 check counts). The layers read it without knowing the swap-in: it sits below both.
 
 The swap-in also supplies `find_weight(operand)`: which param of the model an operand
-is (a `jaxquant.flax.swap` weight reference), or None.
+is (a `jaxquant.flax.swap` weight reference), or None. Every contraction of a param met
+runs in `param_contraction_scope()`, so that `swap_report` can tell, in the traced
+computation, the ones nothing met.
 
 `FirstCallLog`, kept by each quantized model, logs what the first call of each recipe
 found: one INFO line on the `jaxquant` logger (`summary`).
@@ -24,6 +26,8 @@ import logging
 import threading
 from typing import Any, Callable, Literal, Optional
 
+import jax
+
 from jaxquant import recipes
 from jaxquant.quantizers import Quantizer
 
@@ -32,12 +36,31 @@ ON_UNFIT = ("error", "high_precision")
 
 # Why a contraction runs in high precision (Row.status).
 QUANTIZED = "quantized"
-RECIPE_NONE = "high precision: the recipe maps it to None"
-NOT_A_WEIGHT_GEMM = "high precision: not a weight GEMM"
+HIGH_PRECISION = "high precision: "
+RECIPE_NONE = HIGH_PRECISION + "the recipe maps it to None"
+NOT_A_WEIGHT_GEMM = HIGH_PRECISION + "not a weight GEMM"
+
+
+def high_precision_status(reason: str) -> str:
+  return HIGH_PRECISION + reason
 
 
 def unfit_status(reason: str) -> str:
-  return f"high precision: the shape does not fit the format ({reason})"
+  return high_precision_status(f"the shape does not fit the format ({reason})")
+
+
+# The name scope of every contraction of a param that the swap-in or a layer met (a weight
+# GEMM, quantized or not; one of two params): `swap_report` finds, in the traced
+# computation, the contractions of a param outside it, which nothing met (a GEMM inside a
+# function that the model's code jitted).
+PARAM_CONTRACTION_SCOPE = "jaxquant_param_contraction"
+
+
+def param_contraction_scope():
+  """Marks the operations traced inside as a met contraction of a param's
+  (`jax.named_scope`: a name in the traced computation and in the compiled ops' metadata,
+  nothing else)."""
+  return jax.named_scope(PARAM_CONTRACTION_SCOPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +137,6 @@ def check_on_unfit(on_unfit: str) -> None:
 
 
 LOGGER = logging.getLogger("jaxquant")
-_HIGH_PRECISION = "high precision: "
 
 
 def summary(session: Session, what: str) -> str:
@@ -124,7 +146,7 @@ def summary(session: Session, what: str) -> str:
   weights = [r for r in session.rows if r.is_weight_gemm]
   quantized = sum(r.status == QUANTIZED for r in weights)
   reasons = collections.Counter(
-    r.status.removeprefix(_HIGH_PRECISION) for r in weights if r.status != QUANTIZED
+    r.status.removeprefix(HIGH_PRECISION) for r in weights if r.status != QUANTIZED
   )
   why = ", ".join(f"{reason}: {n}" for reason, n in reasons.items())
   others = len(session.rows) - len(weights)

@@ -292,9 +292,11 @@ def gemm_call(
     model_recipe: the recipe of the whole model, if any (the module's own wins).
     annotate: box the weight with its role (`metadata.QuantizedWeight`) during init.
 
-  Under a swap-in session (`jaxquant.flax._session`) the layer is recorded for the
-  report, and a shape its quantizers do not fit runs Flax's code when the session's
-  `on_unfit` is "high_precision".
+  A tiny GEMM (`_contraction.tiny_reason`) runs Flax's code when the recipe keeps such
+  GEMMs in high precision (every preset does). Under a swap-in session
+  (`jaxquant.flax._session`) the layer is recorded for the report, and a shape its
+  quantizers do not fit runs Flax's code when the session's `on_unfit` is
+  "high_precision".
   """
   name = role_name(module)
   recipe = recipes.resolve(getattr(module, "recipe", None), model_recipe)
@@ -307,11 +309,12 @@ def gemm_call(
       sessions.Row(module_path(module), type(module).__name__, shapes, name, quantizers, status)
     )
   )
-  if is_high_precision(quantizers):
-    y = flax_call(*args, **kwargs)
-    record(sessions.RECIPE_NONE, (np.shape(args[0]),))
-  else:
-    y = _quantized_call(module, recipe, roles, quantizers, flax_call, record, *args, **kwargs)
+  with sessions.param_contraction_scope():
+    if is_high_precision(quantizers):
+      y = flax_call(*args, **kwargs)
+      record(sessions.RECIPE_NONE, (np.shape(args[0]),))
+    else:
+      y = _quantized_call(module, recipe, roles, quantizers, flax_call, record, *args, **kwargs)
   if annotate:
     annotate_linen_weight(module, "kernel", roles["weight"], quantizers["weight"])
   return y
@@ -330,10 +333,13 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
   layer = _CONTRACTIONS[_flax_class(module)](module, x, *args, **kwargs)
   shapes = (np.shape(x), layer.kernel_shape)
   session = sessions.current()
+  m, k, n = layer.plan.dims(x.shape, layer.kernel_shape)
+  tiny = contraction.tiny_status(k, n, quantizers, recipe)
+  if tiny:
+    record(tiny, shapes)  # Flax's code creates the params, as below
+    return flax_call(x, *args, **kwargs)
   if session is not None and session.on_unfit == "high_precision":
-    reason = contraction.unfit_reason(
-      *layer.plan.dims(x.shape, layer.kernel_shape), quantizers, backward=recipe.backward
-    )
+    reason = contraction.unfit_reason(m, k, n, quantizers, backward=recipe.backward)
     if reason:
       # Flax's code creates the params (none exist yet): the plain layer's bits.
       record(sessions.unfit_status(reason), shapes)

@@ -122,7 +122,8 @@ class _QuantizedGemm:
     )
 
   def _gemm(self, flax_call, plan_fn, inputs, *args, **kwargs):
-    with routing_pause.paused():  # its own contraction is this layer's business
+    # Its own contraction is this layer's business: not routed, and a weight GEMM.
+    with routing_pause.paused(), sessions.param_contraction_scope():
       return self._gemm_unrouted(flax_call, plan_fn, inputs, *args, **kwargs)
 
   def _gemm_unrouted(self, flax_call, plan_fn, inputs, *args, **kwargs):
@@ -146,10 +147,13 @@ class _QuantizedGemm:
       record(sessions.RECIPE_NONE)
       return flax_call(self, inputs, *args, **kwargs)
     plan, add_bias = plan_fn(inputs, *args, **kwargs)
+    m, k, n = plan.dims(inputs.shape, self.kernel.shape)
+    tiny = contraction.tiny_status(k, n, quantizers, recipe)
+    if tiny:
+      record(tiny)
+      return flax_call(self, inputs, *args, **kwargs)
     if session is not None and session.on_unfit == "high_precision":
-      reason = contraction.unfit_reason(
-        *plan.dims(inputs.shape, self.kernel.shape), quantizers, backward=recipe.backward
-      )
+      reason = contraction.unfit_reason(m, k, n, quantizers, backward=recipe.backward)
       if reason:
         record(sessions.unfit_status(reason))
         return flax_call(self, inputs, *args, **kwargs)

@@ -18,8 +18,10 @@ Every other contraction the model's code makes (`lax.dot_general`, `jnp.einsum`,
 `jnp.dot`, `jnp.matmul`, `@`) is routed (`_interception`) to `_routed.handle`: where one
 operand is a param of the model, it is a weight GEMM named by the param's module path
 (plus the param's name unless it is `kernel`). Contractions of two
-activations stay in high precision. `swap_report` lists everything met. `_targets`
-names every entry point the swap-in takes over.
+activations stay in high precision. `swap_report` lists everything met, and every
+contraction of a param that nothing met (a GEMM inside a function the model's code
+jitted, where the weight is that function's own argument). `_targets` names every entry
+point the swap-in takes over.
 
 Each swapped layer's roles are named by its module path, the path of its params; the
 root module's weights by their own name. Layers the recipe maps to None run Flax's own
@@ -75,8 +77,13 @@ def quantize_model(
     rngs: NNX only: an `nnx.Rngs` with a "quant" stream, needed when the recipe rounds
       stochastically (Linen layers take the key from `apply(rngs={"quant": key})`).
     on_unfit: "error" (default): a GEMM whose shape a quantizer's blocks do not tile
-      raises, naming the role and the dim; "high_precision": it runs in high precision
-      instead, and the swap report lists it with the reason.
+      raises, naming the role, the dim and this option: at its first call (init
+      included) for the forward's dims and for K and N (the weight's) of the backward's,
+      and for M (the call's rows) of the backward's when a gradient is traced, so that
+      few-token inference runs; "high_precision": it runs in high precision instead, and
+      the swap report lists it with the reason. Before either, a tiny GEMM (K or N below
+      one block) runs in high precision, listed with the reason, where the recipe keeps
+      those there (`CustomRecipe.tiny_gemms_in_high_precision`: every preset does).
     require_gemm: raise when a recipe that quantizes finds no weight GEMM in the model
       (everything would silently stay in high precision); False allows it.
     weight_gather: Linen only: the params' shardings (`ModelWeightGather`); every

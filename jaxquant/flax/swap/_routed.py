@@ -10,11 +10,13 @@ active:
    param operand (attention scores, probabilities times values) or two, it runs as
    written, listed as not a weight GEMM;
 3. the weight's role is named by its owner module's path (plus the param's name unless it
-   is `kernel`, so that siblings never rename it); the recipe gives its quantizers ("linear" roles, or
-   "grouped_linear" when axes are shared by both operands and the output: per-expert
-   weights, one GEMM per expert through `ops.grouped_dense`);
-4. a contraction the recipe maps to None runs as written (bit-identical); one whose
-   shape a quantizer does not fit raises, or with `on_unfit="high_precision"` runs as
+   is `kernel`, so that siblings never rename it); the recipe gives its quantizers
+   ("linear" roles, or "grouped_linear" when axes are shared by both operands and the
+   output: per-expert weights, one GEMM per expert through `ops.grouped_dense`);
+4. a contraction the recipe maps to None runs as written (bit-identical), and so does
+   a tiny one (K or N below one block: `_contraction.tiny_reason`) where the recipe keeps
+   those in high precision (the presets do); one whose shape a quantizer does not fit
+   raises (`_contraction.unfit_error`), or with `on_unfit="high_precision"` runs as
    written; every other one runs through `ops.dense` / `ops.grouped_dense` in the dtype
    the call would have produced.
 
@@ -51,15 +53,25 @@ def handle(call: Call):
   if isinstance(found, str):
     shapes = tuple(np.shape(a) for a in call.args if hasattr(a, "shape"))
     session.record(_row("", call, None, shapes, status=f"{sessions.NOT_A_WEIGHT_GEMM} ({found})"))
-    return call.fallback()
+    with sessions.param_contraction_scope():  # met, and listed with its reason
+      return call.fallback()
   if isinstance(found, calls.RaggedContraction):
     return _ragged(session, call, found)
   shapes = (np.shape(found.lhs), np.shape(found.rhs))
   refs = (session.find_weight(found.lhs), session.find_weight(found.rhs))
-  if (refs[0] is None) == (refs[1] is None):
-    why = "" if refs[0] is None else " (both operands are params)"
-    path = "" if refs[0] is None else refs[0].path
-    session.record(_row(path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
+  if refs == (None, None):
+    session.record(_row("", call, found, shapes))
+    return call.fallback()
+  # A contraction of a param, met here: `swap_report` looks for those nothing met.
+  with sessions.param_contraction_scope():
+    return _param_contraction(session, call, found, shapes, refs)
+
+
+def _param_contraction(session, call: Call, found: calls.Contraction, shapes, refs):
+  """A contraction with a param operand (`refs`: the operands' weight references)."""
+  if None not in refs:
+    why = " (both operands are params)"
+    session.record(_row(refs[0].path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
     return call.fallback()
   weight_first = refs[0] is not None
   ref = refs[0] or refs[1]
@@ -76,20 +88,24 @@ def handle(call: Call):
   grouped = isinstance(plan, contraction.GroupedPlan)
   module_type = GROUPED_LINEAR if grouped else LINEAR
 
+  m, k, n = (0, 0, 0) if plan is None else plan.dims(np.shape(x), np.shape(w))
+
   def unfit(recipe, quantizers):
     if plan is None:
       return not_gemm
-    m, k, n = plan.dims(np.shape(x), np.shape(w))
-    return contraction.unfit_reason(
-      0 if grouped else m,
-      k,
-      n,
-      quantizers,
+    if grouped or session.on_unfit == "high_precision":
       # ops.grouped_dense checks the weight's backward usages even for a forward only.
-      backward=recipe.backward if grouped or session.on_unfit == "high_precision" else None,
+      return contraction.unfit_reason(
+        0 if grouped else m, k, n, quantizers, backward=recipe.backward
+      )
+    # Raising: the forward's dims, and K and N of the backward's (the weight's own); M of
+    # the backward is checked when a gradient is traced, so few-token inference runs.
+    return contraction.unfit_reason(m, k, n, quantizers) or contraction.unfit_reason(
+      0, k, n, quantizers, backward=recipe.backward
     )
 
-  admitted = _admit(session, call, found, shapes, ref, module_type, what, unfit)
+  weight_dims = None if plan is None else (k, n)
+  admitted = _admit(session, call, found, shapes, ref, module_type, what, unfit, weight_dims)
   if admitted is None:
     return call.fallback()
   recipe, quantizers = admitted
@@ -124,16 +140,21 @@ def _grouped(plan, x, w, quantizers, recipe, ref, key, what):
   return plan.run(x, w, grouped_gemm)[0]
 
 
-def _admit(session, call, found, shapes, ref, module_type, what, unfit_reason):
+def _admit(session, call, found, shapes, ref, module_type, what, unfit_reason, weight_dims):
   """(recipe, quantizers) of a routed weight GEMM, its row recorded as quantized; None,
   its row recorded with the reason, where it runs as written: the recipe maps its role to
-  high precision, or `unfit_reason(recipe, quantizers)` names why its shape does not fit
+  high precision, or keeps it there as a tiny GEMM (`weight_dims`: its (K, N), None for
+  no GEMM), or `unfit_reason(recipe, quantizers)` names why its shape does not fit
   (which raises under `on_unfit="error"`)."""
   recipe = recipes.resolve(session.recipe)
   quantizers = recipe.quantizers(module_type, ref.role_name)
   row = lambda status: _row(ref.path, call, found, shapes, ref.role_name, quantizers, status)
   if is_high_precision(quantizers):
     session.record(row(sessions.RECIPE_NONE))
+    return None
+  tiny = weight_dims and contraction.tiny_status(*weight_dims, quantizers, recipe)
+  if tiny:
+    session.record(row(tiny))
     return None
   reason = unfit_reason(recipe, quantizers)
   if reason:
@@ -157,11 +178,7 @@ def _check_weight_gather(session, quantizers, what, ref):
 def _unfit(session, what, reason, ref, row):
   """Raises for `on_unfit="error"`; records the row of a call run as written otherwise."""
   if session.on_unfit == "error":
-    raise ValueError(
-      f"{what}: {reason}; change the shape or map role {ref.role_name!r} to "
-      "another quantizer (or None) in the recipe, or pass "
-      "on_unfit='high_precision' to quantize_model"
-    )
+    raise contraction.unfit_error(what, reason, ref.role_name)
   session.record(row(sessions.unfit_status(reason)))
 
 
@@ -169,14 +186,22 @@ def _ragged(session, call: Call, found: calls.RaggedContraction):
   """A ragged dot with a param rhs through `ops.grouped_dense`, per the recipe."""
   shapes = (np.shape(found.lhs), np.shape(found.rhs))
   lhs_ref, ref = session.find_weight(found.lhs), session.find_weight(found.rhs)
-  if ref is None or lhs_ref is not None:
-    why = {
-      (False, False): "",
-      (True, False): " (its lhs is a param, not its [G, K, N] rhs)",
-      (True, True): " (both operands are params)",
-    }[lhs_ref is not None, ref is not None]
-    path = (lhs_ref or ref).path if (lhs_ref or ref) else ""
-    session.record(_row(path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
+  if lhs_ref is None and ref is None:
+    session.record(_row("", call, found, shapes))
+    return call.fallback()
+  with sessions.param_contraction_scope():  # a contraction of a param, met here
+    return _ragged_param(session, call, found, shapes, lhs_ref, ref)
+
+
+def _ragged_param(session, call, found, shapes, lhs_ref, ref):
+  """A ragged dot with a param operand (`lhs_ref`, `ref`: its lhs's and rhs's, or None)."""
+  if lhs_ref is not None:
+    why = (
+      " (both operands are params)"
+      if ref is not None
+      else " (its lhs is a param, not its [G, K, N] rhs)"
+    )
+    session.record(_row(lhs_ref.path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
     return call.fallback()
   what = f"{calls.describe(call, found)} with weight {ref.role_name!r}"
   _, k, n = np.shape(found.rhs)
@@ -185,7 +210,7 @@ def _ragged(session, call: Call, found: calls.RaggedContraction):
     # ops.grouped_dense checks the weight's backward usages even for a forward only.
     return contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
 
-  admitted = _admit(session, call, found, shapes, ref, GROUPED_LINEAR, what, unfit)
+  admitted = _admit(session, call, found, shapes, ref, GROUPED_LINEAR, what, unfit, (k, n))
   if admitted is None:
     return call.fallback()
   recipe, quantizers = admitted
