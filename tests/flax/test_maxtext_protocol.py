@@ -23,10 +23,35 @@ OWG = "_overwrite_with_gradient"
 
 
 class ToNNX(nnx.bridge.ToNNX):
-  """MaxText's `nnx_wrappers.ToNNX`: Flax's, plus dropping the forked Rngs after init."""
+  """MaxText 0.2.5's `nnx_wrappers.ToNNX` where it differs from Flax's: when applied, it
+  hands the Linen module the bridge's Variables alone (plain attributes, such as Qwix's
+  bookkeeping or the swap-in's names, stay on the bridge), each boxed with its NNX
+  metadata (`NNXMeta`); and it drops its Rngs on request."""
 
   def release_rngs(self):
     self.to_nnx__rngs = None
+
+  def __call__(self, *args, mutable=None, **kwargs):
+    if self._pytree__state.initializing:
+      return super().__call__(*args, **kwargs)
+    attrs = {k: v for k, v in vars(self).items() if not k.startswith(("to_nnx__", "_pytree__"))}
+    variables = {
+      (nnx.variablelib.variable_name_from_type(type(v)), *path): nnx.bridge.NNXMeta(
+        type(v), v.get_value(), v.get_metadata()
+      )
+      for path, v in nnx.traversals.flatten_mapping(attrs).items()
+      if isinstance(v, nnx.Variable)
+    }
+    rngs = self.to_nnx__rngs
+    out, updates = self.to_nnx__module.apply(
+      nnx.traversals.unflatten_mapping(variables),
+      *args,
+      rngs={} if rngs is None else {name: stream() for name, stream in rngs.items()},
+      mutable=mutable,
+      **kwargs,
+    )
+    assert not updates  # MaxText writes back "aqt" only, which jaxquant's hooks never make
+    return out
 
 
 def in_serve_mode(quant):

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import flax.linen as nn
 import jax
 from flax import nnx
+from flax.core import meta
 
 from jaxquant import recipes
 from jaxquant.flax import _routing_pause as routing_pause
@@ -191,7 +192,8 @@ def contract(
       "it names every layer, and quantizes the layers MaxText gives no quant= "
       "(logits_dense)"
     )
-  states = dict(module.variables.get(OVERWRITE_WITH_GRADIENT, {}))
+  # MaxText's bridge hands over variables with NNX metadata boxed (`NNXMeta`).
+  states = meta.unbox(dict(module.variables.get(OVERWRITE_WITH_GRADIENT, {})))
 
   def run(operands, states):
     lhs, rhs, key = operands
