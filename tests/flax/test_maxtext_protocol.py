@@ -291,3 +291,44 @@ def test_unnamed_layer_is_an_error():
   model = Transformer(jqf.MaxTextQuantization(recipes.fp8_current))
   with pytest.raises(ValueError, match="quantize_model"):
     loss_fn(model)
+
+
+class MoeLike(nnx.Module):
+  """MaxText's MoE: weights it names itself (`wi`, `wo`), contracted through
+  `quant.einsum(mesh_axes=...)` bridged on first use (`quantizations.apply_einsum_in_nnx`)."""
+
+  def __init__(self, quant, rngs):
+    init = nn.initializers.lecun_normal()
+    self.wi = nnx.Param(init(rngs.params(), (D, FF)))
+    self.wo = nnx.Param(init(rngs.params(), (FF, D)))
+    self.quant = quant
+    self.rngs = rngs
+
+  def einsum(self, op_id, equation, x, kernel):
+    attr = f"quant_einsum_{op_id}"
+    bridge = getattr(self, attr, None)
+    if bridge is None:
+      bridge = ToNNX(self.quant.einsum(mesh_axes=("embed", "mlp")), rngs=self.rngs)
+      bridge.lazy_init(equation, x, kernel)
+      setattr(self, attr, bridge)
+    return bridge(equation, x, kernel, mutable=["aqt"])
+
+  def __call__(self, x):
+    wi, wo = (jnp.asarray(w[...], jnp.bfloat16) for w in (self.wi, self.wo))
+    h = self.einsum("wi", "btd,df->btf", x, wi)
+    return self.einsum("wo", "btf,fd->btd", jax.nn.silu(h), wo)
+
+
+class MoeModel(nnx.Module):
+  def __init__(self, quant):
+    self.moe = MoeLike(quant, nnx.Rngs(params=0, aqt=1))
+
+  def __call__(self, tokens):
+    return self.moe(jax.nn.one_hot(tokens, D, dtype=jnp.bfloat16)).astype(jnp.float32)
+
+
+def test_einsum_roles_are_the_params_paths():
+  """A layer contracting several weights through `quant.einsum` gets a role for each."""
+  model = quantize(MoeModel(jqf.MaxTextQuantization(recipes.fp8_current)), recipes.fp8_current)
+  report = jqf.swap_report(model, TOKEN_DATA)
+  assert {r.role for r in report.quantized} == {"moe/wi", "moe/wo"}

@@ -9,7 +9,10 @@ They build it in their `__init__` (`lazy_init` and a call, on a dummy input), ca
 own FP8 ops use it). So such a hook:
 
 - names its role by the path of the NNX layer calling it: the innermost NNX module running
-  on the Python stack that `quantize_model` named (`_paths`), the bridge itself skipped.
+  on the Python stack that `quantize_model` named (`_paths`), the bridge itself skipped;
+  as the swap-in names a routed weight, the weight's param is found among the layer's
+  (`_provenance`), so a layer's `kernel` goes by the layer's path and its other params
+  by their own (the MoE's `wi_0`, `wo`).
   A layer being built has no path yet: its dummy call runs as written (MaxText throws the
   output away), and so does `init`. Any other call from an unnamed layer is an error that
   says to give the built model to `quantize_model`: a role without a name would match no
@@ -40,6 +43,7 @@ from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._rng import QUANT_RNG, draws_key
 from jaxquant.flax._state import RoleState, init_role_states, update_quant_state
+from jaxquant.flax.swap import _provenance as provenance
 from jaxquant.flax.swap._hosts import KERNEL, WeightRef
 from jaxquant.flax.swap._paths import is_linen_bridge, module_path
 from jaxquant.quantizers import needs_state
@@ -53,26 +57,36 @@ BUILDING_NAME = ""  # the role name a layer being built is asked for (it has no 
 Contract = Callable[[WeightRef, jax.Array, jax.Array], jax.Array]
 
 
-def _state_name(param: str, tensor_type: str) -> str:
-  return f"{param}_{tensor_type}"
+def _state_name(tensor_type: str) -> str:
+  """A state's variable name: the hook contracts one weight, its state is named as a
+  kernel's whatever the layer calls the param."""
+  return f"{KERNEL}_{tensor_type}"
 
 
-def _calling_layer() -> tuple[Optional[str], bool]:
-  """(the calling NNX layer's path, None if unnamed; whether that layer is being built).
+def _calling_layer() -> tuple[Optional[nnx.Module], bool]:
+  """(the calling NNX layer if `quantize_model` named it, else None; whether that layer is
+  being built).
 
   The innermost NNX module among the `self` of the running methods, bridges skipped: a
-  named one gives its path; an unnamed one whose `__init__` is running is being built."""
+  named one is the layer; an unnamed one whose `__init__` is running is being built."""
   frame = inspect.currentframe()
   while frame is not None:
     module = frame.f_locals.get("self")
     if isinstance(module, nnx.Module) and not is_linen_bridge(module):
-      path = module_path(module)
-      if path is not None:
-        return path, False
+      if module_path(module) is not None:
+        return module, False
       if frame.f_code.co_name == "__init__":
         return None, True
     frame = frame.f_back
   return None, False
+
+
+def _weight(layer: nnx.Module, rhs, host) -> WeightRef:
+  """The layer's param that `rhs` is (or was cast / viewed from), as the swap-in names a
+  routed weight: its `kernel` by the layer's path (DenseGeneral), another param by its own
+  path (MoE's `wi_0`); a weight the layer does not hold as a param, as its `kernel`."""
+  params = {name: v.get_value() for name, v in vars(layer).items() if isinstance(v, nnx.Param)}
+  return WeightRef(module_path(layer), provenance.find(rhs, params) or KERNEL, host)
 
 
 def _recipe(recipe) -> recipes.CustomRecipe:
@@ -84,9 +98,7 @@ def _init_states(module: nn.Module, recipe, name: str) -> None:
   """The `_overwrite_with_gradient` variables of the delayed-scaling roles of `name`."""
   states = init_role_states(gemm_roles(LINEAR, name), _recipe(recipe).quantizers(LINEAR, name))
   for tensor_type, state in states.items():
-    module.scope.variable(
-      OVERWRITE_WITH_GRADIENT, _state_name(KERNEL, tensor_type), lambda s=state: s
-    )
+    module.scope.variable(OVERWRITE_WITH_GRADIENT, _state_name(tensor_type), lambda s=state: s)
 
 
 def _draw_key(module: nn.Module) -> Optional[jax.Array]:
@@ -122,7 +134,7 @@ class BridgedHost:
     stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
     if not stateful:
       return None
-    missing = sorted(t for t in stateful if _state_name(param, t) not in self.states)
+    missing = sorted(t for t in stateful if _state_name(t) not in self.states)
     if missing:
       raise ValueError(
         f"{what}: the recipe gives roles {missing} delayed scaling, but no state was made "
@@ -131,18 +143,18 @@ class BridgedHost:
         "scaling there. Give role name '' the same delayed quantizers, or this role "
         "current scaling"
       )
-    states = {t: self.states[_state_name(param, t)] for t in stateful}
+    states = {t: self.states[_state_name(t)] for t in stateful}
     for t, state in states.items():
       if not isinstance(state, RoleState) or state.quantizer != stateful[t]:
         raise ValueError(
-          f"{what}: {OVERWRITE_WITH_GRADIENT}/{_state_name(param, t)} holds "
+          f"{what}: {OVERWRITE_WITH_GRADIENT}/{_state_name(t)} holds "
           f"{getattr(state, 'quantizer', state)!r}, not a state made for {stateful[t]!r}; "
           "rebuild the model (its state is made with the layer)"
         )
     return {t: state.scaling for t, state in states.items()}
 
   def write_state(self, param: str, new_state: dict) -> None:
-    self.written.update({_state_name(param, t): s for t, s in new_state.items()})
+    self.written.update({_state_name(t): s for t, s in new_state.items()})
 
 
 def _advanced(states: dict, written: dict, state_grads: dict) -> dict:
@@ -178,13 +190,14 @@ def contract(
 ) -> jax.Array:
   """A bridged hook's contraction of `rhs` (the weight) with `lhs` (module docstring);
   `plain(lhs, rhs)` is the contraction as written."""
-  path, building = _calling_layer()
+  layer, building = _calling_layer()
   if module.is_initializing() or building:
     if module.is_initializing():
-      _init_states(module, recipe, path if path is not None else BUILDING_NAME)
+      name = BUILDING_NAME if layer is None else _weight(layer, rhs, None).role_name
+      _init_states(module, recipe, name)
     with routing_pause.paused():  # a dummy call: nothing of it is kept
       return plain(lhs, rhs)
-  if path is None:
+  if layer is None:
     raise ValueError(
       f"{type(module).__name__}: the NNX layer calling this hook has no path, so its "
       "role would have none (MaxText's NNX layers bridge the hook alone and do not know "
@@ -195,10 +208,12 @@ def contract(
   # MaxText's bridge hands over variables with NNX metadata boxed (`NNXMeta`).
   states = meta.unbox(dict(module.variables.get(OVERWRITE_WITH_GRADIENT, {})))
 
+  found = _weight(layer, rhs, None)
+
   def run(operands, states):
     lhs, rhs, key = operands
-    host = BridgedHost(states, key)
-    return contract_fn(WeightRef(path, KERNEL, host), lhs, rhs), host.written
+    weight = dataclasses.replace(found, host=BridgedHost(states, key))
+    return contract_fn(weight, lhs, rhs), weight.host.written
 
   operands = (lhs, rhs, _draw_key(module))
   if not states:
