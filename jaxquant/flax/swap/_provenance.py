@@ -11,12 +11,13 @@ produced it:
 - through operations that only change dtype, layout or sharding (never which values it
   holds), to a param: the operand is that param;
 - through any operations, to its module's own params and constants only (literals, the
-  trace's constants, values computed from no input): the operand is a weight computed
-  from params. It is the weight of the param that carries its shape: the one param of
-  its size reached through elementwise operations alone (`_ELEMENTWISE`, and the
-  value-preserving ones), each operand element computed from that param's element at
-  its place (`w`, not the broadcast `w_scale`). Its GEMM quantizes the values contracted
-  (the scaled weight), under that param's role.
+  trace's constants, values computed from no input; an array that the traced function
+  closes over is one of its constants): the operand is a weight computed from params.
+  It is the weight of the param that carries its shape: the one param of its size
+  reached through elementwise operations alone (`_ELEMENTWISE`, and the value-preserving
+  ones), each operand element computed from that param's element at its place (`w`, not
+  the broadcast `w_scale`). Its GEMM quantizes the values contracted (the scaled
+  weight), under that param's role.
 
 The walk never takes a value that is not its module's params or constants (an input of
 the trace: the activations, or another module's param) for part of a weight: an operand
