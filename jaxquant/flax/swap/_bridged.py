@@ -22,7 +22,8 @@ own FP8 ops use it). So such a hook:
   and makes the gradient of that state its next value: the forward records the input and
   weight amaxes, the backward the grad_output amax, then `update_quant_state` advances it,
   as jaxquant's own train step does for every layer (a step counts as finite). A role the
-  recipe gives delayed scaling but no state was made for is an error naming the rule.
+  recipe gives delayed scaling but no state was made for is an error naming the rule; a
+  step that differentiates the GEMM but not its state warns (its scales would not move).
 - draws stochastic-rounding keys from the bridge's "quant" stream, else from MaxText's
   "aqt" stream.
 """
@@ -31,12 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.core import meta
+from jax import custom_derivatives
 
 from jaxquant import recipes
 from jaxquant.flax import _routing_pause as routing_pause
@@ -164,25 +168,49 @@ def _advanced(states: dict, written: dict, state_grads: dict) -> dict:
   return {n: new.get(n, state) for n, state in states.items()}
 
 
+_STATE_NOT_DIFFERENTIATED = (
+  "jaxquant: a delayed-scaling GEMM of a MaxText layer was differentiated but its state "
+  f"was not: its scales will not advance. Its state lives in the {OVERWRITE_WITH_GRADIENT!r} "
+  "collection, whose gradient is its next value: differentiate with respect to it too "
+  "and overwrite it with its gradient, as MaxText's train step does"
+)
+
+
+def _primal(x):
+  return x.value if isinstance(x, custom_derivatives.CustomVJPPrimal) else x
+
+
 def _overwrite_with_gradient(run, operands, states: dict) -> jax.Array:
   """`run(operands, states)`'s output, whose gradient with respect to `states` is their
-  next value (`_advanced`); `run` returns (output, the states its GEMM wrote)."""
+  next value (`_advanced`); `run` returns (output, the states its GEMM wrote). A step
+  that differentiates the operands but not the states warns (at trace time): the
+  scales would stay as they are, silently."""
 
   @jax.custom_vjp
   def gemm(operands, states):
     return run(operands, states)[0]
 
   def forward(operands, states):
+    perturbed = lambda tree: [p.perturbed for p in jax.tree.leaves(tree, is_leaf=_is_primal)]
+    if any(perturbed(operands)) and not any(perturbed(states)):
+      warnings.warn(_STATE_NOT_DIFFERENTIATED, UserWarning, stacklevel=2)
+    operands, states = jax.tree.map(_primal, (operands, states), is_leaf=_is_primal)
     y, backward, written = jax.vjp(run, operands, states, has_aux=True)
     return y, (backward, states, written)
 
   def backward(residuals, y_grad):
     backward, states, written = residuals
+    if isinstance(y_grad, custom_derivatives.SymbolicZero):
+      y_grad = jnp.zeros(y_grad.shape, y_grad.dtype)
     operand_grads, state_grads = backward(y_grad)
     return operand_grads, _advanced(states, written, state_grads)
 
-  gemm.defvjp(forward, backward)
+  gemm.defvjp(forward, backward, symbolic_zeros=True)
   return gemm(operands, states)
+
+
+def _is_primal(x) -> bool:
+  return isinstance(x, custom_derivatives.CustomVJPPrimal)
 
 
 def contract(
