@@ -102,3 +102,21 @@ def test_the_report_lists_a_jitted_gemm_once_the_model_computes_it_in_high_preci
   np.testing.assert_array_equal(model.apply(variables, X), LinenMixed().apply(variables, X))
   rows = _weight_rows(jqf.swap_report(model, variables, X))
   assert rows["w_mid"].status.startswith("high precision: inside a jitted function")
+
+
+class Tensordot(nn.Module):
+  """`jnp.tensordot` contracts through `dot_general` from JAX's own module, which the
+  swap-in does not take over."""
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tensordot(x, self.param("w", nn.initializers.normal(0.05), (D, D)), 1)
+
+
+def test_a_contraction_of_a_param_that_the_interception_never_met_is_listed():
+  variables = Tensordot().init(jax.random.key(0), X)
+  model = jqf.quantize_model(Tensordot(), recipes.mxfp8, require_gemm=False)
+  np.testing.assert_array_equal(model.apply(variables, X), Tensordot().apply(variables, X))
+  (row,) = jqf.swap_report(model, variables, X).rows
+  assert (row.role, row.shapes) == ("w", ((32, D), (D, D)))
+  assert row.status.startswith("high precision: not reached by the swap-in"), row.status

@@ -160,8 +160,8 @@ def _unreached_rows(traced, param_paths: dict[int, str]) -> list[Row]:
   for path, primitive, shapes, function in found:
     if function is None:
       status = (
-        "not reached by the swap-in: a contraction it does not intercept (or of a value "
-        "it does not trace to the param)"
+        "not reached by the swap-in: a contraction through a function it does not take "
+        "over (jnp.tensordot), or of a value it does not trace to the param"
       )
     else:
       status = (
