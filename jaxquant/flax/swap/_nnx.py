@@ -43,10 +43,10 @@ from jaxquant.flax.swap import _provenance as provenance
 from jaxquant.flax.swap._found_gemms import check_found_gemms
 from jaxquant.flax.swap._hosts import NnxHost, WeightRef
 from jaxquant.flax.swap._interception import routing
+from jaxquant.flax.swap._paths import PATH_ATTR, is_linen_bridge
 from jaxquant.flax.swap._routed import handle
 from jaxquant.flax.swap._targets import NNX_LAYERS, NNX_NATIVE_LAYERS
 
-PATH_ATTR = "jaxquant_path"
 # The static attribute that names the session a trace of the model belongs to
 # (`_session_token`).
 SESSION_ATTR = "jaxquant_session"
@@ -108,7 +108,7 @@ def _session_token(model: nnx.Module, token: str):
   saved = [
     (node, vars(node).get(SESSION_ATTR, _ABSENT))
     for _, node in nnx.iter_graph(model)
-    if isinstance(node, nnx.Module)
+    if isinstance(node, nnx.Module) and not is_linen_bridge(node)
   ]
   for module, _ in saved:
     object.__setattr__(module, SESSION_ATTR, token)
@@ -244,7 +244,12 @@ def quantize_nnx_model(
   """In place: stock layers swapped, modules named, the model's calls routed. Returns it."""
   swap_modules(model, recipe, annotate=annotate)
   for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Module) and not isinstance(node, NNX_NATIVE_LAYERS):
+    # A Linen bridge makes every attribute a Linen variable: it takes none (`_paths`).
+    if (
+      isinstance(node, nnx.Module)
+      and not isinstance(node, NNX_NATIVE_LAYERS)
+      and not is_linen_bridge(node)
+    ):
       setattr(node, PATH_ATTR, path_str(path))
   if rngs is not None:
     setattr(model, RNGS_ATTR, nnx.data(rngs))
