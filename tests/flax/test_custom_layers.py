@@ -150,14 +150,15 @@ class NarrowHead(nn.Module):
 
 
 def test_unfit_shape_raises_or_runs_in_high_precision():
-  """A 10-wide head under MXFP8: its weight's columnwise blocks (backward) run along N."""
+  """A 10-wide head under a user's MXFP8 recipe (the presets keep it, a tiny GEMM, in high
+  precision): its weight's columnwise blocks (backward) run along N, checked at the first
+  call."""
   x = jnp.ones((32, 64), jnp.bfloat16)
-  model = jqf.quantize_model(NarrowHead(), recipes.mxfp8)
-  variables = jax.eval_shape(model.init, jax.random.key(0), x)
-  loss = lambda v: jnp.sum(model.apply(v, x).astype(jnp.float32))
-  with pytest.raises(ValueError, match=r"'head/w'.*weight.*divisible by its block 32"):
-    jax.eval_shape(jax.grad(loss), variables)
-  model = jqf.quantize_model(NarrowHead(), recipes.mxfp8, on_unfit="high_precision")
+  mxfp8 = recipes.CustomRecipe(recipes.mxfp8_factory)
+  model = jqf.quantize_model(NarrowHead(), mxfp8)
+  with pytest.raises(ValueError, match=r"'head/w'.*dim N .* = 10.*on_unfit='high_precision'"):
+    jax.eval_shape(model.init, jax.random.key(0), x)
+  model = jqf.quantize_model(NarrowHead(), mxfp8, on_unfit="high_precision")
   variables = jax.jit(model.init)(jax.random.key(0), x)
   report = jqf.swap_report(model, variables, x)
   assert [r.role for r in report.quantized] == ["proj/w"]
