@@ -24,6 +24,7 @@ import contextvars
 import dataclasses
 import logging
 import threading
+import warnings
 from typing import Any, Callable, Literal, Optional
 
 import jax
@@ -39,6 +40,12 @@ QUANTIZED = "quantized"
 HIGH_PRECISION = "high precision: "
 RECIPE_NONE = HIGH_PRECISION + "the recipe maps it to None"
 NOT_A_WEIGHT_GEMM = HIGH_PRECISION + "not a weight GEMM"
+# No operand traced to a param, but one looks like a weight (`Session.why_unmatched`).
+UNRESOLVED = NOT_A_WEIGHT_GEMM + ", but an operand looks like a weight"
+
+
+def unresolved_status(why: str) -> str:
+  return f"{UNRESOLVED} ({why})"
 
 
 def high_precision_status(reason: str) -> str:
@@ -84,6 +91,9 @@ class Session:
   recipe: Optional[recipes.CustomRecipe]
   on_unfit: OnUnfit = "error"
   find_weight: Callable[[Any], Any] = lambda operand: None
+  # Why an operand that `find_weight` did not match looks like a weight ("path: reason"),
+  # else None.
+  why_unmatched: Callable[[Any], Optional[str]] = lambda operand: None
   rows: list[Row] = dataclasses.field(default_factory=list)
   # quantize_model's weight_gather (a `ModelWeightGather`), or None.
   weight_gather: Any = None
@@ -154,6 +164,20 @@ def summary(session: Session, what: str) -> str:
     f"{what} under recipe {recipe.name!r}: {quantized} of {len(weights)} weight GEMMs "
     f"quantized, {len(weights) - quantized} in high precision{f' ({why})' if why else ''}; "
     f"{others} other contractions (no param operand) in high precision"
+  )
+
+
+def warn_unresolved(session: Session, what: str) -> None:
+  """One warning per model call (per trace, under jit): how many contractions with a
+  weight-like operand that no param was traced to ran in high precision, and why."""
+  rows = [r for r in session.rows if r.status.startswith(UNRESOLVED)]
+  if not rows or reporting():
+    return  # swap_report lists them
+  why = "; ".join(f"{r.call}: {r.status.removeprefix(UNRESOLVED + ' (')[:-1]}" for r in rows)
+  warnings.warn(
+    f"{what}: {len(rows)} weight-like GEMM(s) left in high precision, their operand not "
+    f"traced to a param ({why}). jaxquant.flax.swap_report lists them",
+    stacklevel=3,
   )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxquant import recipes
-from jaxquant.flax._session import Session
+from jaxquant.flax._session import UNRESOLVED, Session
 from jaxquant.roles import GROUPED_LINEAR, LINEAR
 
 
@@ -15,9 +15,17 @@ def check_found_gemms(session: Session, what: str) -> None:
   probe = {**recipe.quantizers(LINEAR, ""), **recipe.quantizers(GROUPED_LINEAR, "")}
   if all(q is None for q in probe.values()):
     return  # e.g. bf16: nothing to quantize, nothing missed
+  unresolved = [r.status for r in session.rows if r.status.startswith(UNRESOLVED)]
+  why = (
+    f"; {len(unresolved)} of them with an operand that looks like a weight but is not "
+    f"traced to a param: {unresolved[0].removeprefix(UNRESOLVED)}"
+    if unresolved
+    else ""
+  )
   raise ValueError(
     f"{what}: the recipe {recipe.name!r} quantizes, but the model made no GEMM with a "
     f"weight that the swap-in reaches ({len(session.rows)} contractions met, none with a "
-    "param operand), so it would run entirely in high precision. jaxquant.flax.swap_report "
-    "lists what was met. If this is intended, pass require_gemm=False to quantize_model"
+    f"param operand{why}), so it would run entirely in high precision. "
+    "jaxquant.flax.swap_report lists what was met. If this is intended, pass "
+    "require_gemm=False to quantize_model"
   )

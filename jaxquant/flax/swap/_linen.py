@@ -79,6 +79,15 @@ class ModuleStack:
         return WeightRef("/".join(module.path), name, LinenHost(module))
     return None
 
+  def why_unmatched(self, operand) -> Optional[str]:
+    """Why an operand no module's param matched looks like a weight, if it does."""
+    for module in reversed(self.modules):
+      if module.scope is not None:
+        why = provenance.trace_operand(operand, own_params(module)).unresolved
+        if why is not None:
+          return f"{'/'.join(module.path)}: {why}" if module.path else why
+    return None
+
 
 def _linen_interceptor(
   recipe: Optional[recipes.CustomRecipe],
@@ -197,12 +206,19 @@ class QuantizedModel(nn.Module):
           self.module(*args, **kwargs)
     recipe = None if self.recipe is None else recipes.resolve(self.recipe)
     stack = ModuleStack()
-    session = Session(recipe, self.on_unfit, stack.find_weight, weight_gather=self.weight_gather)
+    session = Session(
+      recipe,
+      self.on_unfit,
+      stack.find_weight,
+      stack.why_unmatched,
+      weight_gather=self.weight_gather,
+    )
     with sessions.active(session), routing(handle), _session_scopes(self.module, uuid.uuid4().hex):
       with nn.intercept_methods(_linen_interceptor(recipe, self.annotate, stack, session)):
         y = self.module(*args, **kwargs)
     what = f"quantize_model({type(self.module).__name__})"
     self.first_call_log.log(session, what)
+    sessions.warn_unresolved(session, what)
     # Under swap_report a model with no weight GEMM is what the report is asked to show.
     if self.require_gemm and not sessions.reporting():
       check_found_gemms(session, what)

@@ -38,7 +38,7 @@ from flax import nnx
 from jaxquant import recipes
 from jaxquant.flax._nnx_graph import path_str, replace_submodules
 from jaxquant.flax._rng import call_keys
-from jaxquant.flax._session import FirstCallLog, Session, active, reporting
+from jaxquant.flax._session import FirstCallLog, Session, active, reporting, warn_unresolved
 from jaxquant.flax.swap import _provenance as provenance
 from jaxquant.flax.swap._found_gemms import check_found_gemms
 from jaxquant.flax.swap._hosts import NnxHost, WeightRef
@@ -81,6 +81,16 @@ def _finder():
     return None
 
   return find_weight
+
+
+def _why_unmatched(operand) -> Optional[str]:
+  """Why an operand no module's param matched looks like a weight, if it does."""
+  for module in _running_modules():
+    why = provenance.trace_operand(operand, _own_params(module)).unresolved
+    if why is not None:
+      path = getattr(module, PATH_ATTR)
+      return f"{path}: {why}" if path else why
+  return None
 
 
 _ABSENT = object()  # a module without the session attribute (`_session_token`)
@@ -208,12 +218,13 @@ def _routed_class(cls: type, recipe, on_unfit, require_gemm, annotate) -> type:
   calling = threading.RLock()
 
   def __call__(self, *args, **kwargs):
-    session = Session(recipe, on_unfit, _finder())
+    session = Session(recipe, on_unfit, _finder(), _why_unmatched)
     with calling, _session_token(self, uuid.uuid4().hex):
       with active(session), routing(handle), call_keys(getattr(self, RNGS_ATTR, None)):
         y = cls.__call__(self, *args, **kwargs)
     what = f"quantize_model({cls.__name__})"
     first_call_log.log(session, what)
+    warn_unresolved(session, what)
     # Under swap_report a model with no weight GEMM is what the report is asked to show.
     if require_gemm and not reporting():
       check_found_gemms(session, what)

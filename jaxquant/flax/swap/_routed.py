@@ -44,6 +44,12 @@ def _row(path, call, found, shapes, role=None, quantizers=None, status=sessions.
   return sessions.Row(path, calls.describe(call, found), shapes, role, quantizers, status)
 
 
+def _no_weight_status(session, found) -> str:
+  """Not a weight GEMM; and why an operand looks like a weight all the same, if one does."""
+  why = next(filter(None, map(session.why_unmatched, (found.lhs, found.rhs))), None)
+  return sessions.NOT_A_WEIGHT_GEMM if why is None else sessions.unresolved_status(why)
+
+
 def handle(call: Call):
   """Runs one routed call under the current session (see the module docstring)."""
   session = sessions.current()
@@ -60,7 +66,7 @@ def handle(call: Call):
   shapes = (np.shape(found.lhs), np.shape(found.rhs))
   refs = (session.find_weight(found.lhs), session.find_weight(found.rhs))
   if refs == (None, None):
-    session.record(_row("", call, found, shapes))
+    session.record(_row("", call, found, shapes, status=_no_weight_status(session, found)))
     return call.fallback()
   # A contraction of a param, met here: `swap_report` looks for those nothing met.
   with sessions.param_contraction_scope():
@@ -187,7 +193,7 @@ def _ragged(session, call: Call, found: calls.RaggedContraction):
   shapes = (np.shape(found.lhs), np.shape(found.rhs))
   lhs_ref, ref = session.find_weight(found.lhs), session.find_weight(found.rhs)
   if lhs_ref is None and ref is None:
-    session.record(_row("", call, found, shapes))
+    session.record(_row("", call, found, shapes, status=_no_weight_status(session, found)))
     return call.fallback()
   with sessions.param_contraction_scope():  # a contraction of a param, met here
     return _ragged_param(session, call, found, shapes, lhs_ref, ref)
