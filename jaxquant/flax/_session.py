@@ -97,6 +97,14 @@ class Session:
   rows: list[Row] = dataclasses.field(default_factory=list)
   # quantize_model's weight_gather (a `ModelWeightGather`), or None.
   weight_gather: Any = None
+  # Weight GEMMs met by the sessions of quantized submodels that ran inside this one (their
+  # rows are theirs: the innermost recipe holds), so a model whose GEMMs all sit in such a
+  # submodel did not run entirely in high precision.
+  nested_weight_gemms: int = 0
+
+  @property
+  def met_weight_gemm(self) -> bool:
+    return self.nested_weight_gemms > 0 or any(row.is_weight_gemm for row in self.rows)
 
   def record(self, row: Row) -> None:
     self.rows.append(row)
@@ -134,11 +142,14 @@ def current() -> Optional[Session]:
 
 @contextlib.contextmanager
 def active(session: Optional[Session]):
+  enclosing = _SESSION.get()
   token = _SESSION.set(session)
   try:
     yield session
   finally:
     _SESSION.reset(token)
+    if enclosing is not None and session is not None and session.met_weight_gemm:
+      enclosing.nested_weight_gemms += 1
 
 
 def check_on_unfit(on_unfit: str) -> None:

@@ -120,6 +120,22 @@ def test_linen_nested_models_take_the_innermost_recipe():
   }
 
 
+class LinenOnlyNested(nn.Module):
+  """Every weight GEMM inside a quantized submodel: the outer model met them through it."""
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(jqf.QuantizedModel(Block(name="inner"), recipes.fp8_current)(x))
+
+
+def test_linen_model_whose_gemms_are_all_in_a_quantized_submodel_is_no_no_op():
+  model = jqf.quantize_model(LinenOnlyNested(), recipes.mxfp8)
+  variables = model.init(jax.random.key(0), X)
+  inner = jqf.QuantizedModel(Block(), recipes.fp8_current)
+  want = jnp.tanh(inner.apply({"params": variables["params"]["inner"]}, X))
+  np.testing.assert_array_equal(model.apply(variables, X), want)
+
+
 class NnxBlock(nnx.Module):
   def __init__(self, rngs):
     self.fc = nnx.Linear(64, 64, rngs=rngs)
@@ -136,6 +152,19 @@ class NnxNested(nnx.Module):
 
   def __call__(self, x):
     return self.top(self.inner(x))
+
+
+class NnxOnlyNested(nnx.Module):
+  def __init__(self, rngs):
+    self.inner = jqf.quantize_model(NnxBlock(rngs), recipes.fp8_current)
+
+  def __call__(self, x):
+    return jnp.tanh(self.inner(x))
+
+
+def test_nnx_model_whose_gemms_are_all_in_a_quantized_submodel_is_no_no_op():
+  model = jqf.quantize_model(NnxOnlyNested(nnx.Rngs(0)), recipes.mxfp8)
+  np.testing.assert_array_equal(model(X), jnp.tanh(model.inner(X)))
 
 
 def test_nnx_nested_models_take_the_innermost_recipe():

@@ -8,8 +8,9 @@ from jaxquant.roles import GROUPED_LINEAR, LINEAR
 
 
 def check_found_gemms(session: Session, what: str) -> None:
-  """Raises when `session`'s recipe quantizes but none of its rows is a weight GEMM."""
-  if any(row.is_weight_gemm for row in session.rows):
+  """Raises when `session`'s recipe quantizes but it met no weight GEMM, itself or in a
+  quantized submodel."""
+  if session.met_weight_gemm:
     return
   recipe = recipes.resolve(session.recipe)
   probe = {**recipe.quantizers(LINEAR, ""), **recipe.quantizers(GROUPED_LINEAR, "")}
