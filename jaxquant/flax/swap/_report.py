@@ -32,7 +32,7 @@ from jaxquant.flax import _session as sessions
 from jaxquant.flax._rng import QUANT_RNG
 from jaxquant.flax._session import Row
 from jaxquant.flax.swap._linen import QuantizedModel
-from jaxquant.flax.swap._nnx import PATH_ATTR
+from jaxquant.flax.swap._paths import PATH_ATTR
 from jaxquant.quantizers import Quantizer
 from jaxquant.roles import TENSOR_TYPES
 
