@@ -60,8 +60,9 @@ from jax.extend.core import Literal
 
 T = TypeVar("T")
 
-# Primitives whose output holds exactly the values of their one input.
-_VALUE_PRESERVING = frozenset(
+# Primitives whose output holds exactly the values of their one input (a cast, a view, a
+# sharding); `_report` follows params through them too.
+VALUE_PRESERVING = frozenset(
   {
     "convert_element_type",
     "transpose",
@@ -157,7 +158,7 @@ def _producer_input(value: Any) -> Optional[Any]:
   eqn = _equation(value)
   inputs = getattr(eqn, "in_tracers", None)
   primitive = getattr(getattr(eqn, "primitive", None), "name", None)
-  if primitive not in _VALUE_PRESERVING or inputs is None or len(inputs) != 1:
+  if primitive not in VALUE_PRESERVING or inputs is None or len(inputs) != 1:
     return None
   (source,) = inputs
   if math.prod(getattr(source, "shape", (-1,))) != math.prod(value.shape):
@@ -253,7 +254,7 @@ def _is_elementwise(eqn: Any, depth: int = 0) -> bool:
   function such as `jnp.where` or `jnp.clip`, a custom-JVP one such as `jax.nn.relu`)
   whose equations all are."""
   primitive = getattr(getattr(eqn, "primitive", None), "name", None)
-  if primitive in _ELEMENTWISE or primitive in _VALUE_PRESERVING:
+  if primitive in _ELEMENTWISE or primitive in VALUE_PRESERVING:
     return True
   params = getattr(eqn, "params", None) or {}
   called = params.get("jaxpr", params.get("call_jaxpr"))

@@ -33,6 +33,7 @@ from jaxquant.flax._rng import QUANT_RNG
 from jaxquant.flax._session import Row
 from jaxquant.flax.swap._linen import QuantizedModel
 from jaxquant.flax.swap._paths import PATH_ATTR
+from jaxquant.flax.swap._provenance import VALUE_PRESERVING
 from jaxquant.quantizers import Quantizer
 from jaxquant.roles import TENSOR_TYPES
 
@@ -78,26 +79,9 @@ class SwapReport:
     return "\n".join(lines)
 
 
-# Primitives that contract two arrays, and those whose output holds exactly the values of
-# their one input (a cast, a view, a sharding): an operand reached through them holds the
-# param's values, as the interception's `_provenance` reads it too.
+# Primitives that contract two arrays; an operand reached from a param through
+# `VALUE_PRESERVING` ones holds the param's values, as `_provenance` reads it too.
 _CONTRACTIONS = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"})
-_VALUE_PRESERVING = frozenset(
-  {
-    "convert_element_type",
-    "transpose",
-    "reshape",
-    "squeeze",
-    "expand_dims",
-    "broadcast_in_dim",  # of as many elements: a new axis of size 1
-    "sharding_constraint",
-    "copy",
-    "copy_p",
-    "device_put",
-    "reshard",
-    "mesh_cast",
-  }
-)
 _FUNCTION_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
 
@@ -121,7 +105,7 @@ def _unreached(jaxpr, env: dict, function: Optional[str], met: bool, found: list
     inside = met or sessions.PARAM_CONTRACTION_SCOPE in str(eqn.source_info.name_stack)
     labels = [_label(env, v) for v in eqn.invars]
     name = eqn.primitive.name
-    if name in _VALUE_PRESERVING and len(eqn.invars) == 1 and labels[0]:
+    if name in VALUE_PRESERVING and len(eqn.invars) == 1 and labels[0]:
       if math.prod(eqn.invars[0].aval.shape) == math.prod(eqn.outvars[0].aval.shape):
         env[eqn.outvars[0]] = labels[0]
     if name in _CONTRACTIONS and not inside and any(labels[:2]):
