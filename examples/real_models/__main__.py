@@ -142,7 +142,7 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--packages", default="gemma,maxtext,easydel", help="comma-separated")
-  parser.add_argument("--out", default=None, help="JSON of the findings")
+  parser.add_argument("--out", default=None, help="JSON of the findings (and the table as .md)")
   parser.add_argument("--only", default="", help="run only the models whose name holds this")
   parser.add_argument("--traceback", action="store_true", help="print each failure's traceback")
   args = parser.parse_args(argv)
@@ -164,7 +164,8 @@ def main(argv=None) -> None:
     "learning_rate": LEARNING_RATE,
   }
   out.write_text(json.dumps({"environment": environment, "packages": results}, indent=1) + "\n")
-  print(f"wrote {out}")
+  out.with_suffix(".md").write_text(table(results) + "\n")
+  print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ def models() -> list[LinenModel]:
   gemma4_edge = dataclasses.replace(
     edge,
     **dict(gemma4_tiny, attention_types=gemma4_types * 2),
-    num_global_kv_heads=None,
     per_layer_input_dim=HEAD_DIM,
     override_kv_shared_ffw_hidden=2 * MLP,
     kv_cache_sharing_config=dataclasses.replace(
