@@ -131,6 +131,13 @@ def not_a_gemm(lhs: str, rhs: str, out: str) -> Optional[str]:
   return None
 
 
+def contracts_no_axis(lhs: str, rhs: str, out: str) -> bool:
+  """Whether `lhs,rhs->out` sums over no shared axis (K = 1): a product of every pair of
+  elements (a norm's scale, `...k,k->...k`; an outer product), not a dot product of rows
+  and columns, so no GEMM, whatever its operands are."""
+  return not [c for c in lhs if c in rhs and c not in out]
+
+
 def plan_einsum(lhs: str, rhs: str, out: str, what: str) -> GemmPlan:
   """A two-operand einsum `lhs,rhs->out` (ellipses expanded) as one GEMM."""
   reason = not_a_gemm(lhs, rhs, out)

@@ -79,6 +79,11 @@ def _param_contraction(session, call: Call, found: calls.Contraction, shapes, re
     why = " (both operands are params)"
     session.record(_row(refs[0].path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
     return call.fallback()
+  if contraction.contracts_no_axis(found.lhs_letters, found.rhs_letters, found.out_letters):
+    why = " (it contracts no axis: an elementwise or outer product)"
+    path = (refs[0] or refs[1]).path
+    session.record(_row(path, call, found, shapes, status=sessions.NOT_A_WEIGHT_GEMM + why))
+    return call.fallback()
   weight_first = refs[0] is not None
   ref = refs[0] or refs[1]
   x, w = (found.rhs, found.lhs) if weight_first else (found.lhs, found.rhs)
