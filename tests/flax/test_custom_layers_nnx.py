@@ -22,8 +22,11 @@ def windows():
 
 
 def head_in_bf16(factory):
+  """The head layer in bf16, by its role in either model: the stock layer's kernel is
+  named by the layer ("head"), the custom layer's `w` by its param ("head/w")."""
+  heads = ("head", cl.NNX_HEAD_ROLE)
   return recipes.CustomRecipe(
-    lambda role: None if role.name == cl.NNX_HEAD_ROLE else factory(role), name=factory.__name__
+    lambda role: None if role.name in heads else factory(role), name=factory.__name__
   )
 
 
