@@ -64,6 +64,7 @@ def test_gemma_roles_are_every_weight_once():
   assert {r.module_type for r in seen} == {"linear"}
 
 
+@pytest.mark.slow  # over 10 s: run under the newest JAX only
 def test_gemma_bf16_is_the_plain_model_and_compiles_to_its_hlo(gemma):
   params, data = gemma
   plain = tt.linen_train_step(cl.GemmaStyleLM(), tt.optimizer())

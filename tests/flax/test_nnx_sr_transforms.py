@@ -137,6 +137,7 @@ def drawn_keys(monkeypatch):
   return drawn
 
 
+@pytest.mark.slow  # over 10 s: run under the newest JAX only
 @pytest.mark.parametrize("run", list(RUNS), ids=str)
 def test_forward_and_grad_under_checkpointed_layers(run):
   model = quantized(lambda rngs: Decoder(rngs, RUNS[run]))
@@ -148,6 +149,7 @@ def test_forward_and_grad_under_checkpointed_layers(run):
   assert np.any(np.asarray(grads["layers"][0]["w"][...]) != 0)
 
 
+@pytest.mark.slow  # over 10 s: run under the newest JAX only
 def test_scanned_layers_forward_and_grad():
   model = quantized(ScannedDecoder)
   x = inputs()

@@ -50,6 +50,7 @@ class LinenHeads(nn.Module):
     )
 
 
+@pytest.mark.slow  # over 10 s: run under the newest JAX only
 def test_linen_unfit_layers_run_in_high_precision():
   model = jqf.quantize_model(LinenHeads(), MXFP8, on_unfit="high_precision")
   variables = model.init(jax.random.key(0), X)

@@ -170,6 +170,7 @@ def test_preferred_element_type_is_the_output_dtype():
   np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.slow  # over 10 s: run under the newest JAX only
 def test_an_unfit_expert_runs_as_written_or_raises():
   block = MoEBlock(features=48)  # N = 48: no MXFP8 32-block tiling
   params, x = setup(block)

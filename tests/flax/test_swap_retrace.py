@@ -87,6 +87,7 @@ def test_quantized_model_applied_twice(setup):
     assert len(report.quantized) == WEIGHT_GEMMS, str(report)
 
 
+@pytest.mark.slow  # over 10 s: run under the newest JAX only
 def test_second_recipe_gives_its_own_numbers(setup):
   variables, x = setup
   expected = _apply(GemmaStyle(), "fp8_current", variables, x)
@@ -95,6 +96,7 @@ def test_second_recipe_gives_its_own_numbers(setup):
   np.testing.assert_array_equal(_apply(GemmaStyle(), "fp8_current", variables, x), expected)
 
 
+@pytest.mark.slow  # over 10 s: run under the newest JAX only
 def test_init_of_a_quantized_model_after_the_plain_one():
   """At init the model runs as written, then quantized: the second run is traced anew."""
   x = jnp.ones((2, 32, 64), jnp.float32)

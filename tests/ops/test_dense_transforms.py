@@ -38,6 +38,7 @@ def _assert_trees_equal(a, b):
     np.testing.assert_array_equal(u, v)
 
 
+@pytest.mark.slow  # over 10 s: run under the newest JAX only
 def test_vmap_matches_a_loop():
   x, kernel, bias = _data()
   xs = jnp.stack([x, 2 * x])
