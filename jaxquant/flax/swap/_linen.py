@@ -55,6 +55,23 @@ def own_params(module: nn.Module) -> dict[str, Any]:
   return {name: _raw(v) for name, v in params.items() if not isinstance(v, Mapping)}
 
 
+def descendant_params(module: nn.Module) -> dict[str, Any]:
+  """The params of the module's child scopes, unboxed, by their path below the module
+  (`gating_einsum/w`): a module may contract a child's param itself, the child's method
+  having returned it (gemma 4's MoE experts, held by modules that only return them)."""
+  found = {}
+
+  def collect(prefix, tree):
+    for name, value in tree.items():
+      if isinstance(value, Mapping):
+        collect(f"{prefix}{name}/", value)
+      elif prefix:
+        found[f"{prefix}{name}"] = _raw(value)
+
+  collect("", module.variables.get("params", {}))
+  return found
+
+
 @dataclasses.dataclass
 class ModuleStack:
   """The Linen modules whose methods are running, innermost last."""
@@ -70,13 +87,15 @@ class ModuleStack:
       self.modules.pop()
 
   def find_weight(self, operand) -> Optional[WeightRef]:
-    for module in reversed(self.modules):
-      if module.scope is None:
-        continue
-      params = own_params(module)
-      name = provenance.find(operand, params)
-      if name is not None:
-        return WeightRef("/".join(module.path), name, LinenHost(module))
+    """The running module whose own param the operand is, innermost first; else the
+    running module one of whose children's params it is (named by its path from that
+    module, its state kept in that module's scope)."""
+    running = [m for m in reversed(self.modules) if m.scope is not None]
+    for params_of in (own_params, descendant_params):
+      for module in running:
+        name = provenance.find(operand, params_of(module))
+        if name is not None:
+          return WeightRef("/".join(module.path), name, LinenHost(module))
     return None
 
   def why_unmatched(self, operand) -> Optional[str]:
