@@ -49,7 +49,7 @@ from jaxquant.flax._rng import QUANT_RNG, draws_key
 from jaxquant.flax._state import RoleState, init_role_states, update_quant_state
 from jaxquant.flax.swap import _provenance as provenance
 from jaxquant.flax.swap._hosts import KERNEL, WeightRef
-from jaxquant.flax.swap._paths import is_linen_bridge, module_path
+from jaxquant.flax.swap._paths import is_linen_bridge, module_path, own_params
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR, gemm_roles
 
@@ -89,8 +89,7 @@ def _weight(layer: nnx.Module, rhs, host) -> WeightRef:
   """The layer's param that `rhs` is (or was cast / viewed from), as the swap-in names a
   routed weight: its `kernel` by the layer's path (DenseGeneral), another param by its own
   path (MoE's `wi_0`); a weight the layer does not hold as a param, as its `kernel`."""
-  params = {name: v.get_value() for name, v in vars(layer).items() if isinstance(v, nnx.Param)}
-  return WeightRef(module_path(layer), provenance.find(rhs, params) or KERNEL, host)
+  return WeightRef(module_path(layer), provenance.find(rhs, own_params(layer)) or KERNEL, host)
 
 
 def _recipe(recipe) -> recipes.CustomRecipe:

@@ -31,7 +31,7 @@ import dataclasses
 import inspect
 import threading
 import uuid
-from typing import Any, Optional
+from typing import Optional
 
 from flax import nnx
 
@@ -43,7 +43,7 @@ from jaxquant.flax.swap import _provenance as provenance
 from jaxquant.flax.swap._found_gemms import check_found_gemms
 from jaxquant.flax.swap._hosts import NnxHost, WeightRef
 from jaxquant.flax.swap._interception import routing
-from jaxquant.flax.swap._paths import PATH_ATTR, is_linen_bridge
+from jaxquant.flax.swap._paths import PATH_ATTR, is_linen_bridge, own_params
 from jaxquant.flax.swap._routed import handle
 from jaxquant.flax.swap._targets import NNX_LAYERS, NNX_NATIVE_LAYERS
 
@@ -53,10 +53,6 @@ SESSION_ATTR = "jaxquant_session"
 RNGS_ATTR = "jaxquant_rngs"
 _BASE_ATTR = "_jaxquant_plain_class"
 _OPTIONS_ATTR = "_jaxquant_swap_options"
-
-
-def _own_params(module: nnx.Module) -> dict[str, Any]:
-  return {name: v.get_value() for name, v in vars(module).items() if isinstance(v, nnx.Param)}
 
 
 def _running_modules():
@@ -74,7 +70,7 @@ def _running_modules():
 def _finder():
   def find_weight(operand) -> Optional[WeightRef]:
     for module in _running_modules():
-      params = _own_params(module)
+      params = own_params(module)
       name = provenance.find(operand, params)
       if name is not None:
         return WeightRef(getattr(module, PATH_ATTR), name, NnxHost(None))
@@ -86,7 +82,7 @@ def _finder():
 def _why_unmatched(operand) -> Optional[str]:
   """Why an operand no module's param matched looks like a weight, if it does."""
   for module in _running_modules():
-    why = provenance.trace_operand(operand, _own_params(module)).unresolved
+    why = provenance.trace_operand(operand, own_params(module)).unresolved
     if why is not None:
       path = getattr(module, PATH_ATTR)
       return f"{path}: {why}" if path else why

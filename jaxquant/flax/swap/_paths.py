@@ -1,4 +1,4 @@
-"""How the swap-in names NNX modules, and which modules are Linen bridges.
+"""How the swap-in names NNX modules, which modules are Linen bridges, and a module's own params.
 
 NNX modules do not know their path, so `quantize_model` gives each module of an NNX model
 its path as a static attribute, `PATH_ATTR` (NNX carries it through split / merge, so it
@@ -10,7 +10,7 @@ code bridged through it finds its path from the NNX layer that calls it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from flax import nnx
 
@@ -21,6 +21,11 @@ _BRIDGED_MODULE = "to_nnx__module"  # the attribute a bridge keeps its Linen mod
 def is_linen_bridge(module: nnx.Module) -> bool:
   """Whether `module` wraps a Linen module for NNX (it must hold no other attribute)."""
   return _BRIDGED_MODULE in vars(module)
+
+
+def own_params(module: nnx.Module) -> dict[str, Any]:
+  """The values of the module's own `nnx.Param`s (not its children's), by attribute name."""
+  return {name: v.get_value() for name, v in vars(module).items() if isinstance(v, nnx.Param)}
 
 
 def module_path(module: nnx.Module) -> Optional[str]:
