@@ -29,6 +29,12 @@ peer is the fastest of the Flax and Qwix variants run), `compile_s`, `compile_vs
 else arguments + outputs + temporaries - aliased), a figure of that executable alone; the
 allocator's process-wide peak (`memory_stats`), which cannot be reset between variants,
 is only printed.
+`activation_gib`: `peak_gib` less what the step holds besides activations, the bytes of
+the params, their gradients (one per param, in its dtype) and the optimizer state, from
+the step's own pytrees (`state_bytes`); `activation_vs_bf16` is that over bf16's, within
+the run. A figure of XLA's peak, not of the residuals alone: the step donates nothing, so
+its new params and optimizer state are buffers of their own, live wherever the peak falls
+after they are written (benchmarks/residuals.py lists what the backward pass keeps).
 
 Budget: variants compile in step_variants.ORDER (baseline, fp8_current and the peers
 first, the slowest compiles last). With `--deadline-s`, a variant is skipped (and said so)
@@ -129,6 +135,15 @@ def variant_collections(variant, params, d_model: int) -> dict:
   return variables
 
 
+def state_bytes(params, opt_state) -> int:
+  """Bytes of the step's training state: the params, their gradients (one per param, in
+  its dtype) and the optimizer state (arrays or their shapes alike)."""
+  size = lambda tree: sum(
+    math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)
+  )
+  return 2 * size(params) + size(opt_state)
+
+
 def memory_gib(compiled) -> float | None:
   """The compiled step's device memory by XLA's analysis (None where it has none)."""
   try:
@@ -160,6 +175,8 @@ class Prepared:
     self.compile_s = time.perf_counter() - start
     self.peak_gib = memory_gib(self.executable)
     params, opt_state, collections, x, key = args
+    self.state_gib = state_bytes(params, opt_state) / 2**30
+    self.activation_gib = None if self.peak_gib is None else self.peak_gib - self.state_gib
     start = time.perf_counter()
     loss = None
     for _ in range(warmup_steps):  # carries the collections (delayed scaling's state) on
@@ -275,6 +292,10 @@ def record_shape(results, shape_name, prepared, args, clock):
       add(name, "compile_vs_bf16", p.compile_s / prepared["bf16"].compile_s)
     if p.peak_gib is not None:
       add(name, "peak_gib", p.peak_gib)
+      add(name, "activation_gib", p.activation_gib)
+      bf16 = prepared.get("bf16")
+      if name != "bf16" and bf16 is not None and bf16.activation_gib is not None:
+        add(name, "activation_vs_bf16", p.activation_gib / bf16.activation_gib)
 
 
 def profile(prepared, names, directory: pathlib.Path, steps: int):

@@ -96,7 +96,7 @@ def test_a_short_run_records_every_metric(tmp_path):
   records = json.loads(out.read_text())["records"]
   got = {(r["op"], r["metric"]) for r in records}
   assert {r["shape"] for r in records} == {"tiny"}
-  for metric in ("step_ms", "compile_s", "peak_gib", "speedup_vs_best_peer"):
+  for metric in ("step_ms", "compile_s", "peak_gib", "activation_gib", "speedup_vs_best_peer"):
     assert ("step_bf16", metric) in got
   for metric in (
     "step_ms",
@@ -105,10 +105,37 @@ def test_a_short_run_records_every_metric(tmp_path):
     "compile_s",
     "compile_vs_bf16",
     "peak_gib",
+    "activation_gib",
+    "activation_vs_bf16",
   ):
     assert ("step_flax_fp8", metric) in got
   assert ("step_flax_fp8", "speedup_vs_best_peer") not in got  # it is the best peer
+  assert ("step_bf16", "activation_vs_bf16") not in got
   assert all(r["value"] > 0 for r in records)
+  value = {(r["op"], r["metric"]): r["value"] for r in records}
+  # One tiny layer: q and o d x d, k and v d x kv, gate, up and down d x ffn, two norms;
+  # fp32 params, as many fp32 grads, AdamW's mu and nu (fp32) and its int32 step count.
+  s = SHAPES["tiny"]
+  kv = s.n_kv_heads * s.head_dim
+  n_params = 2 * s.d_model**2 + 2 * s.d_model * kv + 3 * s.d_model * s.d_ff + 2 * s.d_model
+  state_gib = (4 * 4 * n_params + 4) / 2**30
+  for name in ("step_bf16", "step_flax_fp8"):
+    peak, activation = value[name, "peak_gib"], value[name, "activation_gib"]
+    # records keep 5 significant digits
+    assert peak - activation == pytest.approx(state_gib, abs=1e-4 * peak)
+  assert value["step_flax_fp8", "activation_vs_bf16"] == pytest.approx(
+    value["step_flax_fp8", "activation_gib"] / value["step_bf16", "activation_gib"], rel=1e-4
+  )
+
+
+def test_state_bytes_counts_params_grads_and_optimizer_state():
+  params = {"a": jnp.zeros((3, 5), jnp.float32), "b": jnp.zeros((7,), jnp.bfloat16)}
+  opt_state = optax.adamw(1e-4).init(params)
+  abstract = jax.eval_shape(lambda: (params, opt_state))
+  param_bytes = 3 * 5 * 4 + 7 * 2
+  # grads as the params; mu and nu in the params' dtypes, plus an int32 count
+  assert step.state_bytes(params, opt_state) == 2 * param_bytes + 2 * param_bytes + 4
+  assert step.state_bytes(*abstract) == step.state_bytes(params, opt_state)
 
 
 def test_unknown_variant_is_refused():
