@@ -15,7 +15,10 @@ with the quantization placed four ways, chosen when the step is traced:
 - `amax_kernel`: the per-tensor amax by the amax kernel (`kernels.amax`), a pass of its own;
 - `xla_cast`: amax and rowwise codes by XLA (a convert it fuses into the producer), the
   columnwise codes XLA's transpose of the rowwise ones;
-- `xla_rowwise_cast`: XLA's rowwise codes, the cast kernel's columnwise codes.
+- `xla_rowwise_cast`: XLA's rowwise codes, the cast kernel's columnwise codes;
+- `xla_rowwise_transpose`: XLA's rowwise codes, the columnwise codes those codes transposed
+  by the one-byte transpose kernel (`kernels.transpose_codes`): the tensor's values are
+  read once, by the fusion that makes them.
 
 The placements do the same arithmetic: XLA's convert is first checked bit for bit
 against the reference cast on random and edge inputs (a placement whose codes differ is not
@@ -60,7 +63,13 @@ from jaxquant.reference import _fp8 as reference_fp8
 from jaxquant.reference import _fp32 as fp32
 from jaxquant.tensor import QuantizedData
 
-PLACEMENTS = ("default", "amax_kernel", "xla_cast", "xla_rowwise_cast")
+PLACEMENTS = ("default", "amax_kernel", "xla_cast", "xla_rowwise_cast", "xla_rowwise_transpose")
+# Who makes the columnwise codes of each XLA placement.
+COLUMNWISE_BY = {
+  "xla_cast": "xla_transpose",
+  "xla_rowwise_cast": "cast_kernel",
+  "xla_rowwise_transpose": "transpose_kernel",
+}
 # The NaN code of each element (NUMERICS.md): XLA's convert gives others.
 NAN_CODE = {"e4m3": 0x7F, "e5m2": 0x7E}
 
@@ -75,9 +84,10 @@ def xla_codes(x: jax.Array, scale: jax.Array, element: str, fmax: float) -> jax.
   )
 
 
-def xla_quantize_usages_and_amax(columnwise_by_kernel: bool):
-  """`kernels.quantize_usages_and_amax` with per-tensor FP8 taken by XLA (other formats
-  are left to the kernels)."""
+def xla_quantize_usages_and_amax(columnwise_by: str):
+  """`kernels.quantize_usages_and_amax` with per-tensor FP8's rowwise codes taken by XLA
+  and its columnwise ones by `columnwise_by` (COLUMNWISE_BY; other formats are left to the
+  kernels)."""
   kernel_cast = kernel_quantize.quantize_usages_and_amax
 
   def cast(x2d, quantizer, usages, *, key=None, scale=None):
@@ -101,13 +111,16 @@ def xla_quantize_usages_and_amax(columnwise_by_kernel: bool):
     if "rowwise" in usages:
       out["rowwise"] = QuantizedData(rowwise, scale_inv, None, fmt)
     if "columnwise" in usages:
-      if columnwise_by_kernel:
+      if columnwise_by == "cast_kernel":
         out["columnwise"] = kernel_cast(
           x2d, quantizer, ("columnwise",), key=key, scale=delayed_scale
         )[0]["columnwise"]
       else:
+        transposed = (
+          kernels.transpose_codes if columnwise_by == "transpose_kernel" else jnp.transpose
+        )
         out["columnwise"] = QuantizedData(
-          rowwise.T, scale_inv, None, quantizer.format("columnwise")
+          transposed(rowwise), scale_inv, None, quantizer.format("columnwise")
         )
     return out, observed
 
@@ -122,10 +135,8 @@ def placed(placement: str):
   try:
     if placement == "amax_kernel":
       kernel_quantize.tensor_amax = kernels.amax
-    if placement in ("xla_cast", "xla_rowwise_cast"):
-      kernels.quantize_usages_and_amax = xla_quantize_usages_and_amax(
-        columnwise_by_kernel=placement == "xla_rowwise_cast"
-      )
+    if placement in COLUMNWISE_BY:
+      kernels.quantize_usages_and_amax = xla_quantize_usages_and_amax(COLUMNWISE_BY[placement])
     yield
   finally:
     kernel_quantize.tensor_amax, kernels.quantize_usages_and_amax = saved

@@ -26,6 +26,7 @@ from jaxquant.kernels._quantize import (
 )
 from jaxquant.kernels._targets import available, unavailable_reason
 from jaxquant.kernels._tensor_gemm import fp8_tensor_gemm
+from jaxquant.kernels._transpose import transpose_codes
 
 _targets.registration_error()  # register the FFI targets now, when the library exists
 
@@ -46,6 +47,7 @@ __all__ = [
   "dequant_gemm",
   "fp8_tensor_gemm",
   "scaled_bf16_gemm",
+  "transpose_codes",
   "CastConfig",
   "unsupported_reason",
 ]

@@ -23,6 +23,7 @@ from jaxquant.kernels import (
   _gemm_values,
   _grouped,
   _tensor_gemm,
+  _transpose,
 )
 from jaxquant.kernels import _library as library
 
@@ -39,6 +40,7 @@ SPECS = (
   _fused_dequant.SPEC,
   _tensor_gemm.SPEC,
   _bf16_gemm.SPEC,
+  _transpose.SPEC,
 )
 TARGETS = tuple(target for spec in SPECS for target in spec.targets)
 

@@ -39,6 +39,7 @@ KERNELS = (
   "dequant_gemm",
   "scaled_bf16_gemm",
   "grouped_gemm",
+  "transpose_codes",
 )
 
 

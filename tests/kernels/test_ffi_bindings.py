@@ -32,6 +32,7 @@ from jaxquant.kernels import (
   _grouped,
   _targets,
   _tensor_gemm,
+  _transpose,
 )
 from jaxquant.kernels._config import cast_config
 from jaxquant.kernels._library import WORKSPACE_QUERIES, handler_symbol
@@ -67,6 +68,7 @@ CONFIGS = {
   "jaxquant_dequant_gemm": _fused_dequant.DequantGemmConfig(_mxfp8, _nvfp4, "bfloat16"),
   "jaxquant_fp8_tensor_gemm": _tensor_gemm.Fp8GemmConfig("bfloat16"),
   "jaxquant_scaled_bf16_gemm": _bf16_gemm.ScaledGemmConfig("float32"),
+  "jaxquant_transpose_codes": _transpose.TransposeConfig(),
 }
 
 
