@@ -89,14 +89,22 @@ class Clock:
     return self.deadline_s is None or self.elapsed() + seconds <= self.deadline_s
 
 
-def train_step(variant: step_variants.Variant, tx: optax.GradientTransformation):
-  """The README's Linen train step: grads w.r.t. the params and the other collections."""
+def loss_function(variant: step_variants.Variant):
+  """(params, collections, x, key) -> (the step's loss, the collections the forward
+  pass updated): what the train step differentiates."""
 
   def loss_fn(params, collections, x, key):
     y, updated = variant.model.apply(
       {"params": params, **collections}, x, rngs={"quant": key}, mutable=list(collections)
     )
     return jnp.mean(jnp.square(y.astype(jnp.float32))), updated
+
+  return loss_fn
+
+
+def train_step(variant: step_variants.Variant, tx: optax.GradientTransformation):
+  """The README's Linen train step: grads w.r.t. the params and the other collections."""
+  loss_fn = loss_function(variant)
 
   def step(params, opt_state, collections, x, key):
     (loss, updated), (grads, state_grads) = jax.value_and_grad(
