@@ -33,8 +33,10 @@ is only printed.
 the params, their gradients (one per param, in its dtype) and the optimizer state, from
 the step's own pytrees (`state_bytes`); `activation_vs_bf16` is that over bf16's, within
 the run. A figure of XLA's peak, not of the residuals alone: the step donates nothing, so
-its new params and optimizer state are buffers of their own, live wherever the peak falls
-after they are written (benchmarks/residuals.py lists what the backward pass keeps).
+XLA holds its outputs (new params and optimizer state) beside its arguments for the whole
+call, and `activation_gib` is about XLA's temporaries at their peak (the residuals, the
+gradients, the backward pass's work buffers) plus x plus one optimizer state's bytes, the
+last two alike in every variant (benchmarks/residuals.py lists what the backward keeps).
 
 Budget: variants compile in step_variants.ORDER (baseline, fp8_current and the peers
 first, the slowest compiles last). With `--deadline-s`, a variant is skipped (and said so)
