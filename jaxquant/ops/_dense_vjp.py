@@ -34,7 +34,13 @@ from jaxquant.ops._operands import (
   stored,
   usages_to_quantize,
 )
-from jaxquant.ops._weight_gather import WeightGather, gather_operand, quantize_shards
+from jaxquant.ops._weight_gather import (
+  WeightGather,
+  gather_operand,
+  gathered_usage,
+  quantize_gathered_once,
+  quantize_shards,
+)
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensor import USAGES
 
@@ -66,6 +72,18 @@ def _tag(tree, name: str):
   return jax.tree_util.tree_map(lambda leaf: checkpoint_name(leaf, name), tree)
 
 
+def _weight_gathered_in_forward(cfg: DenseConfig, usages) -> bool:
+  """Whether the weight's quantized usages are all gathered as they are quantized
+  (`quantize_gathered_once`: per-tensor FP8 in both usages)."""
+  return gathered_usage(cfg.weight_gather, cfg.quantizer("weight"), usages) is not None
+
+
+def _gather_left(cfg: DenseConfig, *, for_backward: bool) -> Optional[WeightGather]:
+  """The gather the weight's operands still need before their GEMMs (None: none)."""
+  usages = usages_to_quantize("weight", cfg.backward) if for_backward else FORWARD_USAGES["weight"]
+  return None if _weight_gathered_in_forward(cfg, usages) else cfg.weight_gather
+
+
 def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bool):
   """y, the new state and, `for_backward`, the residuals. Without a backward pass to come
   (the primal call: inference, evaluation) only the rowwise usages are quantized: the
@@ -89,8 +107,12 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
         state,
       )
     elif tensor_type == "weight" and cfg.weight_gather is not None:
-      # No key: a weight that rounds stochastically is never gathered quantized.
-      quantize_fn = lambda kernel, q, usages, key, state: quantize_shards(
+      # No key: a weight that rounds stochastically is never gathered quantized. A
+      # per-tensor FP8 weight comes back gathered in both usages, others as shards.
+      gather_fn = (
+        quantize_gathered_once if _weight_gathered_in_forward(cfg, usages) else quantize_shards
+      )
+      quantize_fn = lambda kernel, q, usages, key, state, gather_fn=gather_fn: gather_fn(
         kernel, q, usages, gather=cfg.weight_gather, state=state
       )
     operands[tensor_type], role_state = quantize_fn(
@@ -105,7 +127,9 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
   # fp32 sums rounded once to x's dtype, by the GEMM itself where no bias is added first
   # (the same bits; no fp32 [M, N] to write and convert).
   y_dtype = x.dtype if bias is None else jnp.float32
-  w_row = gather_operand(operands["weight"]["rowwise"], "rowwise", cfg.weight_gather)
+  w_row = gather_operand(
+    operands["weight"]["rowwise"], "rowwise", _gather_left(cfg, for_backward=for_backward)
+  )
   y = gemm(
     operands["input"]["rowwise"],
     w_row,
@@ -164,10 +188,12 @@ def _dense_bwd(cfg, saved, cotangents):
   residuals, key, go_state = saved
   dy, state_ct = cotangents  # dy is in y's dtype, which is x's
   dy_ops, amax = _grad_output_operands(cfg, dy, key, go_state)
-  # A gathered weight's residual is its shard (quantize_shards): gathered here, for dgrad.
+  # A weight gathered usage by usage leaves its shard (quantize_shards), gathered here
+  # for dgrad; one gathered once left its gathered codes.
   w_residual_usage = "columnwise" if cfg.backward == "quantized" else "rowwise"
   w_col = columnwise_operand(
-    gather_operand(residuals["weight"], w_residual_usage, cfg.weight_gather), cfg.backward
+    gather_operand(residuals["weight"], w_residual_usage, _gather_left(cfg, for_backward=True)),
+    cfg.backward,
   )
   x_col = columnwise_operand(residuals["input"], cfg.backward)
   dx = gemm(

@@ -7,10 +7,25 @@ reduced across the shards first, so the scale is the global one) and the gather 
 codes and scales: FP8 half the bytes of bf16, NVFP4 about a quarter. The result is, bit for
 bit, what quantizing the gathered weight gives.
 
+Block formats (MXFP8, NVFP4, block FP8) block each usage along its own dims. For them
 `dense` quantizes the shards of every usage its GEMMs take in the forward pass, gathers
 the rowwise one for fprop, and keeps the columnwise one *sharded* as the backward's
 residual, gathering it for dgrad: one usage crosses the network per GEMM, and the saved
-weight costs a shard per device, as FSDP intends.
+weight costs a shard per device.
+
+A per-tensor FP8 weight (current or delayed scaling) whose GEMMs take both usages
+(backward "quantized") crosses the network once, in one usage (`quantize_gathered_once`):
+one scale for the whole tensor makes its columnwise codes its rowwise codes transposed,
+so each device quantizes its shard in one usage, the usage is all-gathered, and each
+device transposes the gathered codes into the other (`kernels.transpose_codes` where the
+kernels are bound, XLA's transpose otherwise). A step then gathers 1 byte a parameter,
+half of bf16 FSDP's single gather of the weight. The backward's residual is the gathered
+columnwise codes, which dgrad takes as they are: like bf16 FSDP, which keeps its gathered
+weight for the backward, the saved weight costs the whole weight per device (1 byte a
+parameter, half of bf16's), not a shard. A `jax.checkpoint` policy that drops
+`RESIDUAL_NAMES["weight"]` (ops/_dense_vjp.py) trades that memory back for a second
+gather, in the recomputed forward. (With only the rowwise usage quantized, backward
+"dequantized", the rowwise shard is the residual and is gathered again, as above.)
 
 A shard is quantized alone only if it holds whole scaling blocks (MXFP8 32, NVFP4 16 or
 16x16, block FP8 1x128 or 128x128, along the dims each usage blocks) and no usage rounds
@@ -28,15 +43,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxquant import kernels
 from jaxquant.formats import Family
 from jaxquant.kernels._sharding import axes_size, pspec
+from jaxquant.kernels._transpose import transpose_reason
 from jaxquant.ops._backend import read_backend
 from jaxquant.ops._operands import stored, treats_usages_alike
 from jaxquant.ops._quantize import cast_groups
 from jaxquant.ops._shard_cast import cast_shard
 from jaxquant.quantizers import Quantizer, for_usage, needs_state
 from jaxquant.scaling import record_amax
-from jaxquant.tensor import QuantizedData, Usage
+from jaxquant.tensor import USAGES, QuantizedData, Usage
 
 Axes = tuple[str, ...]
 _OTHER_USAGE = {"rowwise": "columnwise", "columnwise": "rowwise"}
@@ -283,6 +300,20 @@ def quantize_shards(
   return {u: operands[u] for u in usages}, new_state
 
 
+def _gather_leaf(leaf, spec: P, gather: WeightGather):
+  """One array of a usage's operand, inside the `shard_map`, all-gathered along the dims
+  `spec` splits over `gather.axis`."""
+  # 8-bit codes and scales travel as uint8: XLA:CPU would widen an FP8 all-gather to
+  # f16, and bytes are what the collective moves on every backend.
+  narrow = leaf.dtype.itemsize == 1
+  moved = jax.lax.bitcast_convert_type(leaf, jnp.uint8) if narrow else leaf
+  for dim, entry in enumerate(spec):
+    axes = tuple(a for a in entry_axes(entry) if a in gather.axis)
+    if axes:
+      moved = jax.lax.all_gather(moved, axes, axis=dim, tiled=True)
+  return jax.lax.bitcast_convert_type(moved, leaf.dtype) if narrow else moved
+
+
 def gather_operand(operand, usage: Usage, gather: Optional[WeightGather]):
   """A usage's operand from `quantize_shards`, all-gathered over `gather.axis`: its codes
   and scales as they are stored. High-precision operands pass through (XLA gathers them
@@ -292,19 +323,10 @@ def gather_operand(operand, usage: Usage, gather: Optional[WeightGather]):
   before = _data_specs(gather, usage, operand.format, gathered=False)
   after = _data_specs(gather, usage, operand.format, gathered=True)
 
-  def gather_leaf(leaf, spec):
-    # 8-bit codes and scales travel as uint8: XLA:CPU would widen an FP8 all-gather to
-    # f16, and bytes are what the collective moves on every backend.
-    narrow = leaf.dtype.itemsize == 1
-    moved = jax.lax.bitcast_convert_type(leaf, jnp.uint8) if narrow else leaf
-    for dim, entry in enumerate(spec):
-      axes = tuple(a for a in entry_axes(entry) if a in gather.axis)
-      if axes:
-        moved = jax.lax.all_gather(moved, axes, axis=dim, tiled=True)
-    return jax.lax.bitcast_convert_type(moved, leaf.dtype) if narrow else moved
-
   def gather_all(*leaves):
-    return [gather_leaf(leaf, spec) for leaf, spec in zip(leaves, _leaves(before), strict=False)]
+    return [
+      _gather_leaf(leaf, spec, gather) for leaf, spec in zip(leaves, _leaves(before), strict=False)
+    ]
 
   leaves = jax.shard_map(
     gather_all,
@@ -314,3 +336,83 @@ def gather_operand(operand, usage: Usage, gather: Optional[WeightGather]):
     check_vma=False,
   )(*_leaves(operand))
   return _rebuild(operand, leaves)
+
+
+def gathered_usage(
+  gather: Optional[WeightGather], quantizer: Optional[Quantizer], usages
+) -> Optional[Usage]:
+  """The one usage of a per-tensor FP8 weight that is quantized and gathered when its GEMMs
+  take both (`quantize_gathered_once`), or None where each usage is gathered on its own.
+
+  Per-tensor FP8 scales the whole weight by one scale, so one usage's codes transposed
+  are the other's; block formats block each usage along its own dims and cannot be
+  transposed. The usage gathered is the one whose gathered dim is its stored major (row)
+  dim: each device's shard is then one contiguous run of the gathered array, which the
+  collective writes in place. Gathered along its minor dim, a usage's shards land as
+  strided column blocks: XLA gathers them along a new major dim and copies the whole
+  array into place (or lays the result out transposed for its GEMM to copy), a transpose
+  on top of the one the other usage needs. With K gathered (`P("fsdp", None)`) that is
+  the columnwise usage [K, N], dgrad's, which the backward takes as it is gathered; with
+  only N gathered (`P(None, "fsdp")`) the rowwise usage [N, K], fprop's."""
+  if gather is None or set(usages) != set(USAGES) or not treats_usages_alike(quantizer):
+    return None
+  if quantizer.format("rowwise").family is not Family.FP8_TENSOR:
+    return None
+  k_axes, _ = gather.kernel_axes()
+  return "columnwise" if set(k_axes) & set(gather.axis) else "rowwise"
+
+
+def _transposed_codes(codes: jax.Array, backend) -> jax.Array:
+  """One device's codes transposed: the kernel where it is bound and takes them."""
+  if backend.binds("transpose_codes") and transpose_reason(codes) is None:
+    return kernels.transpose_codes(codes)
+  return jnp.transpose(codes)
+
+
+def quantize_gathered_once(
+  kernel: jax.Array,
+  quantizer: Quantizer,
+  usages,
+  *,
+  gather: WeightGather,
+  state=None,
+  implementation: Optional[str] = None,
+):
+  """Both usages of a per-tensor FP8 weight w = kernelᵀ, gathered, from one usage's
+  shards: `({usage: operand}, new_state)`, the operands sharded only over the axes of
+  `gather.kernel_spec` not gathered.
+
+  The shards are quantized in `gathered_usage` alone (`quantize_shards`), all-gathered,
+  and each device transposes the gathered codes into the other usage, under the same
+  scale: the bits `quantize_shards` and `gather_operand` give for each usage."""
+  usage = gathered_usage(gather, quantizer, usages)
+  if usage is None:
+    raise ValueError(
+      f"quantize_gathered_once: a per-tensor FP8 weight in both usages, got {quantizer!r} "
+      f"in {tuple(usages)}"
+    )
+  other = _OTHER_USAGE[usage]
+  shards, new_state = quantize_shards(
+    kernel, quantizer, (usage,), gather=gather, state=state, implementation=implementation
+  )
+  shard = shards[usage]
+  backend = read_backend(implementation)
+  before = _data_specs(gather, usage, shard.format, gathered=False)
+  after = {u: _data_specs(gather, u, shard.format, gathered=True) for u in (usage, other)}
+
+  def gather_and_transpose(codes, scale_inv):
+    codes = _gather_leaf(codes, before.data, gather)
+    return codes, _transposed_codes(codes, backend), scale_inv
+
+  codes, transposed, scale_inv = jax.shard_map(
+    gather_and_transpose,
+    mesh=gather.mesh,
+    in_specs=(before.data, before.scale_inv),
+    out_specs=(after[usage].data, after[other].data, after[usage].scale_inv),
+    check_vma=False,
+  )(shard.data, shard.scale_inv)
+  operands = {
+    usage: QuantizedData(codes, scale_inv, None, shard.format),
+    other: QuantizedData(transposed, scale_inv, None, shard.format),
+  }
+  return {u: operands[u] for u in usages}, new_state
