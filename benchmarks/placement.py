@@ -16,9 +16,10 @@ with the quantization placed four ways, chosen when the step is traced:
 - `xla_cast`: amax and rowwise codes by XLA (a convert it fuses into the producer), the
   columnwise codes XLA's transpose of the rowwise ones;
 - `xla_rowwise_cast`: XLA's rowwise codes, the cast kernel's columnwise codes;
-- `xla_rowwise_transpose`: XLA's rowwise codes, the columnwise codes those codes transposed
-  by the one-byte transpose kernel (`kernels.transpose_codes`): the tensor's values are
-  read once, by the fusion that makes them.
+- `xla_rowwise_transpose`: `kernels.quantize_transposing`: XLA's rowwise codes (of the
+  tensor's own bf16 values, `fp32.widen`), the columnwise codes those codes transposed by
+  the one-byte transpose kernel: the tensor's values are read once, by the fusion that
+  makes them.
 
 The placements do the same arithmetic: XLA's convert is first checked bit for bit
 against the reference cast on random and edge inputs (a placement whose codes differ is not
@@ -65,11 +66,7 @@ from jaxquant.tensor import QuantizedData
 
 PLACEMENTS = ("default", "amax_kernel", "xla_cast", "xla_rowwise_cast", "xla_rowwise_transpose")
 # Who makes the columnwise codes of each XLA placement.
-COLUMNWISE_BY = {
-  "xla_cast": "xla_transpose",
-  "xla_rowwise_cast": "cast_kernel",
-  "xla_rowwise_transpose": "transpose_kernel",
-}
+COLUMNWISE_BY = {"xla_cast": "xla_transpose", "xla_rowwise_cast": "cast_kernel"}
 # The NaN code of each element (NUMERICS.md): XLA's convert gives others.
 NAN_CODE = {"e4m3": 0x7F, "e5m2": 0x7E}
 
@@ -127,6 +124,19 @@ def xla_quantize_usages_and_amax(columnwise_by: str):
   return cast
 
 
+def transposing_cast():
+  """`kernels.quantize_usages_and_amax` with per-tensor FP8 of both usages taken by
+  `kernels.quantize_transposing` (other formats and single usages are left as they are)."""
+  kernel_cast = kernel_quantize.quantize_usages_and_amax
+
+  def cast(x2d, quantizer, usages, *, key=None, scale=None):
+    if quantizer.format("rowwise").family is not Family.FP8_TENSOR or len(usages) != 2:
+      return kernel_cast(x2d, quantizer, usages, key=key, scale=scale)
+    return kernels.quantize_transposing(x2d, quantizer, usages, scale=scale)
+
+  return cast
+
+
 @contextlib.contextmanager
 def placed(placement: str):
   """jaxquant's per-tensor FP8 quantization placed as `placement` while a step is traced."""
@@ -135,7 +145,9 @@ def placed(placement: str):
   try:
     if placement == "amax_kernel":
       kernel_quantize.tensor_amax = kernels.amax
-    if placement in COLUMNWISE_BY:
+    if placement == "xla_rowwise_transpose":
+      kernels.quantize_usages_and_amax = transposing_cast()
+    elif placement in COLUMNWISE_BY:
       kernels.quantize_usages_and_amax = xla_quantize_usages_and_amax(COLUMNWISE_BY[placement])
     yield
   finally:

@@ -27,6 +27,7 @@ from jaxquant.kernels._quantize import (
 from jaxquant.kernels._targets import available, unavailable_reason
 from jaxquant.kernels._tensor_gemm import fp8_tensor_gemm
 from jaxquant.kernels._transpose import transpose_codes
+from jaxquant.kernels._transposing_cast import quantize_transposing
 
 _targets.registration_error()  # register the FFI targets now, when the library exists
 
@@ -39,6 +40,7 @@ __all__ = [
   "amax",
   "quantize_usages",
   "quantize_usages_and_amax",
+  "quantize_transposing",
   "decode_scale",
   "delayed_scale",
   "dequantize_data",
