@@ -16,6 +16,8 @@ spread over seeds and each recipe's gap to bf16 with a 95% paired t-interval.
   python examples/train_lm.py --preset gpu_seeds_long --seeds 3 --recipes bf16,nvfp4
   python examples/train_lm.py --recipes bf16,custom,suggested_nvfp4   # an analysed policy
   python examples/train_lm.py --mesh data=2,fsdp=2,tensor=2   # sharded over 8 devices
+  python examples/launch_local.py --processes 2 -- python examples/train_lm.py --mesh fsdp=8
+      # the same over 2 processes (jax.distributed; lm/distributed.py)
 
 Outputs (in --out): val_loss.png (the validation curves of all recipes, bands over seeds),
 results.md (final validation loss, spread, gap to bf16 with its interval, step time) and
@@ -34,11 +36,12 @@ import pathlib
 import platform
 import sys
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from lm import data, layout, presets, recipes, report, sharding, suggested, training
+from lm import data, distributed, layout, presets, recipes, report, sharding, suggested, training
 from lm.model import ModelConfig, TransformerLM, fused_attention_compiles
 from lm.moe import moe_mlp_factory
 from lm.progress import ProgressBar
@@ -163,6 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     "all-gather its codes and scales over fsdp instead of its fp32 values "
     "(quantize_model's weight_gather)",
   )
+  distributed.add_flags(parser)
   parser.add_argument(
     "--time-budget-s",
     type=float,
@@ -239,12 +243,12 @@ class RecipeTrainer:
     name: str,
     model: recipes.RecipeModel,
     train_config: presets.TrainConfig,
-    validation_batches: jax.Array,
+    validation_batches: Sequence[jax.Array],
     mesh: jax.sharding.Mesh | None = None,
     quantized_gather: bool = False,
   ):
     self.name, self.train_config = name, train_config
-    self.validation_batches = validation_batches
+    self.validation_batches = validation_batches  # [batch, seq + 1] each
     self.optimizer = training.make_optimizer(train_config)
     self.shardings = None
     if mesh is not None:
@@ -266,7 +270,7 @@ class RecipeTrainer:
     return trainer
 
   def sample_tokens(self) -> jax.Array:
-    seq_len = self.validation_batches.shape[-1] - 1
+    seq_len = self.validation_batches[0].shape[-1] - 1
     return jnp.zeros((self.train_config.batch_size, seq_len), jnp.int32)
 
   def train(
@@ -276,7 +280,7 @@ class RecipeTrainer:
     perf_counter() > deadline."""
     recipe_start = time.perf_counter()
     train_config = self.train_config
-    seq_len = self.validation_batches.shape[-1] - 1
+    seq_len = self.validation_batches[0].shape[-1] - 1
     tokens_per_step = train_config.batch_size * seq_len
     state = training.init_train_state(
       self.model,
@@ -303,7 +307,10 @@ class RecipeTrainer:
       tail_steps=tail_steps if len(tail_steps) > 1 else [],
     )
     batches = data.train_batches(corpus.train, seed, train_config.batch_size, seq_len)
-    progress = ProgressBar(f"{self.name} (seed {seed})", train_config.steps)
+    if self.shardings is not None:  # every process draws the global batch, places its shards
+      batch_sharding = self.shardings.batch
+      batches = (sharding.global_array(windows, batch_sharding) for windows in batches)
+    progress = ProgressBar(f"{self.name} (seed {seed})", train_config.steps, sys.stdout)
     window_losses, window_start = [], time.perf_counter()
     for step in range(1, train_config.steps + 1):
       state, loss = self.train_step(state, next(batches))
@@ -319,7 +326,7 @@ class RecipeTrainer:
         else:
           result.window_step_seconds.append(seconds)
         progress.update(step, result.train_losses[-1], tokens_per_step / seconds)
-        out_of_time = time.perf_counter() > deadline
+        out_of_time = distributed.past(deadline)
         if evaluate or out_of_time:
           result.eval_steps.append(step)
           result.val_losses.append(validation_loss())
@@ -389,7 +396,10 @@ def versions() -> dict:
 def where(mesh: jax.sharding.Mesh | None) -> str:
   if mesh is None:
     return str(jax.devices()[0])
-  return f"mesh {sharding.describe(mesh)} of {mesh.size} x {jax.devices()[0].device_kind}"
+  processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+  return (
+    f"mesh {sharding.describe(mesh)} of {mesh.size} x {jax.devices()[0].device_kind}{processes}"
+  )
 
 
 def seeds_of(args) -> list[int]:
@@ -424,8 +434,10 @@ def validation_set(
 def suggested_run(args, model_config, train_config, shared_params: dict, corpus, out) -> tuple:
   """(model, params of each seed, text for results.md, the GEMM modules kept in bf16) of
   'suggested_nvfp4': analysed on the first seed (writing the analysis and the policy to
-  out), or read from --suggested-policy."""
-  out.mkdir(parents=True, exist_ok=True)
+  out; process 0 only), or read from --suggested-policy."""
+  writes = distributed.is_primary()
+  if writes:
+    out.mkdir(parents=True, exist_ok=True)
   if args.suggested_policy is not None:
     policy = suggested.read_policy(args.suggested_policy)
     suggestion = suggested.from_policy(model_config, policy)
@@ -436,7 +448,8 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
       f"{', '.join(suggestion.kept)}. It trains with {suggestion.config.scanned_layers} "
       "scanned layers.\n"
     )
-    suggested.write_policy(out / suggested.POLICY_FILE, policy)
+    if writes:
+      suggested.write_policy(out / suggested.POLICY_FILE, policy)
     print(text)
   else:
     first_seed = min(shared_params)
@@ -452,16 +465,17 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
       args.sensitivity_rank,
     )
     table = suggestion.report.table(args.sensitivity_rank)  # in the order that chose
-    (out / SENSITIVITY_TABLE).write_text(table)
-    analysis.plot_sensitivity(
-      suggestion.report, out / SENSITIVITY_PNG, rank_by=args.sensitivity_rank
-    )
-    suggested.write_policy(
-      out / suggested.POLICY_FILE,
-      suggested.policy_of(
-        suggestion, first_seed, args.sensitivity_rank, train_config.sensitivity_steps
-      ),
-    )
+    if writes:
+      (out / SENSITIVITY_TABLE).write_text(table)
+      analysis.plot_sensitivity(
+        suggestion.report, out / SENSITIVITY_PNG, rank_by=args.sensitivity_rank
+      )
+      suggested.write_policy(
+        out / suggested.POLICY_FILE,
+        suggested.policy_of(
+          suggestion, first_seed, args.sensitivity_rank, train_config.sensitivity_steps
+        ),
+      )
     text = (
       f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
       f"modules in bf16, ranked most sensitive to NVFP4 ({args.sensitivity_rank}) by "
@@ -483,6 +497,14 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
 def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   start = time.perf_counter()
   args = parse_args(argv)
+  distributed.initialize(args)
+  with distributed.primary_output():
+    return train_recipes(args, start)
+
+
+def train_recipes(args: argparse.Namespace, start: float) -> list[report.RecipeResult]:
+  """Every run of the command line; in a job of several processes each runs all of it (the
+  same steps on the same data), process 0 alone writing the outputs."""
   preset = presets.PRESETS[args.preset]
   model_config = preset.model
   train_config = with_overrides(with_steps(preset.train, args.steps), args.set)
@@ -501,6 +523,15 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   recipe_names = recipes.parse_recipe_names(args.recipes)
   if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
     raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")
+  if (
+    recipes.SUGGESTED_RECIPE in recipe_names
+    and args.suggested_policy is None
+    and jax.process_count() > 1
+  ):
+    raise ValueError(
+      f"{recipes.SUGGESTED_RECIPE} in {jax.process_count()} processes: give the policy "
+      "with --suggested-policy (processes analysing apart could choose apart)"
+    )
   if args.sensitivity_rank == "loss_change" and args.sensitivity_model_runs != "module":
     raise ValueError(
       "--sensitivity-rank loss_change ranks by each module's model-level effect: "
@@ -553,12 +584,15 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
       "--moe: under fp8_delayed the experts' grouped GEMMs use current scaling "
       "(jaxquant's GroupedDense keeps no delayed-scaling state yet)"
     )
-  validation_batches = jnp.asarray(
-    validation_set(corpus, train_config, seq_len, validation_seed_of(args))
-  )
+  validation_windows = validation_set(corpus, train_config, seq_len, validation_seed_of(args))
+  if mesh is None:
+    validation_batches = jnp.asarray(validation_windows)
+  else:  # placed once, shared by every recipe
+    batch_sharding = sharding.batch_sharding(mesh)
+    validation_batches = [sharding.global_array(w, batch_sharding) for w in validation_windows]
   print(
-    f"validation: {validation_batches.shape[0]} batches of {train_config.batch_size} windows "
-    f"({validation_batches.shape[0] * train_config.batch_size * seq_len:,} predicted bytes), "
+    f"validation: {len(validation_batches)} batches of {train_config.batch_size} windows "
+    f"({len(validation_batches) * train_config.batch_size * seq_len:,} predicted bytes), "
     "the same for every recipe and seed"
   )
 
@@ -594,7 +628,7 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   results: list[report.RecipeResult] = []
   trainers: dict[str, RecipeTrainer] = {}
   for index, (name, model, params) in enumerate(runs):
-    if results and time.perf_counter() > deadline:
+    if results and distributed.past(deadline):
       break
     if name == recipes.SUGGESTED_RECIPE:
       model, params, notes, kept = suggested_run(
@@ -610,16 +644,18 @@ def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
       )
     trainers[name] = trainer
     for seed in sorted(params):
-      if seed != min(params) and time.perf_counter() > deadline:
+      if seed != min(params) and distributed.past(deadline):
         break
       result = trainer.train(params[seed], corpus, seed, deadline)
       results.append(dataclasses.replace(result, repeat=args.repeat_index))
       # After every run, so a run cut short (--time-budget-s, or killed) still leaves what it
       # finished, and names the rest as not run.
-      report.write_outputs(args.out, results, {**info, "not_run": run_names[index + 1 :]})
+      if distributed.is_primary():
+        report.write_outputs(args.out, results, {**info, "not_run": run_names[index + 1 :]})
   ran = {r.recipe for r in results}
   not_run = [name for name in run_names if name not in ran]
-  report.write_outputs(args.out, results, {**info, "not_run": not_run})
+  if distributed.is_primary():
+    report.write_outputs(args.out, results, {**info, "not_run": not_run})
   print()
   print(report.results_table(results, not_run, entropy), end="")
   for summary in report.summarize(results):

@@ -73,8 +73,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def make_mesh(axis_sizes: dict[str, int], devices: Optional[list] = None) -> Mesh:
-  """The (data, fsdp, tensor) mesh over `devices` (default: all of them); the sizes'
-  product must be the device count."""
+  """The (data, fsdp, tensor) mesh over `devices` (default: all of them, every process's
+  where the job has several); the sizes' product must be the device count."""
   devices = jax.devices() if devices is None else list(devices)
   shape = tuple(axis_sizes[name] for name in MESH_AXES)
   if math.prod(shape) != len(devices):
@@ -125,9 +125,19 @@ class Placement:
 
   @property
   def batch(self) -> NamedSharding:
-    """Windows [batch, seq + 1]: the batch split over data and fsdp."""
-    spec = nn.logical_to_mesh_axes((BATCH, None), LOGICAL_AXIS_RULES)
-    return NamedSharding(self.mesh, spec)
+    return batch_sharding(self.mesh)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Windows [batch, seq + 1]: the batch split over data and fsdp."""
+  return NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), LOGICAL_AXIS_RULES))
+
+
+def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """`host`, the whole array (the same in every process), as one array placed as `sharding`
+  says: each process transfers only its own devices' shards, so the mesh may span several
+  processes (lm/distributed.py)."""
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def check_batch(batch_size: int, mesh: Mesh) -> None:

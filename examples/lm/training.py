@@ -186,7 +186,9 @@ def _placed_state(
 ) -> TrainState:
   """The train state created on the mesh, from a copy of shared_params: the train step
   donates its state, the next recipe needs the originals, and jit may hand back an input
-  it returns unchanged as the same buffer."""
+  it returns unchanged as the same buffer. With several processes each passes its own copy
+  of the same shared_params (computed from the same seed): jit takes an uncommitted
+  process-local array as a replicated input, and each process fills its own devices."""
 
   def start(params, collections, rng):
     params = jax.tree.map(jnp.copy, params)
