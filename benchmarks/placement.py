@@ -15,11 +15,7 @@ with the quantization placed four ways, chosen when the step is traced:
 - `amax_kernel`: the per-tensor amax by the amax kernel (`kernels.amax`), a pass of its own;
 - `xla_cast`: amax and rowwise codes by XLA (a convert it fuses into the producer), the
   columnwise codes XLA's transpose of the rowwise ones;
-- `xla_rowwise_cast`: XLA's rowwise codes, the cast kernel's columnwise codes;
-- `xla_rowwise_transpose`: `kernels.quantize_transposing`: XLA's rowwise codes (of the
-  tensor's own bf16 values, `fp32.widen`), the columnwise codes those codes transposed by
-  the one-byte transpose kernel: the tensor's values are read once, by the fusion that
-  makes them.
+- `xla_rowwise_cast`: XLA's rowwise codes, the cast kernel's columnwise codes.
 
 The placements do the same arithmetic: XLA's convert is first checked bit for bit
 against the reference cast on random and edge inputs (a placement whose codes differ is not
@@ -64,9 +60,7 @@ from jaxquant.reference import _fp8 as reference_fp8
 from jaxquant.reference import _fp32 as fp32
 from jaxquant.tensor import QuantizedData
 
-PLACEMENTS = ("default", "amax_kernel", "xla_cast", "xla_rowwise_cast", "xla_rowwise_transpose")
-# Who makes the columnwise codes of each XLA placement.
-COLUMNWISE_BY = {"xla_cast": "xla_transpose", "xla_rowwise_cast": "cast_kernel"}
+PLACEMENTS = ("default", "amax_kernel", "xla_cast", "xla_rowwise_cast")
 # The NaN code of each element (NUMERICS.md): XLA's convert gives others.
 NAN_CODE = {"e4m3": 0x7F, "e5m2": 0x7E}
 
@@ -81,10 +75,9 @@ def xla_codes(x: jax.Array, scale: jax.Array, element: str, fmax: float) -> jax.
   )
 
 
-def xla_quantize_usages_and_amax(columnwise_by: str):
-  """`kernels.quantize_usages_and_amax` with per-tensor FP8's rowwise codes taken by XLA
-  and its columnwise ones by `columnwise_by` (COLUMNWISE_BY; other formats are left to the
-  kernels)."""
+def xla_quantize_usages_and_amax(columnwise_by_kernel: bool):
+  """`kernels.quantize_usages_and_amax` with per-tensor FP8 taken by XLA (other formats
+  are left to the kernels)."""
   kernel_cast = kernel_quantize.quantize_usages_and_amax
 
   def cast(x2d, quantizer, usages, *, key=None, scale=None):
@@ -108,31 +101,15 @@ def xla_quantize_usages_and_amax(columnwise_by: str):
     if "rowwise" in usages:
       out["rowwise"] = QuantizedData(rowwise, scale_inv, None, fmt)
     if "columnwise" in usages:
-      if columnwise_by == "cast_kernel":
+      if columnwise_by_kernel:
         out["columnwise"] = kernel_cast(
           x2d, quantizer, ("columnwise",), key=key, scale=delayed_scale
         )[0]["columnwise"]
       else:
-        transposed = (
-          kernels.transpose_codes if columnwise_by == "transpose_kernel" else jnp.transpose
-        )
         out["columnwise"] = QuantizedData(
-          transposed(rowwise), scale_inv, None, quantizer.format("columnwise")
+          rowwise.T, scale_inv, None, quantizer.format("columnwise")
         )
     return out, observed
-
-  return cast
-
-
-def transposing_cast():
-  """`kernels.quantize_usages_and_amax` with per-tensor FP8 of both usages taken by
-  `kernels.quantize_transposing` (other formats and single usages are left as they are)."""
-  kernel_cast = kernel_quantize.quantize_usages_and_amax
-
-  def cast(x2d, quantizer, usages, *, key=None, scale=None):
-    if quantizer.format("rowwise").family is not Family.FP8_TENSOR or len(usages) != 2:
-      return kernel_cast(x2d, quantizer, usages, key=key, scale=scale)
-    return kernels.quantize_transposing(x2d, quantizer, usages, scale=scale)
 
   return cast
 
@@ -145,10 +122,10 @@ def placed(placement: str):
   try:
     if placement == "amax_kernel":
       kernel_quantize.tensor_amax = kernels.amax
-    if placement == "xla_rowwise_transpose":
-      kernels.quantize_usages_and_amax = transposing_cast()
-    elif placement in COLUMNWISE_BY:
-      kernels.quantize_usages_and_amax = xla_quantize_usages_and_amax(COLUMNWISE_BY[placement])
+    if placement in ("xla_cast", "xla_rowwise_cast"):
+      kernels.quantize_usages_and_amax = xla_quantize_usages_and_amax(
+        columnwise_by_kernel=placement == "xla_rowwise_cast"
+      )
     yield
   finally:
     kernel_quantize.tensor_amax, kernels.quantize_usages_and_amax = saved

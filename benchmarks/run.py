@@ -161,17 +161,6 @@ def main():
     qt = ops.quantize(x, q, ("rowwise",), implementation="kernel")
     moved = nbytes(qt.rowwise) + x.nbytes
     measured.append((op, moved, time_ms(deq, qt, **reps), time_ms(deq_xla, qt, **reps)))
-  # Per-tensor FP8's columnwise codes from its rowwise codes: one byte in, one out; the XLA
-  # path is XLA's transpose of the same codes.
-  codes = ops.quantize(x, Float8Quantizer(), ("rowwise",), implementation="kernel").rowwise.data
-  measured.append(
-    (
-      "fp8_codes_transpose",
-      2 * x.size,
-      time_ms(jax.jit(kernels.transpose_codes), codes, **reps),
-      time_ms(jax.jit(jnp.transpose), codes, **reps),
-    )
-  )
   measured.append(
     ("amax_tensor", x.nbytes, time_ms(jax.jit(kernels.amax), x, **reps), float("nan"))
   )

@@ -26,8 +26,6 @@ from jaxquant.kernels._quantize import (
 )
 from jaxquant.kernels._targets import available, unavailable_reason
 from jaxquant.kernels._tensor_gemm import fp8_tensor_gemm
-from jaxquant.kernels._transpose import transpose_codes
-from jaxquant.kernels._transposing_cast import quantize_transposing
 
 _targets.registration_error()  # register the FFI targets now, when the library exists
 
@@ -40,7 +38,6 @@ __all__ = [
   "amax",
   "quantize_usages",
   "quantize_usages_and_amax",
-  "quantize_transposing",
   "decode_scale",
   "delayed_scale",
   "dequantize_data",
@@ -49,7 +46,6 @@ __all__ = [
   "dequant_gemm",
   "fp8_tensor_gemm",
   "scaled_bf16_gemm",
-  "transpose_codes",
   "CastConfig",
   "unsupported_reason",
 ]

@@ -23,7 +23,6 @@ from jaxquant.kernels import (
   _gemm_values,
   _grouped,
   _tensor_gemm,
-  _transpose,
 )
 from jaxquant.kernels import _library as library
 
@@ -40,7 +39,6 @@ SPECS = (
   _fused_dequant.SPEC,
   _tensor_gemm.SPEC,
   _bf16_gemm.SPEC,
-  _transpose.SPEC,
 )
 TARGETS = tuple(target for spec in SPECS for target in spec.targets)
 

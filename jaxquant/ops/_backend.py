@@ -39,7 +39,6 @@ KERNELS = (
   "dequant_gemm",
   "scaled_bf16_gemm",
   "grouped_gemm",
-  "transpose_codes",
 )
 
 

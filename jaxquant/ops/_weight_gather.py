@@ -17,8 +17,8 @@ A per-tensor FP8 weight (current or delayed scaling) whose GEMMs take both usage
 (backward "quantized") crosses the network once, in one usage (`quantize_gathered_once`):
 one scale for the whole tensor makes its columnwise codes its rowwise codes transposed,
 so each device quantizes its shard in one usage, the usage is all-gathered, and each
-device transposes the gathered codes into the other (`kernels.transpose_codes` where the
-kernels are bound, XLA's transpose otherwise). A step then gathers 1 byte a parameter,
+device transposes the gathered codes into the other (XLA's transpose: a one-byte transpose
+kernel measured at half its speed, kernels.md). A step then gathers 1 byte a parameter,
 half of bf16 FSDP's single gather of the weight. The backward's residual is the gathered
 columnwise codes, which dgrad takes as they are: like bf16 FSDP, which keeps its gathered
 weight for the backward, the saved weight costs the whole weight per device (1 byte a
@@ -43,10 +43,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxquant import kernels
 from jaxquant.formats import Family
 from jaxquant.kernels._sharding import axes_size, pspec
-from jaxquant.kernels._transpose import transpose_reason
 from jaxquant.ops._backend import read_backend
 from jaxquant.ops._operands import stored, treats_usages_alike
 from jaxquant.ops._quantize import cast_groups
@@ -362,13 +360,6 @@ def gathered_usage(
   return "columnwise" if set(k_axes) & set(gather.axis) else "rowwise"
 
 
-def _transposed_codes(codes: jax.Array, backend) -> jax.Array:
-  """One device's codes transposed: the kernel where it is bound and takes them."""
-  if backend.binds("transpose_codes") and transpose_reason(codes) is None:
-    return kernels.transpose_codes(codes)
-  return jnp.transpose(codes)
-
-
 def quantize_gathered_once(
   kernel: jax.Array,
   quantizer: Quantizer,
@@ -396,13 +387,12 @@ def quantize_gathered_once(
     kernel, quantizer, (usage,), gather=gather, state=state, implementation=implementation
   )
   shard = shards[usage]
-  backend = read_backend(implementation)
   before = _data_specs(gather, usage, shard.format, gathered=False)
   after = {u: _data_specs(gather, u, shard.format, gathered=True) for u in (usage, other)}
 
   def gather_and_transpose(codes, scale_inv):
     codes = _gather_leaf(codes, before.data, gather)
-    return codes, _transposed_codes(codes, backend), scale_inv
+    return codes, codes.T, scale_inv
 
   codes, transposed, scale_inv = jax.shard_map(
     gather_and_transpose,

@@ -60,12 +60,8 @@ def test_placements_move_the_quantization_and_keep_the_loss(step_inputs, preset,
   casts = {name: jaxpr.count("jaxquant_cast[") for name, jaxpr in jaxprs.items()}
   assert casts["default"] > 0 and casts["amax_kernel"] == casts["default"]
   assert casts["xla_cast"] == 0 and 0 < casts["xla_rowwise_cast"]
-  transposes = {name: jaxpr.count("jaxquant_transpose_codes[") for name, jaxpr in jaxprs.items()}
-  assert casts["xla_rowwise_transpose"] == 0 and transposes["xla_rowwise_transpose"] > 0
-  assert sum(transposes.values()) == transposes["xla_rowwise_transpose"]
   if preset == "fp8_current":
     assert amaxes["amax_kernel"] > 0
   assert amaxes["default"] == amaxes["xla_cast"] == amaxes["xla_rowwise_cast"] == 0
-  assert amaxes["xla_rowwise_transpose"] == 0
   losses = {name: loss.tobytes() for name, (_, loss) in found.items()}
   assert len(set(losses.values())) == 1, losses

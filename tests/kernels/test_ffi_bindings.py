@@ -32,7 +32,6 @@ from jaxquant.kernels import (
   _grouped,
   _targets,
   _tensor_gemm,
-  _transpose,
 )
 from jaxquant.kernels._config import cast_config
 from jaxquant.kernels._library import WORKSPACE_QUERIES, handler_symbol
@@ -68,7 +67,6 @@ CONFIGS = {
   "jaxquant_dequant_gemm": _fused_dequant.DequantGemmConfig(_mxfp8, _nvfp4, "bfloat16"),
   "jaxquant_fp8_tensor_gemm": _tensor_gemm.Fp8GemmConfig("bfloat16"),
   "jaxquant_scaled_bf16_gemm": _bf16_gemm.ScaledGemmConfig("float32"),
-  "jaxquant_transpose_codes": _transpose.TransposeConfig(),
 }
 
 

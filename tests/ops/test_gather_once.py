@@ -6,8 +6,8 @@ usage (ops/_weight_gather.py), on 8 CPU devices.
 - Bits: the step's loss, gradients and delayed-scaling state are those of the unsharded
   step, and the gathered operands those of quantizing each usage's shards and gathering
   them, with the kernel split over K, over N, and over K x tensor-parallel N.
-- The other usage is the gathered one's codes transposed by `kernels.transpose_codes`
-  where the kernels are bound, by XLA otherwise, the same bits.
+- The other usage is the gathered one's codes transposed on each device, the same bits
+  whether the casts run the reference or the kernel primitives.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ QUANTIZERS = {
 )
 @pytest.mark.parametrize("backend", ["reference", "kernel"])
 def test_one_usage_gathered_the_other_transposed(name, spec, backend, eight_devices, monkeypatch):
-  # "kernel": kernels.transpose_codes is bound inside the shard_map (its CUDA kernel on a
-  # GPU, its reference lowering here); "reference": XLA's transpose.
+  # "kernel": the shard casts bind the cast primitive (its reference lowering here);
+  # "reference": the reference cast.
   monkeypatch.setenv(BACKEND_VAR, backend)
   quantizer = QUANTIZERS[name]
   mesh = _mesh(eight_devices)
@@ -191,7 +191,7 @@ def test_one_usage_gathered_the_other_transposed(name, spec, backend, eight_devi
   _assert_same_bits(got, per_usage(sharded, state), f"{name} {spec}: vs each usage gathered")
   _assert_same_bits(got, unsharded(kernel, state), f"{name} {spec}: vs the unsharded cast")
   jaxpr = str(jax.make_jaxpr(once)(sharded, state))
-  assert ("transpose_codes" in jaxpr) == (backend == "kernel")
+  assert ("jaxquant_cast[" in jaxpr) == (backend == "kernel")
   # One usage crosses the network: the gathered dim is its major dim.
   gathered = _gathered(once.lower(sharded, state).compile().as_text())
   tensor_shards = 2 if "tensor" in tuple(SPECS[spec]) else 1

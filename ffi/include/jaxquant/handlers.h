@@ -29,7 +29,6 @@ JAXQUANT_HANDLER(JaxquantBlockFp8Gemm);
 JAXQUANT_HANDLER(JaxquantDequantGemm);
 JAXQUANT_HANDLER(JaxquantFp8TensorGemm);
 JAXQUANT_HANDLER(JaxquantScaledBf16Gemm);
-JAXQUANT_HANDLER(JaxquantTransposeCodes);
 
 #undef JAXQUANT_HANDLER
 
