@@ -12,6 +12,12 @@ throughput over n times the one-device throughput of the same variant, both meas
 this run. The first n of `jax.devices()` are used, so every device count runs on the same
 host and links.
 
+Several processes (examples/launch_local.py, or `--coordinator --num-processes
+--process-id` on each host; examples/lm/distributed.py): each takes part in every mesh, of
+the first n / P devices of each of the P processes (n a multiple of P), and the one-device
+baseline runs in each process on its first device. Every process must make the same calls,
+so the turns' time-based warm-up is off (`--warmup-s 0`); process 0 prints and records.
+
 Layouts (the mesh has two axes, `fsdp` and `tensor`):
 
 - `fsdp`: fsdp=n. The batch splits n ways and every kernel along its d_model side (q/k/v/
@@ -53,6 +59,7 @@ import math
 import pathlib
 import re
 import statistics
+import sys
 import tempfile
 
 import jax
@@ -69,6 +76,9 @@ from timing import Call, interleaved_seconds, speedup
 
 import jaxquant.flax as jqf
 from jaxquant import kernels, recipes
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from lm import distributed  # noqa: E402  (examples/lm: the multi-process setup)
 
 FSDP, TENSOR = "fsdp", "tensor"
 LAYOUTS = ("fsdp", "fsdp_tp")
@@ -100,8 +110,23 @@ class Config:
   def label(self, shape_name: str) -> str:
     return f"{shape_name} {'one' if self.n == 1 else self.layout} n={self.n}"
 
+  def devices(self) -> list:
+    """The first n devices; with P processes the first n / P of each (every process takes
+    part in every mesh), the one-device baseline each process's first."""
+    processes = jax.process_count()
+    if processes == 1:
+      return jax.devices()[: self.n]
+    if self.n == 1:
+      return jax.local_devices()[:1]
+    per_process = self.n // processes
+    return [
+      device
+      for process in range(processes)
+      for device in [d for d in jax.devices() if d.process_index == process][:per_process]
+    ]
+
   def mesh(self) -> Mesh:
-    devices = jax.devices()[: self.n]
+    devices = self.devices()
     return jax.make_mesh(
       (self.fsdp, self.tensor),
       (FSDP, TENSOR),
@@ -110,13 +135,14 @@ class Config:
     )
 
 
-def configs(device_counts: list[int], layouts: list[str]) -> list[Config]:
-  """The one-device baseline, then each layout at every device count it can take."""
+def configs(device_counts: list[int], layouts: list[str], processes: int = 1) -> list[Config]:
+  """The one-device baseline, then each layout at every device count it can take (with
+  several processes, a multiple of their count)."""
   chosen = [Config("fsdp", 1)]
   for layout in layouts:
     for n in device_counts:
       config = Config(layout, n)
-      if n > 1 and n % config.tensor == 0:
+      if n > 1 and n % config.tensor == 0 and n % processes == 0:
         chosen.append(config)
   return chosen
 
@@ -253,14 +279,14 @@ class Prepared:
       ),
       NamedSharding(mesh, P(FSDP)),
     )
-    key = jax.device_put(jax.random.key(3), replicated)
+    key = jax.jit(lambda: jax.random.key(3), out_shardings=replicated)()  # any process's mesh
     train_step = jax.jit(
       step.train_step(variant, tx), out_shardings=(shardings, None, None, replicated)
     )
     self.executable = train_step.lower(placed, opt_state, collections, x, key).compile()
     hlo = self.executable.as_text()
     self.gather_gib = all_gather_bytes(hlo) / 2**30
-    if args.hlo_dir:
+    if args.hlo_dir and distributed.is_primary():
       args.hlo_dir.mkdir(parents=True, exist_ok=True)
       layout = config.layout if config.n > 1 else "one"
       (args.hlo_dir / f"{layout}_{config.n}gpu_{variant.name}.hlo.txt").write_text(hlo)
@@ -376,7 +402,9 @@ def parse_args(argv=None):
   parser.add_argument(
     "--out", help="results file to merge into (default benchmarks/results/<gpu>/scaling.json)"
   )
+  distributed.add_flags(parser)
   args = parser.parse_args(argv)
+  distributed.initialize(args)  # before jax.default_backend() below starts the backends
   if args.quick:
     args.shape, args.layers, args.batch_per_device, args.seq = "tiny", 1, 1, 128
     args.reps, args.rounds, args.warmup_s, args.warmup_steps = 1, 1, 0.0, 1
@@ -406,6 +434,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
+  with distributed.primary_output():
+    run(args)
+
+
+def run(args):
+  if jax.process_count() > 1 and args.warmup_s:
+    print(f"{jax.process_count()} processes: --warmup-s 0 (each must make the same calls)")
+    args.warmup_s = 0.0
   devices = jax.devices()
   device = devices[0]
   counts = [n for n in args.devices if 1 < n <= len(devices)]
@@ -417,8 +453,9 @@ def main(argv=None):
     f"{counts}" + (f" ({skipped} skipped: {len(devices)} devices)" if skipped else ""),
     flush=True,
   )
+  path = results_path(args.out, "scaling", device.device_kind, smoke=args.quick)
   results = ResultFile(
-    results_path(args.out, "scaling", device.device_kind, smoke=args.quick),
+    path if distributed.is_primary() else None,
     benchmark="scaling",
     device=device.device_kind,
     jax_version=jax.__version__,
@@ -426,7 +463,7 @@ def main(argv=None):
   stock = DecoderStack(SHAPES[args.shape], args.layers, attention=args.attention)
   params = jax.device_get(step.init_variables(stock, stock.shape.d_model)["params"])
   one_device_tps: dict[str, float] = {}
-  for config in configs(counts, args.layouts):
+  for config in configs(counts, args.layouts, jax.process_count()):
     run_config(config, args.variants, args, stock, params, results, one_device_tps)
   print("done; " + (f"merged into {results.path}" if results.path else "--quick: no results file"))
 

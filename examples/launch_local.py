@@ -3,7 +3,8 @@
   python examples/launch_local.py --processes 2 --cpu-devices-per-process 4 -- \\
       python examples/train_lm.py --preset cpu --recipes bf16,fp8_current --steps 3 \\
       --mesh fsdp=4,tensor=2
-  python examples/launch_local.py --processes 2 -- python examples/train_lm.py --mesh fsdp=8
+  python examples/launch_local.py --processes 2 -- \\
+      python examples/train_lm.py --mesh fsdp=8   # 8 GPUs, 4 a process
 
 Each copy of the command gets `--coordinator localhost:PORT --num-processes N
 --process-id I` (a free port; lm/distributed.py reads them) and its own devices: with

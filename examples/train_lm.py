@@ -16,8 +16,8 @@ spread over seeds and each recipe's gap to bf16 with a 95% paired t-interval.
   python examples/train_lm.py --preset gpu_seeds_long --seeds 3 --recipes bf16,nvfp4
   python examples/train_lm.py --recipes bf16,custom,suggested_nvfp4   # an analysed policy
   python examples/train_lm.py --mesh data=2,fsdp=2,tensor=2   # sharded over 8 devices
-  python examples/launch_local.py --processes 2 -- python examples/train_lm.py --mesh fsdp=8
-      # the same over 2 processes (jax.distributed; lm/distributed.py)
+  python examples/launch_local.py --processes 2 --cpu-devices-per-process 4 -- \\
+      python examples/train_lm.py --mesh fsdp=8   # over 2 processes (jax.distributed)
 
 Outputs (in --out): val_loss.png (the validation curves of all recipes, bands over seeds),
 results.md (final validation loss, spread, gap to bf16 with its interval, step time) and
