@@ -33,12 +33,16 @@ def gpu_name(device_kind: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
 
 
-def results_path(out: str | None, benchmark: str, device_kind: str, *, smoke: bool):
-  """Where a run merges its records: `out` if given, else the device's result file; a
-  smoke run (small shapes or few repetitions) writes none unless `out` names one."""
+def results_path(
+  out: str | None, benchmark: str, device_kind: str, *, smoke: bool, devices: int = 1
+):
+  """Where a run merges its records: `out` if given, else the device's result file
+  (`<gpu>/`, or `<gpu>x<devices>/` for a benchmark of several devices); a smoke run (small
+  shapes or few repetitions) writes none unless `out` names one."""
   if out:
     return pathlib.Path(out)
-  return None if smoke else RESULTS / gpu_name(device_kind) / f"{benchmark}.json"
+  folder = gpu_name(device_kind) + (f"x{devices}" if devices > 1 else "")
+  return None if smoke else RESULTS / folder / f"{benchmark}.json"
 
 
 # Settings of the environment that change what a benchmark measures: XLA's flags, and JAX

@@ -29,14 +29,16 @@ Layouts (the mesh has two axes, `fsdp` and `tensor`):
   parallelism.
 
 Variants (`--variants`, default bf16, fp8_current, fp8_current_gather, fp8_delayed,
-flax_fp8, qwix_fp8_tensor): any of the step benchmark's (step_variants.py: the stock
-model, jaxquant's presets swapped in with `quantize_model`, each kernel quantized where
-XLA's partitioner places its cast, and the peers, Qwix's only where it is installed), and
-`fp8_current_gather` (`weight_gather=ModelWeightGather(...)`: each device quantizes its
-shard and the FP8 codes and scales are gathered; only where fsdp > 1).
+fp8_delayed_gather, flax_fp8, qwix_fp8_tensor): any of the step benchmark's
+(step_variants.py: the stock model, jaxquant's presets swapped in with `quantize_model`,
+each kernel quantized where XLA's partitioner places its cast, and the peers, Qwix's only
+where it is installed), and `fp8_current_gather` / `fp8_delayed_gather`
+(`weight_gather=ModelWeightGather(...)`: each device quantizes its shard and the FP8
+codes are gathered, one usage once, sharding.md; only where fsdp > 1).
 
 Per (layout, n), the variants are compiled, warmed up and timed in interleaved turns
-(timing.py). Records, merged into benchmarks/results/<gpu>/scaling.json, op
+(timing.py). Records, merged into benchmarks/results/<gpu>x<devices>/scaling.json (the
+machine's device count, e.g. h100x4), op
 `scaling_<variant>`, shape `"<shape> <layout> n=<n>"` (`"<shape> one n=1"` for the one-device
 baseline): `step_ms`, `tokens_per_s`, `speedup_vs_bf16` and, for jaxquant's variants,
 `speedup_vs_best_peer` (the faster of Flax's and Qwix's, both at the same layout and n),
@@ -82,10 +84,19 @@ from lm import distributed  # noqa: E402  (examples/lm: the multi-process setup)
 
 FSDP, TENSOR = "fsdp", "tensor"
 LAYOUTS = ("fsdp", "fsdp_tp")
-GATHERED = "fp8_current_gather"
-# Any of the step benchmark's variants (step_variants.ORDER), and the quantized gather.
-KNOWN = step_variants.ORDER + (GATHERED,)
-VARIANTS = ("bf16", "fp8_current", GATHERED, "fp8_delayed", "flax_fp8", "qwix_fp8_tensor")
+# The presets with the quantized gather (`weight_gather`), by the preset each extends.
+GATHERED = {"fp8_current_gather": "fp8_current", "fp8_delayed_gather": "fp8_delayed"}
+# Any of the step benchmark's variants (step_variants.ORDER), and the quantized gathers.
+KNOWN = step_variants.ORDER + tuple(GATHERED)
+VARIANTS = (
+  "bf16",
+  "fp8_current",
+  "fp8_current_gather",
+  "fp8_delayed",
+  "fp8_delayed_gather",
+  "flax_fp8",
+  "qwix_fp8_tensor",
+)
 
 # Kernels [d_model, out] (their GEMM's K is d_model) and [in, d_model].
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -166,12 +177,12 @@ def param_specs(params):
 
 
 def build_variant(name: str, stock: DecoderStack, mesh: Mesh, specs) -> step_variants.Variant:
-  if name != GATHERED:
+  if name not in GATHERED:
     return step_variants.build(name, stock)
   gather = jqf.ModelWeightGather(mesh, specs, axis=FSDP)
   return step_variants.Variant(
     name,
-    jqf.quantize_model(stock, recipes.fp8_current, weight_gather=gather),
+    jqf.quantize_model(stock, recipes.resolve(GATHERED[name]), weight_gather=gather),
     jqf.update_quant_state,
   )
 
@@ -314,7 +325,7 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
   )
   prepared = {}
   for name in names:
-    if name == GATHERED and config.fsdp == 1:
+    if name in GATHERED and config.fsdp == 1:
       continue  # nothing is gathered over fsdp
     try:  # one variant that fails costs only itself
       prepared[name] = Prepared(
@@ -351,7 +362,7 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
       add(name, "speedup_vs_best_peer", speedup(samples[best_peer], times)[0])
     if config.n == 1:
       one_device_tps[name] = tokens_per_s
-    baseline = one_device_tps.get(name if name != GATHERED else "fp8_current")
+    baseline = one_device_tps.get(GATHERED.get(name, name))
     if config.n > 1 and baseline:
       add(name, "scaling_efficiency", tokens_per_s / (config.n * baseline))
     if config.n > 1:
@@ -400,7 +411,8 @@ def parse_args(argv=None):
     "smoke run: no results file unless --out)",
   )
   parser.add_argument(
-    "--out", help="results file to merge into (default benchmarks/results/<gpu>/scaling.json)"
+    "--out",
+    help="results file to merge into (default benchmarks/results/<gpu>x<devices>/scaling.json)",
   )
   distributed.add_flags(parser)
   args = parser.parse_args(argv)
@@ -453,7 +465,10 @@ def run(args):
     f"{counts}" + (f" ({skipped} skipped: {len(devices)} devices)" if skipped else ""),
     flush=True,
   )
-  path = results_path(args.out, "scaling", device.device_kind, smoke=args.quick)
+  # One file per machine size: benchmarks/results/<gpu>x<devices>/scaling.json.
+  path = results_path(
+    args.out, "scaling", device.device_kind, smoke=args.quick, devices=len(devices)
+  )
   results = ResultFile(
     path if distributed.is_primary() else None,
     benchmark="scaling",

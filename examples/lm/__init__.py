@@ -6,6 +6,7 @@ recipes.py   recipe names -> the model each one trains (plain, or jaxquant.flax.
 presets.py   model and training sizes: tiny (CI), cpu, gpu
 training.py  optimizer, train state, jitted train and eval steps (sharded with --mesh)
 sharding.py  --mesh: the mesh, the logical axis rules, where each parameter goes
+distributed.py  several processes of one job (jax.distributed): the flags, process 0's output
 progress.py  a dependency-free text progress bar
 report.py    the outputs: loss-curve PNG, markdown table, JSON of all curves
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 
 import pytest
@@ -114,7 +115,9 @@ def test_a_smoke_run_writes_nothing(tmp_path):
 def test_the_committed_result_files_have_one_record_per_key_and_their_provenance():
   for path in records.RESULTS.glob("*/*.json"):
     saved = json.loads(path.read_text())
-    assert path.stem == saved["benchmark"] and path.parent.name == records.gpu_name(saved["device"])
+    # <gpu>/, or <gpu>x<devices>/ for a benchmark of several devices (scaling).
+    gpu = records.gpu_name(saved["device"])
+    assert path.stem == saved["benchmark"] and re.fullmatch(rf"{gpu}(x\d+)?", path.parent.name)
     keys = [(r["op"], json.dumps(r["shape"]), r["metric"]) for r in saved["records"]]
     assert len(keys) == len(set(keys)), path
     assert all(
