@@ -40,7 +40,8 @@ Per (layout, n), the variants are compiled, warmed up and timed in interleaved t
 (timing.py). Records, merged into benchmarks/results/<gpu>x<devices>/scaling.json (the
 machine's device count, e.g. h100x4), op
 `scaling_<variant>`, shape `"<shape> <layout> n=<n>"` (`"<shape> one n=1"` for the one-device
-baseline): `step_ms`, `tokens_per_s`, `speedup_vs_bf16` and, for jaxquant's variants,
+baseline; ` p=<P>` added for a run of P processes): `step_ms`, `tokens_per_s`,
+`speedup_vs_bf16` and, for jaxquant's variants,
 `speedup_vs_best_peer` (the faster of Flax's and Qwix's, both at the same layout and n),
 `scaling_efficiency`, and for n > 1 `all_gather_gib`: the bytes all-gathered per device and
 step, the results of every all-gather in the compiled step's HLO (bf16 / fp32 / FP8 as XLA
@@ -105,10 +106,11 @@ _ROW_PARALLEL = ("o_proj", "down_proj")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """One mesh: `n` devices as fsdp x tensor."""
+  """One mesh: `n` devices as fsdp x tensor, driven by `processes` processes."""
 
   layout: str
   n: int
+  processes: int = 1
 
   @property
   def tensor(self) -> int:
@@ -119,7 +121,10 @@ class Config:
     return self.n // self.tensor
 
   def label(self, shape_name: str) -> str:
-    return f"{shape_name} {'one' if self.n == 1 else self.layout} n={self.n}"
+    """E.g. "8b fsdp n=4"; a run of several processes adds their count ("... p=4"), so
+    its records sit beside the single process's."""
+    label = f"{shape_name} {'one' if self.n == 1 else self.layout} n={self.n}"
+    return label + (f" p={self.processes}" if self.processes > 1 else "")
 
   def devices(self) -> list:
     """The first n devices; with P processes the first n / P of each (every process takes
@@ -149,10 +154,10 @@ class Config:
 def configs(device_counts: list[int], layouts: list[str], processes: int = 1) -> list[Config]:
   """The one-device baseline, then each layout at every device count it can take (with
   several processes, a multiple of their count)."""
-  chosen = [Config("fsdp", 1)]
+  chosen = [Config("fsdp", 1, processes)]
   for layout in layouts:
     for n in device_counts:
-      config = Config(layout, n)
+      config = Config(layout, n, processes)
       if n > 1 and n % config.tensor == 0 and n % processes == 0:
         chosen.append(config)
   return chosen

@@ -60,6 +60,11 @@ def test_configs_take_the_layouts_each_device_count_allows():
   ]
 
 
+def test_a_run_of_several_processes_labels_its_records_apart():
+  labels = [c.label("8b") for c in scaling.configs([4], ["fsdp"], processes=2)]
+  assert labels == ["8b one n=1 p=2", "8b fsdp n=4 p=2"]
+
+
 def test_a_short_run_records_every_layout_and_the_narrower_gather(tmp_path):
   if len(jax.devices()) < 2:
     pytest.skip(f"needs 2 devices, {jax.default_backend()} has {len(jax.devices())}")
