@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import optax
 import step
 import step_variants
-from step_model import SHAPES, DecoderStack, rotary
+from step_model import SHAPES, DecoderStack
 
 DEFAULT_VARIANTS = ("bf16", "fp8_current", "fp8_delayed", "mxfp8")
 # Checkpoint names of the flash-attention stand-in's residuals.
@@ -105,15 +105,8 @@ flash_attention.defvjp(_flash_forward, _flash_backward)
 class FlashStandInStack(DecoderStack):
   """The benchmark's decoder stack with the flash-attention stand-in as its attention."""
 
-  def _attention(self, x, prefix):
-    s = self.shape
-    batch, seq, _ = x.shape
-    heads = lambda t, n: t.reshape(batch, seq, n, s.head_dim)
-    q = rotary(heads(self._dense(s.n_heads * s.head_dim, f"{prefix}q_proj")(x), s.n_heads))
-    k = rotary(heads(self._dense(s.n_kv_heads * s.head_dim, f"{prefix}k_proj")(x), s.n_kv_heads))
-    v = heads(self._dense(s.n_kv_heads * s.head_dim, f"{prefix}v_proj")(x), s.n_kv_heads)
-    attended = flash_attention(q, k, v)
-    return self._dense(s.d_model, f"{prefix}o_proj")(attended.reshape(batch, seq, s.d_model))
+  def _attend(self, q, k, v):
+    return flash_attention(q, k, v)
 
 
 def stock_model(shape_name: str, layers: int, attention: str) -> DecoderStack:

@@ -91,8 +91,12 @@ class DecoderStack(nn.Module):
     q = rotary(heads(self._dense(s.n_heads * s.head_dim, f"{prefix}q_proj")(x), s.n_heads))
     k = rotary(heads(self._dense(s.n_kv_heads * s.head_dim, f"{prefix}k_proj")(x), s.n_kv_heads))
     v = heads(self._dense(s.n_kv_heads * s.head_dim, f"{prefix}v_proj")(x), s.n_kv_heads)
-    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+    attended = self._attend(q, k, v)
     return self._dense(s.d_model, f"{prefix}o_proj")(attended.reshape(batch, seq, s.d_model))
+
+  def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of [batch, seq, heads, head_dim] queries, keys and values."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
 
   def _mlp(self, x: jax.Array, prefix: str) -> jax.Array:
     gate = self._dense(self.shape.d_ff, f"{prefix}gate_proj")(x)
