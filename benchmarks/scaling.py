@@ -47,7 +47,8 @@ baseline; ` p=<P>` added for a run of P processes): `step_ms`, `tokens_per_s`,
 step, the results of every all-gather in the compiled step's HLO (bf16 / fp32 / FP8 as XLA
 placed them), and from a profile of `--profile-steps` steps (0: no profile), per step on
 device 0: `all_gather_ms`, `reduce_scatter_ms` and `all_reduce_ms`, the device time of
-each collective's kernels, and `compute_ms`, the busy time of all other kernels.
+each collective's kernels, `p2p_copy_ms`, that of the peer-to-peer copies beside them, and
+`compute_ms`, the busy time of all other kernels.
 Collectives run on their own stream beside the compute, and a collective kernel's time
 includes its wait for the other devices: a collective's time is its share of the
 network's busy time, and the step time less `compute_ms` what the step loses to waiting.
@@ -237,18 +238,20 @@ def all_gather_bytes(hlo_text: str) -> int:
 
 
 # NCCL's kernels (ncclDevKernel_AllGather_RING_LL, ...) by collective, and on the CPU the
-# host events of XLA's collective ops.
+# host events of XLA's collective ops; and the peer-to-peer copies (`MemcpyP2P`, over a
+# hundred a step on four GPUs) that move data beside them, which are no compute either.
 COLLECTIVES = {
   "all_gather": ("allgather", "all-gather"),
   "reduce_scatter": ("reducescatter", "reduce-scatter"),
   "all_reduce": ("allreduce", "all-reduce"),
+  "p2p_copy": ("memcpyp2p", None),
 }
 
 
 def collective_of(event) -> str | None:
   name, op = event.name.lower().replace("_", ""), event.hlo_op.lower()
   for collective, (kernel, hlo_op) in COLLECTIVES.items():
-    if kernel in name or op.startswith(hlo_op):
+    if kernel in name or (hlo_op is not None and op.startswith(hlo_op)):
       return collective
   return None
 

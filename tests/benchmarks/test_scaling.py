@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
 import scaling  # noqa: E402
 import step  # noqa: E402
+import trace_summary  # noqa: E402
 from step_model import SHAPES, DecoderStack  # noqa: E402
 
 HLO = """
@@ -60,6 +61,14 @@ def test_configs_take_the_layouts_each_device_count_allows():
   ]
 
 
+def test_peer_to_peer_copies_are_transfers_not_compute():
+  event = lambda name, op="": trace_summary.Event(name, 0.0, 1.0, op)
+  assert scaling.collective_of(event("MemcpyP2P")) == "p2p_copy"
+  assert scaling.collective_of(event("ncclDevKernel_AllGather_RING_LL")) == "all_gather"
+  assert scaling.collective_of(event("fusion_12", "all-reduce.3")) == "all_reduce"
+  assert scaling.collective_of(event("nvjet_sm90_tst_128x256", "custom-call.1")) is None
+
+
 def test_a_run_of_several_processes_labels_its_records_apart():
   labels = [c.label("8b") for c in scaling.configs([4], ["fsdp"], processes=2)]
   assert labels == ["8b one n=1 p=2", "8b fsdp n=4 p=2"]
@@ -96,5 +105,5 @@ def test_a_short_run_records_every_layout_and_the_narrower_gather(tmp_path):
   gathered = lambda variant: records[f"scaling_{variant}", "tiny fsdp n=2", "all_gather_gib"]
   # FP8 codes of each usage against XLA's gathers of the weights before they are quantized.
   assert 0 < gathered("fp8_current_gather") < gathered("fp8_current")
-  for part in ("all_gather", "reduce_scatter", "all_reduce", "compute"):
+  for part in ("all_gather", "reduce_scatter", "all_reduce", "p2p_copy", "compute"):
     assert records["scaling_fp8_current", "tiny fsdp n=2", f"{part}_ms"] >= 0
