@@ -170,15 +170,16 @@ def _bits(short_dtype: str) -> int:
 
 _LINE = re.compile(r"^(?P<dtype>[^\[\s]+)\[(?P<shape>[\d, ]*)\]\S*\s+(?P<source>.*)$")
 _NAMED = re.compile(r"^named '(?P<name>[^']+)'")
-# Group names leave out a source path's folder on sys.path (the repository's root first).
+# Group names leave out the folder a source path lies in: an installed package's
+# (site-packages, even inside the repository, as CI's .venv), else the repository's root
+# (benchmarks/step.py), else another folder on sys.path.
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 _PATH = re.compile(
   "|".join(
     re.escape(folder.rstrip("/") + "/")
-    for folder in dict.fromkeys(
-      [
-        str(pathlib.Path(__file__).resolve().parents[1]),
-        *sorted((p for p in sys.path if p.startswith("/")), key=len, reverse=True),
-      ]
+    for folder in sorted(
+      {_ROOT} | {p for p in sys.path if p.startswith("/")},
+      key=lambda p: ("-packages" not in p, p != _ROOT, -len(p)),
     )
   )
 )
