@@ -198,6 +198,7 @@ def test_one_usage_gathered_the_other_transposed(name, spec, backend, eight_devi
   assert gathered == [("u8", kernel.size // tensor_shards)], gathered
 
 
+@pytest.mark.slow  # compiles two train steps a case; in CI's JAX 0.12 run only
 @pytest.mark.parametrize("spec", ["fsdp_k", "fsdp_n"])
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed"])
 def test_train_step_is_the_unsharded_step(name, spec, eight_devices):
@@ -216,6 +217,7 @@ def test_train_step_is_the_unsharded_step(name, spec, eight_devices):
   )
 
 
+@pytest.mark.slow  # compiles two train steps a case; in CI's JAX 0.12 run only
 @pytest.mark.parametrize("spec", ["fsdp_k", "fsdp_x_tensor"])
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed"])
 def test_fsdp_step_is_the_step_gathering_each_usage(name, spec, eight_devices):
