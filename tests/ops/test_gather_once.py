@@ -12,13 +12,11 @@ usage (ops/_weight_gather.py), on 8 CPU devices.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from _sharded_checks import all_gathers, assert_same_bits, mesh_2x2x2
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
@@ -39,39 +37,6 @@ X_ROWS = 64
 SPECS = {"fsdp_k": P("fsdp", None), "fsdp_n": P(None, "fsdp"), "fsdp_x_tensor": P("fsdp", "tensor")}
 # The bytes an element of each HLO element type takes.
 _BYTES = {"u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "u32": 4}
-_ALL_GATHER = re.compile(r"=\s*(.*?)\s+all-gather(-start)?\(")
-_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def _mesh(devices):
-  return Mesh(np.array(devices).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
-
-
-def _gathered(hlo: str) -> list[tuple[str, int]]:
-  """(element type, element count) of each result of every all-gather in compiled HLO (an
-  `all-gather-start`'s type lists its operands, then its results)."""
-  found = []
-  for line in hlo.splitlines():
-    match = _ALL_GATHER.search(line)
-    if not match:
-      continue
-    shapes = _SHAPE.findall(match.group(1))
-    if match.group(2):
-      shapes = shapes[len(shapes) // 2 :]
-    found += [(t, int(np.prod([int(d) for d in dims.split(",") if d]))) for t, dims in shapes]
-  return found
-
-
-def _bits(a) -> np.ndarray:
-  a = np.asarray(a)
-  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def _assert_same_bits(got, want, what):
-  assert jax.tree.structure(got) == jax.tree.structure(want), what
-  for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False)):
-    assert g.shape == w.shape and g.dtype == w.dtype, f"{what} leaf {i}"
-    np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"{what} leaf {i}")
 
 
 def _train_step(recipe, weight_gather, kernel_spec=None, mesh=None, quantizers=None):
@@ -126,14 +91,14 @@ def _placed(mesh, spec, kernel, x, target, state):
 
 @pytest.mark.parametrize("spec", ["fsdp_k", "fsdp_x_tensor"])
 def test_fp8_gathers_half_of_bf16s_bytes(spec, eight_devices):
-  mesh = _mesh(eight_devices)
+  mesh = mesh_2x2x2(eight_devices)
   kernel_spec = SPECS[spec]
   kernel, x, target, _ = _inputs(recipes.fp8_current)
   placed = _placed(mesh, kernel_spec, kernel.astype(jnp.bfloat16), x, target, None)
-  bf16 = _gathered(
+  bf16 = all_gathers(
     _train_step(recipes.bf16, None, kernel_spec, mesh).lower(*placed).compile().as_text()
   )
-  fp8 = _gathered(
+  fp8 = all_gathers(
     _train_step(recipes.fp8_current, WeightGather(mesh, kernel_spec))
     .lower(*placed)
     .compile()
@@ -169,7 +134,7 @@ def test_one_usage_gathered_the_other_transposed(name, spec, backend, eight_devi
   # "reference": the reference cast.
   monkeypatch.setenv(BACKEND_VAR, backend)
   quantizer = QUANTIZERS[name]
-  mesh = _mesh(eight_devices)
+  mesh = mesh_2x2x2(eight_devices)
   gather = WeightGather(mesh, SPECS[spec])
   kernel = (jax.random.normal(jax.random.key(1), KERNEL, jnp.float32) * 0.05).astype(jnp.bfloat16)
   state = None
@@ -188,12 +153,12 @@ def test_one_usage_gathered_the_other_transposed(name, spec, backend, eight_devi
   unsharded = jax.jit(lambda k, s: quantize_transposed_operand(k, quantizer, USAGES, state=s))
   sharded = jax.device_put(kernel, NamedSharding(mesh, SPECS[spec]))
   got = once(sharded, state)
-  _assert_same_bits(got, per_usage(sharded, state), f"{name} {spec}: vs each usage gathered")
-  _assert_same_bits(got, unsharded(kernel, state), f"{name} {spec}: vs the unsharded cast")
+  assert_same_bits(got, per_usage(sharded, state), f"{name} {spec}: vs each usage gathered")
+  assert_same_bits(got, unsharded(kernel, state), f"{name} {spec}: vs the unsharded cast")
   jaxpr = str(jax.make_jaxpr(once)(sharded, state))
   assert ("jaxquant_cast[" in jaxpr) == (backend == "kernel")
   # One usage crosses the network: the gathered dim is its major dim.
-  gathered = _gathered(once.lower(sharded, state).compile().as_text())
+  gathered = all_gathers(once.lower(sharded, state).compile().as_text())
   tensor_shards = 2 if "tensor" in tuple(SPECS[spec]) else 1
   assert gathered == [("u8", kernel.size // tensor_shards)], gathered
 
@@ -207,10 +172,10 @@ def test_train_step_is_the_unsharded_step(name, spec, eight_devices):
   # the gathered axis alone, so that each GEMM sums as the unsharded one does (a batch
   # split reorders wgrad's sums over M, tensor parallelism dgrad's over N).
   recipe = recipes.get(name)
-  mesh = _mesh(eight_devices)
+  mesh = mesh_2x2x2(eight_devices)
   kernel, x, target, state = _inputs(recipe)
   placed = (jax.device_put(kernel, NamedSharding(mesh, SPECS[spec])), x, target, state)
-  _assert_same_bits(
+  assert_same_bits(
     _train_step(recipe, WeightGather(mesh, SPECS[spec]))(*placed),
     _train_step(recipe, None)(kernel, x, target, state),
     f"{name} {spec}",
@@ -226,16 +191,16 @@ def test_fsdp_step_is_the_step_gathering_each_usage(name, spec, eight_devices):
   # hybrid of the same per-tensor FP8 quantizer: each usage's shards cast and gathered,
   # the columnwise one in the backward), bit for bit, delayed-scaling state included.
   recipe = recipes.get(name)
-  mesh = _mesh(eight_devices)
+  mesh = mesh_2x2x2(eight_devices)
   quantizers = resolve_quantizers(recipe, None, "linear", "layer", "test")[0]
   weight = quantizers["weight"]
   each_usage = {**quantizers, "weight": HybridQuantizer(weight, weight)}
   gather = WeightGather(mesh, SPECS[spec])
   placed = _placed(mesh, SPECS[spec], *_inputs(recipe))
   step = lambda q: _train_step(None, gather, quantizers=q)
-  _assert_same_bits(step(quantizers)(*placed), step(each_usage)(*placed), f"{name} {spec}")
+  assert_same_bits(step(quantizers)(*placed), step(each_usage)(*placed), f"{name} {spec}")
   tensor_shards = 2 if "tensor" in tuple(SPECS[spec]) else 1
   codes = lambda q: sum(
-    n for t, n in _gathered(step(q).lower(*placed).compile().as_text()) if t == "u8"
+    n for t, n in all_gathers(step(q).lower(*placed).compile().as_text()) if t == "u8"
   )
   assert codes(each_usage) == 2 * codes(quantizers) == 2 * KERNEL[0] * KERNEL[1] // tensor_shards

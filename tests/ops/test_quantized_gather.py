@@ -11,13 +11,12 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from _sharded_checks import all_gathers, assert_same_bits, mesh_2x2x2
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
@@ -56,30 +55,6 @@ CASES = {
 }
 
 
-def _mesh(devices):
-  return Mesh(np.array(devices).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
-
-
-def _bits(a) -> np.ndarray:
-  a = np.asarray(a)
-  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def _assert_same_bits(got, want, what):
-  assert jax.tree.structure(got) == jax.tree.structure(want), what
-  for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=False)):
-    assert g.shape == w.shape and g.dtype == w.dtype, f"{what} leaf {i}"
-    np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"{what} leaf {i}")
-
-
-def _gathers(hlo: str) -> list[tuple[str, int]]:
-  """(element type, element count) of every all-gather in compiled HLO."""
-  return [
-    (dtype, int(np.prod([int(d) for d in dims.split(",") if d])))
-    for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather\(", hlo)
-  ]
-
-
 def _kernel():
   return jax.random.normal(jax.random.key(1), KERNEL, jnp.float32) * 0.05
 
@@ -88,7 +63,7 @@ def _kernel():
 @pytest.mark.slow
 def test_gathered_codes_and_scales_are_gather_then_quantize(name, eight_devices):
   quantizer, spec = CASES[name]
-  mesh = _mesh(eight_devices)
+  mesh = mesh_2x2x2(eight_devices)
   gather = WeightGather(mesh, spec, "fsdp")
   kernel = _kernel().astype(jnp.bfloat16)
   state = None
@@ -108,8 +83,8 @@ def test_gathered_codes_and_scales_are_gather_then_quantize(name, eight_devices)
     return quantize_transposed_operand(kernel, quantizer, USAGES, state=state)
 
   sharded = jax.device_put(kernel, NamedSharding(mesh, spec))
-  _assert_same_bits(quantized_gather(sharded, state), gather_then_quantize(kernel, state), name)
-  gathered = _gathers(quantized_gather.lower(sharded, state).compile().as_text())
+  assert_same_bits(quantized_gather(sharded, state), gather_then_quantize(kernel, state), name)
+  gathered = all_gathers(quantized_gather.lower(sharded, state).compile().as_text())
   assert gathered and all(
     t == "u8" or (t == "f32" and n < kernel.size // 64) for t, n in gathered
   ), f"{name}: {gathered}"
@@ -120,7 +95,7 @@ def test_kernel_primitives_cast_the_shards(name, eight_devices):
   # implementation="kernel" binds the cast and amax primitives inside the shard_map (on
   # a GPU the CUDA kernels run there; here their reference lowering).
   quantizer, spec = CASES[name]
-  mesh = _mesh(eight_devices)
+  mesh = mesh_2x2x2(eight_devices)
   gather = WeightGather(mesh, spec, "fsdp")
   kernel = jax.device_put(_kernel().astype(jnp.bfloat16), NamedSharding(mesh, spec))
 
@@ -130,7 +105,7 @@ def test_kernel_primitives_cast_the_shards(name, eight_devices):
     )
     return {u: gather_operand(shards[u], u, gather) for u in USAGES}
 
-  _assert_same_bits(
+  assert_same_bits(
     jax.jit(lambda: quantized_gather("kernel"))(),
     jax.jit(lambda: quantized_gather("reference"))(),
     name,
@@ -154,7 +129,7 @@ def _dense_step(recipe, weight_gather):
 @pytest.mark.slow
 def test_sharded_dense_step(name, eight_devices):
   recipe = recipes.get(name)
-  mesh = _mesh(eight_devices)
+  mesh = mesh_2x2x2(eight_devices)
   spec = P("fsdp", None)
   keys = jax.random.split(jax.random.key(0), 3)
   # fp32 activations: the sharded GEMMs may sum in another order (K split), within fp32
@@ -206,7 +181,7 @@ def test_sharded_dense_step(name, eight_devices):
   # never whole in a wider type. (Without the option XLA picks per recipe: a wide gather
   # of the kernel, or GEMMs over K shards with their outputs all-reduced.)
   # (x and dy, smaller than the kernel here, may be gathered for their columnwise blocks.)
-  gathers = _gathers(gathered.as_text())
+  gathers = all_gathers(gathered.as_text())
   assert [n for t, n in gathers if t == "u8" and n in (kernel.size, kernel.size // 2)], (
     f"{name}: {gathers}"
   )
@@ -225,7 +200,7 @@ def _lower_dense(recipe, gather, kernel_shape=KERNEL):
 
 
 def test_errors_and_fallback(eight_devices):
-  mesh = _mesh(eight_devices)
+  mesh = mesh_2x2x2(eight_devices)
   # A shard of 64 rows of w (N split in two) cuts the 128x128 tiles of block FP8 weights.
   with pytest.raises(
     ValueError, match=r"each shard holds 64 rows, not a multiple of the block's 128"
