@@ -23,10 +23,15 @@ itself is unchanged (an amax is a maximum, exact in any order). So:
 CI time: the cost is compilation (a quantized train step takes 5-30 s of CPU), so the
 model has one decoder layer (under nn.scan, as the gpu presets run theirs; `custom` needs
 a second, its bf16 tail), every recipe compiles once on one device and once on the
-data x fsdp x tensor mesh, and the pure FSDP mesh runs the per-tensor recipes only.
+data x fsdp x tensor mesh, the pure FSDP mesh runs the per-tensor recipes only, and the
+plain model's params are initialised once per config, shared by every run. The NVFP4
+preset runs as `custom`'s scanned layer, whose GEMMs get the preset's very quantizers
+(recipes.nvfp4_factory, every role), beside a bf16 layer: one recipe's compilations cover
+both, on one device, on the mesh and with the quantized gather.
 """
 
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -46,6 +51,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import train_lm  # noqa: E402  (needs examples/ on the path)
 from lm import data, recipes, sharding, training  # noqa: E402
 from lm.model import ModelConfig, TransformerLM  # noqa: E402
+
+from jaxquant.roles import LINEAR, QuantizerRole  # noqa: E402
 
 # Every dim tiles every format's blocks in the shards of the data=2,fsdp=2,tensor=2 mesh:
 # d_model 256 (fsdp: 128), d_ff 512 and qkv 768 (tensor: 256, 384), vocab 256 (tensor:
@@ -72,7 +79,9 @@ FSDP_RECIPES = ("bf16", "fp8_current")
 # Also with the quantized weight gather (quantize_model's weight_gather, train_lm.py
 # --quantized-gather) on the 3-axis mesh: the gathered codes and scales are those of the
 # gathered weight, so the losses are the one-device ones as closely as without it.
-GATHER_RECIPES = ("fp8_current", "fp8_delayed", "fp8_block", "nvfp4")
+GATHER_RECIPES = ("fp8_current", "fp8_delayed", "fp8_block", recipes.CUSTOM_RECIPE)
+# The NVFP4 preset's decoder layers are custom's scanned layer (see CI time above).
+NVFP4_IN_CUSTOM = "nvfp4"
 
 
 def _config(recipe_name: str) -> ModelConfig:
@@ -90,12 +99,19 @@ def _tokens(config: ModelConfig) -> jax.Array:
   return jnp.zeros((BATCH, config.seq_len), jnp.int32)
 
 
+@functools.cache
+def _plain_params(config: ModelConfig):
+  """The plain model's params, every recipe's start (init_train_state copies them)."""
+  plain = TransformerLM(config)
+  return training.init_variables(plain, jax.random.key(0), _tokens(config))[training.PARAMS]
+
+
 def _train(recipe_name: str, batches, mesh_text=None, quantized_gather=False):
   """(losses, final state, the step's StableHLO) of STEPS steps of the example's train
   step, on one device or on the mesh (with the quantized weight gather if asked)."""
   config = _config(recipe_name)
   plain = TransformerLM(config)
-  params = training.init_variables(plain, jax.random.key(0), _tokens(config))[training.PARAMS]
+  params = _plain_params(config)
   model = recipes.model_for_recipe(plain, recipes.recipe_for(recipe_name, config))
   optimizer = OPTIMIZER
   shardings = None
@@ -127,7 +143,26 @@ _HOST_CALLBACK_DEADLOCK = pytest.mark.skip(
 SHARDED_RECIPES = [
   pytest.param(name, marks=_HOST_CALLBACK_DEADLOCK) if name in ("mxfp8", "hybrid") else name
   for name in recipes.RECIPE_NAMES
+  if name != NVFP4_IN_CUSTOM
 ]
+
+
+def test_custom_runs_the_nvfp4_presets_quantizers():
+  """What lets `custom` stand for the NVFP4 preset on the mesh: its scanned layer's GEMMs
+  get, role by role, the quantizers the nvfp4 recipe gives the same layer."""
+  config = _config(recipes.CUSTOM_RECIPE)
+  custom = recipes.recipe_for(recipes.CUSTOM_RECIPE, config)
+  nvfp4 = recipes.recipe_for(NVFP4_IN_CUSTOM, config)
+  roles = [
+    QuantizerRole(module_type=LINEAR, tensor_type=tensor_type, name=f"decoder/layers/layer/{gemm}")
+    for gemm in ("attention/qkv", "attention/out", "mlp/wi", "mlp/wo")
+    for tensor_type in ("input", "weight", "grad_output")
+  ]
+  assert [custom.quantizer(r) for r in roles] == [nvfp4.quantizer(r) for r in roles]
+  assert all(custom.quantizer(r) is not None for r in roles)
+  # (The preset's tiny_gemms_in_high_precision changes nothing here: no dim of MODEL is
+  # smaller than NVFP4's block of 16.)
+  assert (custom.backward, custom.fast_accumulation) == (nvfp4.backward, nvfp4.fast_accumulation)
 
 
 @pytest.mark.parametrize("recipe_name", SHARDED_RECIPES)
