@@ -175,17 +175,18 @@ def test_dequantize_first_gemm_lowers_per_tensor_outer_scales_to_the_kernel(monk
   from jaxquant.kernels import _library as library
 
   monkeypatch.setattr(library, "load_error", lambda: None)
-  lowered = lambda a, b: (
+  # The operands only traced (their shapes, formats and scales' layout), never computed.
+  lowered = lambda operands: (
     jax.jit(gemm_ops._dequantize_first_gemm)
-    .trace(*jax.eval_shape(lambda: (a, b)))
+    .trace(*jax.eval_shape(operands))
     .lower(lowering_platforms=("cuda",))
     .as_text()
   )
-  assert "@jaxquant_scaled_bf16_gemm(" in lowered(*_nvfp4_pair(1))
-  assert "@jaxquant_scaled_bf16_gemm(" not in lowered(*_nvfp4_pair(1, per_token=True))
+  assert "@jaxquant_scaled_bf16_gemm(" in lowered(lambda: _nvfp4_pair(1))
+  assert "@jaxquant_scaled_bf16_gemm(" not in lowered(lambda: _nvfp4_pair(1, per_token=True))
   q = MXFP8Quantizer()
   mx = lambda rows: reference.quantize(jnp.ones((rows, 256), jnp.bfloat16), q, ("rowwise",)).rowwise
-  assert "@jaxquant_scaled_bf16_gemm(" not in lowered(mx(128), mx(64))
+  assert "@jaxquant_scaled_bf16_gemm(" not in lowered(lambda: (mx(128), mx(64)))
 
 
 # ---- The cuBLASLt call (Hopper only) ----
