@@ -39,12 +39,18 @@ def test_cast_with_its_amaxes_is_quantize_usages(quantizer):
   x = jax.random.normal(jax.random.key(1), (64, 256), jnp.bfloat16) * 3
   usages = ("rowwise",) if getattr(quantizer, "per_token", False) else BOTH
   key, scale = jax.random.key(2), jnp.float32(5.0)
-  row_amax, col_amax = kernels.cast_amaxes(x, quantizer, usages, scale=scale)
-  kernel = kernels.cast(x, quantizer, usages, row_amax, col_amax, key=key)
-  reference = kernels.cast(
-    x, quantizer, usages, row_amax, col_amax, key=key, implementation="reference"
-  )
-  composed = kernels.quantize_usages_and_amax(x, quantizer, usages, key=key, scale=scale)
+
+  @jax.jit  # one compilation, not one per op of the reference
+  def three_ways(x, key, scale):
+    row_amax, col_amax = kernels.cast_amaxes(x, quantizer, usages, scale=scale)
+    kernel = kernels.cast(x, quantizer, usages, row_amax, col_amax, key=key)
+    reference = kernels.cast(
+      x, quantizer, usages, row_amax, col_amax, key=key, implementation="reference"
+    )
+    composed = kernels.quantize_usages_and_amax(x, quantizer, usages, key=key, scale=scale)
+    return kernel, reference, composed
+
+  kernel, reference, composed = three_ways(x, key, scale)
   # Stochastic rounding draws its bits from the CUDA kernel's own stream on a GPU: there the
   # reference lowering gives other (equally distributed) codes.
   stochastic = getattr(quantizer, "stochastic_rounding", False)
