@@ -97,21 +97,25 @@ def test_reference_lowering_matches_oracle(a_name, b_name):
 
 
 def test_rejects_bad_input():
-  with jax.default_device(jax.devices("cpu")[0]):
-    a, b = operands(0, 16, 32, 256, "mxfp8_e4m3", "nvfp4")
-    tall, _ = operands(0, 48, 32, 256, "mxfp8_e4m3", "nvfp4")
-    short_k, _ = operands(0, 16, 32, 96, "mxfp8_e4m3", "nvfp4")
-    fp8 = reference.quantize(jnp.ones((16, 256)), Float8Quantizer(), ("rowwise",)).rowwise
+  # Operands and calls traced only (jax.eval_shape): the checks read shapes and formats.
+  a, b = jax.eval_shape(lambda: operands(0, 16, 32, 256, "mxfp8_e4m3", "nvfp4"))
+  tall, _ = jax.eval_shape(lambda: operands(0, 48, 32, 256, "mxfp8_e4m3", "nvfp4"))
+  short_k, _ = jax.eval_shape(lambda: operands(0, 16, 32, 96, "mxfp8_e4m3", "nvfp4"))
+  fp8 = jax.eval_shape(
+    lambda: reference.quantize(jnp.ones((16, 256)), Float8Quantizer(), ("rowwise",)).rowwise
+  )
+  gemm = lambda a, b, **options: jax.eval_shape(functools.partial(fd.dequant_gemm, **options), a, b)
   with pytest.raises(ValueError, match="A has 48 rows; the kernel takes at most 32"):
-    fd.dequant_gemm(tall, b)
+    gemm(tall, b)
   with pytest.raises(ValueError, match="K = 96 must be a multiple of 128"):
-    fd.dequant_gemm(short_k, short_k)
+    gemm(short_k, short_k)
   with pytest.raises(ValueError, match="contraction dims differ: A has K=256, B has K=96"):
-    fd.dequant_gemm(a, short_k)
+    gemm(a, short_k)
   with pytest.raises(ValueError, match="A is fp8_tensor; the kernel takes MXFP8 and NVFP4"):
-    fd.dequant_gemm(fp8, b)
+    gemm(fp8, b)
   with pytest.raises(ValueError, match="the output dtype must be bfloat16 or float32, got float16"):
-    fd.dequant_gemm(a, b, out_dtype=jnp.float16)
+    gemm(a, b, out_dtype=jnp.float16)
+  gemm(a, b)  # the valid pair passes the checks
 
 
 def _mesh(devices):
