@@ -311,7 +311,7 @@ def test_delayed_update_per_state_is_the_grouped_update(monkeypatch):
   from jaxquant.flax import update_quant_state
   from jaxquant.ops._delayed_state import divides_in_kernel
 
-  state, grads = _two_layer_delayed_step()
+  state, grads = jax.jit(_two_layer_delayed_step)()  # one program, not op by op
   layers = lambda tree: jax.tree.map(lambda a: jnp.stack([a, a * 3.0, a * 0.25]), tree)
   cases = {"plain": (state, grads), "stacked": (layers(state), layers(grads))}
   # A new function each time: jit caches traces by function, and the kernel's availability
@@ -387,17 +387,25 @@ def test_dequantize_block_scales_only_leaves_s_dec_out():
   """The values a GEMM multiplies: NVFP4 without S_dec (reference.split_scales), every
   other family as the full dequantization."""
   x = random_input(6, (64, 128), jnp.bfloat16) * 1e3
-  for name in ("nvfp4", "nvfp4_per_token", "mxfp8_e5m2", "block_1x128"):
-    # Jitted: eagerly, the reference NVFP4 cast compiles op by op (seconds a shape on a CPU).
-    stored = jax.jit(lambda x, name=name: reference.quantize(x, QUANTIZERS[name]).rowwise)(x)
-    got = jax.jit(lambda qd: kernels.dequantize_data(qd, jnp.float32, block_scales_only=True))(
-      stored
-    )
-    assert_same_bits(got, reference.split_scales(stored)[0], f"{name} block scales only")
+  names = ("nvfp4", "nvfp4_per_token", "mxfp8_e5m2", "block_1x128")
+
+  block_scales_only = lambda qd: kernels.dequantize_data(qd, jnp.float32, block_scales_only=True)
+
+  # One program: eagerly, the reference NVFP4 cast compiles op by op (seconds a shape on a
+  # CPU), and a program a format would compile the shared parts again.
+  @jax.jit
+  def got_and_want(x):
+    stored = {name: reference.quantize(x, QUANTIZERS[name]).rowwise for name in names}
+    got = {name: block_scales_only(qd) for name, qd in stored.items()}
+    return got, {name: reference.split_scales(qd)[0] for name, qd in stored.items()}
+
+  got, want = got_and_want(x)
+  for name in names:
+    assert_same_bits(got[name], want[name], f"{name} block scales only")
+  # Traced only: the check reads the format.
+  fp8 = jax.eval_shape(lambda x: reference.quantize(x, QUANTIZERS["fp8_e4m3"]).rowwise, x)
   with pytest.raises(ValueError, match="per-tensor FP8"):
-    kernels.dequantize_data(
-      reference.quantize(x, QUANTIZERS["fp8_e4m3"]).rowwise, jnp.float32, block_scales_only=True
-    )
+    jax.eval_shape(block_scales_only, fp8)
 
 
 def test_cast_config_options():
