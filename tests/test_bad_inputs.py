@@ -242,6 +242,7 @@ def ops_quantize_row(label, shape):
   x = jnp.zeros(shape, jnp.bfloat16)
   state = scaling.init_state(q) if needs_state(q) else None
 
+  @jax.jit  # one program, not one compilation per op
   def call():
     out = jq.ops.quantize(x, q, key=jax.random.key(0), state=state)
     qt = out[0] if state is not None else out
