@@ -80,6 +80,7 @@ class Mlp(nn.Module):
 
 
 MODEL = Mlp()
+INIT = jax.jit(MODEL.init)  # one program, not the quantized forward op by op
 TX = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5)
 
 
@@ -116,7 +117,7 @@ def assert_sound(collections, what):
 
 def run(fault=None, leave_out=None):
   """Losses of a run; batch `leave_out` is never trained on (the clean run without it)."""
-  variables = MODEL.init(jax.random.key(0), jnp.zeros((64, FEATURES)))
+  variables = INIT(jax.random.key(0), jnp.zeros((64, FEATURES)))
   params = nn.unbox(variables.pop("params"))
   collections, opt_state = dict(variables), TX.init(params)
   losses = []
