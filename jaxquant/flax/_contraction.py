@@ -292,10 +292,12 @@ def quantized_gemm(
   state: Optional[dict],
   weight_gather: Optional[ops.WeightGather] = None,
   fast_accumulation: frozenset = frozenset(),
+  shard_scaling: Optional[ops.ShardScaling] = None,
 ):
   """The layer's output through `ops.dense`, and the new delayed-scaling state (or None).
   `weight_gather` describes the GEMM's 2-D [K, N] kernel; `fast_accumulation` names the
-  GEMMs allowed FP8 fast accumulation (ops.dense)."""
+  GEMMs allowed FP8 fast accumulation, `shard_scaling` the mesh axes over whose row shards
+  the input and output gradient are scaled (ops.dense)."""
 
   def gemm(x2d, k2d):
     m, k, n = x2d.shape[0], x2d.shape[1], k2d.shape[1]
@@ -312,6 +314,7 @@ def quantized_gemm(
       state=state,
       weight_gather=weight_gather,
       fast_accumulation=fast_accumulation,
+      shard_scaling=shard_scaling,
     )
     backward_reason = unfit_reason(m, k, n, quantizers, backward=backward)
     if backward_reason is None:

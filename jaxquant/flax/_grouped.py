@@ -128,6 +128,12 @@ def linen_call(
       "layers, whose experts' kernels would be gathered in high precision; "
       "leave weight_gather out"
     )
+  if session is not None and session.shard_scaling is not None and quantizers["input"] is not None:
+    raise ValueError(
+      f"{what}: quantize_model's shard_scaling scales the rows of dense layers per "
+      "shard; a grouped (MoE) layer's rows are its experts' tokens, which it does not "
+      "take. Leave shard_scaling out"
+    )
   kernel = module.param(
     "kernel",
     module.kernel_init,

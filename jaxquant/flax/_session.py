@@ -97,6 +97,8 @@ class Session:
   rows: list[Row] = dataclasses.field(default_factory=list)
   # quantize_model's weight_gather (a `ModelWeightGather`), or None.
   weight_gather: Any = None
+  # quantize_model's shard_scaling (an `ops.ShardScaling`), or None.
+  shard_scaling: Any = None
   # Weight GEMMs met by the sessions of quantized submodels that ran inside this one (their
   # rows are theirs: the innermost recipe holds), so a model whose GEMMs all sit in such a
   # submodel did not run entirely in high precision.

@@ -368,6 +368,7 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
     state=state,
     weight_gather=gather,
     fast_accumulation=recipe.fast_accumulation,
+    shard_scaling=None if session is None else session.shard_scaling,
   )
   record(sessions.QUANTIZED, shapes)
   if variables:

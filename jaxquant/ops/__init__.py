@@ -6,12 +6,23 @@
   `JAXQUANT_BACKEND`, `JAXQUANT_DISABLE_KERNELS`).
 - `gemm`: C = A . B^T over quantized or high-precision operands in their stored layout.
 - `WeightGather`: an FSDP weight all-gathered in its quantized form.
+- `ShardScaling`: the input and output gradient scaled per row shard (current scaling
+  without the amax all-reduce).
 """
 
 from jaxquant.ops._dense import dense
 from jaxquant.ops._gemm import gemm
 from jaxquant.ops._grouped_dense import grouped_dense
 from jaxquant.ops._quantize import dequantize, quantize
+from jaxquant.ops._shard_scaling import ShardScaling
 from jaxquant.ops._weight_gather import WeightGather
 
-__all__ = ["WeightGather", "dense", "dequantize", "gemm", "grouped_dense", "quantize"]
+__all__ = [
+  "ShardScaling",
+  "WeightGather",
+  "dense",
+  "dequantize",
+  "gemm",
+  "grouped_dense",
+  "quantize",
+]

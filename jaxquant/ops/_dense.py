@@ -32,6 +32,7 @@ from jaxquant.ops._operands import (
   takes_gemm_values,
   usages_to_quantize,
 )
+from jaxquant.ops._shard_scaling import ShardScaling, check_shard_scaling
 from jaxquant.quantizers import Quantizer, needs_key
 from jaxquant.roles import LINEAR, TENSOR_TYPES
 
@@ -71,6 +72,7 @@ def dense(
   state: Optional[Mapping[str, object]] = None,
   weight_gather: Optional[gathering.WeightGather] = None,
   fast_accumulation: Optional[Iterable[str]] = None,
+  shard_scaling: Optional[ShardScaling] = None,
 ):
   """y = x @ kernel + bias with the GEMMs in the formats the recipe picks per role.
 
@@ -98,6 +100,10 @@ def dense(
     fast_accumulation: the GEMMs among ("fprop", "dgrad", "wgrad") whose per-tensor FP8
       kernel may accumulate in cuBLASLt's fast mode (recipes.CustomRecipe); default the
       recipe's, else none.
+    shard_scaling: the rows of x (its tokens) are split over `ShardScaling(mesh, axis)`:
+      x and dy, per-tensor FP8 with current scaling, are scaled per shard, each by the
+      amax of its own rows, so no device waits on an amax all-reduce before their casts;
+      the bits then differ from the unsharded call's (ops/_shard_scaling.py).
 
   Returns:
     y [..., N], or `(y, new_state)` when `state` is given: new_state records the input
@@ -117,6 +123,9 @@ def dense(
   )
   if backward not in recipes.BACKWARD_MODES:
     raise ValueError(f"{what}: backward must be one of {recipes.BACKWARD_MODES}, got {backward!r}")
+  m = math.prod(x.shape[:-1])
+  if shard_scaling is not None:
+    check_shard_scaling(shard_scaling, quantizers, backward, m, what)
   check_state(quantizers, state, what)
   weight_gather = gathering.resolve(
     weight_gather, quantizers["weight"], usages_to_quantize("weight", backward), kernel.shape, what
@@ -129,7 +138,6 @@ def dense(
     return y if state is None else (y, dict(state))
 
   k, n = kernel.shape
-  m = math.prod(x.shape[:-1])
   check_placement(quantizers, backward, what)
   shapes = gemm_matrices(m, k, n)
   keys = {}
@@ -152,6 +160,7 @@ def dense(
     weight_gather,
     fast_accumulation,
     values,
+    shard_scaling,
   )
   y, new_state = dense_2d(cfg, x.reshape(m, k), kernel, bias, keys, dict(state or {}))
   y = y.reshape(*x.shape[:-1], n)

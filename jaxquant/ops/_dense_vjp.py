@@ -34,6 +34,7 @@ from jaxquant.ops._operands import (
   stored,
   usages_to_quantize,
 )
+from jaxquant.ops._shard_scaling import ShardScaling, gemm_rows, gemm_split_rows, quantize_rows
 from jaxquant.ops._weight_gather import (
   WeightGather,
   gather_operand,
@@ -63,6 +64,8 @@ class DenseConfig:
   fast_accumulation: frozenset = frozenset()
   # Operands cast straight to the bf16 values the GEMMs multiply (operands.takes_gemm_values).
   gemm_values: bool = False
+  # The input and output gradient scaled per row shard (None: per tensor).
+  shard_scaling: Optional[ShardScaling] = None
 
   def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
     return dict(self.quantizers)[tensor_type]
@@ -106,6 +109,11 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
         gemm_values_operand(source, q, usages, key=key, transposed=weight),
         state,
       )
+    elif tensor_type == "input" and cfg.shard_scaling is not None:
+      quantize_fn = lambda x, q, usages, key, state: (
+        quantize_rows(x, q, usages, cfg.shard_scaling),
+        state,
+      )
     elif tensor_type == "weight" and cfg.weight_gather is not None:
       # No key: a weight that rounds stochastically is never gathered quantized. A
       # per-tensor FP8 weight comes back gathered in both usages, others as shards.
@@ -130,7 +138,7 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
   w_row = gather_operand(
     operands["weight"]["rowwise"], "rowwise", _gather_left(cfg, for_backward=for_backward)
   )
-  y = gemm(
+  y = _gemm_rows(cfg)(
     operands["input"]["rowwise"],
     w_row,
     out_dtype=y_dtype,
@@ -145,6 +153,13 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
       for t, m in matrices.items()
     }
   return y.astype(x.dtype), new_state, residuals
+
+
+def _gemm_rows(cfg: DenseConfig):
+  """The GEMM of fprop and dgrad, whose A is the input or the output gradient."""
+  if cfg.shard_scaling is None:
+    return gemm
+  return functools.partial(gemm_rows, scaling=cfg.shard_scaling)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -172,6 +187,8 @@ def _grad_output_operands(cfg, dy, key, state):
     return {u: stored(dy, u) for u in USAGES}, None
   if cfg.gemm_values:
     return gemm_values_operand(dy, cfg.quantizer("grad_output"), usages, key=key), None
+  if cfg.shard_scaling is not None:  # current scaling: no state
+    return quantize_rows(dy, cfg.quantizer("grad_output"), usages, cfg.shard_scaling), None
   # A zeroed history makes slot 0 of the recorded state exactly this tensor's amax.
   probe = (
     None
@@ -196,12 +213,15 @@ def _dense_bwd(cfg, saved, cotangents):
     cfg.backward,
   )
   x_col = columnwise_operand(residuals["input"], cfg.backward)
-  dx = gemm(
+  dx = _gemm_rows(cfg)(
     dy_ops["rowwise"], w_col, out_dtype=dy.dtype, fast_accumulation="dgrad" in cfg.fast_accumulation
   )
   # The kernel's gradient [K, N] comes out in its own layout (x first): the other order
   # gives dwᵀ, whose transpose XLA can no longer fold into a GEMM kernel's bf16 output.
-  dkernel = gemm(
+  wgrad = gemm
+  if cfg.shard_scaling is not None:
+    wgrad = functools.partial(gemm_split_rows, scaling=cfg.shard_scaling, gather=cfg.weight_gather)
+  dkernel = wgrad(
     x_col,
     dy_ops["columnwise"],
     out_dtype=cfg.kernel_dtype,

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import flax.linen as nn
 from flax.core import FrozenDict, meta
 
-from jaxquant import recipes
+from jaxquant import ops, recipes
 from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._session import OnUnfit, Session
@@ -205,6 +205,7 @@ class QuantizedModel(nn.Module):
   on_unfit: OnUnfit = "error"
   require_gemm: bool = True
   weight_gather: Optional[ModelWeightGather] = None
+  shard_scaling: Optional[ops.ShardScaling] = None
   # What the first call under each recipe logged (`_session.FirstCallLog`); copies of the
   # wrapper (Flax clones it at each init / apply) share it.
   first_call_log: sessions.FirstCallLog = dataclasses.field(
@@ -231,6 +232,7 @@ class QuantizedModel(nn.Module):
       stack.find_weight,
       stack.why_unmatched,
       weight_gather=self.weight_gather,
+      shard_scaling=self.shard_scaling,
     )
     with sessions.active(session), routing(handle), _session_scopes(self.module, uuid.uuid4().hex):
       with nn.intercept_methods(_linen_interceptor(recipe, self.annotate, stack, session)):

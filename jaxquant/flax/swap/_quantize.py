@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 import flax.linen as nn
 
-from jaxquant import recipes
+from jaxquant import ops, recipes
 from jaxquant.flax._rng import QUANT_RNG
 from jaxquant.flax._session import OnUnfit, check_on_unfit
 from jaxquant.flax._weight_gather import ModelWeightGather
@@ -63,6 +63,7 @@ def quantize_model(
   on_unfit: OnUnfit = "error",
   require_gemm: bool = True,
   weight_gather: Optional[ModelWeightGather] = None,
+  shard_scaling: Optional[ops.ShardScaling] = None,
 ) -> Any:
   """The model with its GEMMs quantized per `recipe` (None: autocast's, else bf16).
 
@@ -89,6 +90,12 @@ def quantize_model(
     weight_gather: Linen only: the params' shardings (`ModelWeightGather`); every
       quantized Dense / DenseGeneral / Einsum kernel is then quantized shard by shard and
       all-gathered in its quantized form over the FSDP axis (docs/sharding.md).
+    shard_scaling: Linen only: `ops.ShardScaling(mesh, axis)`, the mesh axes splitting the
+      tokens; every quantized dense layer (Dense, DenseGeneral, Einsum, a weight the model
+      contracts) scales its input and output gradient per shard, each by its own rows'
+      amax (per-tensor FP8 with current scaling only: other formats are refused), so no
+      device waits on an amax all-reduce before a cast; the bits then differ from the
+      unsharded model's (docs/sharding.md).
   """
   check_on_unfit(on_unfit)
   # A preset's name becomes its recipe, and what is no recipe is refused, here and now.
@@ -98,13 +105,25 @@ def quantize_model(
       "quantize_model: weight_gather must be a jaxquant.flax.ModelWeightGather, "
       f"got {type(weight_gather).__name__}"
     )
+  if shard_scaling is not None and not isinstance(shard_scaling, ops.ShardScaling):
+    raise TypeError(
+      "quantize_model: shard_scaling must be a jaxquant.ops.ShardScaling, "
+      f"got {type(shard_scaling).__name__}"
+    )
   if isinstance(model, nn.Module):
     if rngs is not None:
       raise ValueError(
         "quantize_model: rngs= is for NNX models; a Linen model takes its "
         f"{QUANT_RNG!r} key in apply(..., rngs={{{QUANT_RNG!r}: key}})"
       )
-    return QuantizedModel(model, recipe, annotate, on_unfit, require_gemm, weight_gather)
+    return QuantizedModel(
+      model, recipe, annotate, on_unfit, require_gemm, weight_gather, shard_scaling
+    )
+  if shard_scaling is not None:
+    raise ValueError(
+      "quantize_model: shard_scaling= is for Linen models; an NNX model's layers "
+      "scale their tensors per tensor"
+    )
   if weight_gather is not None:
     raise ValueError(
       "quantize_model: weight_gather= is for Linen models; an NNX model's "

@@ -124,6 +124,7 @@ def _param_contraction(session, call: Call, found: calls.Contraction, shapes, re
   x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
   key = ref.host.key(quantizers, what)
   if grouped:
+    _check_shard_scaling(session, what)
     return _grouped(plan, x, w, quantizers, recipe, ref, key, what)
   roles = gemm_roles(module_type, ref.role_name)
   state = ref.host.state(ref.param, roles, quantizers, what)
@@ -138,6 +139,7 @@ def _param_contraction(session, call: Call, found: calls.Contraction, shapes, re
     key=key,
     state=state,
     fast_accumulation=recipe.fast_accumulation,
+    shard_scaling=session.shard_scaling,
   )
   if new_state is not None:
     ref.host.write_state(ref.param, new_state)
@@ -183,6 +185,15 @@ def _check_weight_gather(session, quantizers, what, ref):
       "DenseGeneral and Einsum layers; a weight the model's own code contracts "
       "would be gathered in high precision. Map role "
       f"{ref.role_name!r} to None in the recipe, or leave weight_gather out"
+    )
+
+
+def _check_shard_scaling(session, what):
+  if session.shard_scaling is not None:
+    raise ValueError(
+      f"{what}: quantize_model's shard_scaling scales the rows of dense contractions "
+      "per shard; a grouped (MoE) contraction's rows are its experts' tokens, which it "
+      "does not take. Map this role to None in the recipe, or leave shard_scaling out"
     )
 
 
