@@ -34,7 +34,10 @@ fp8_delayed_gather, flax_fp8, qwix_fp8_tensor): any of the step benchmark's
 each kernel quantized where XLA's partitioner places its cast, and the peers, Qwix's only
 where it is installed), and `fp8_current_gather` / `fp8_delayed_gather`
 (`weight_gather=ModelWeightGather(...)`: each device quantizes its shard and the FP8
-codes are gathered, one usage once, sharding.md; only where fsdp > 1).
+codes are gathered, one usage once, sharding.md; only where fsdp > 1), and
+`fp8_current_gather_shard`, fp8_current_gather whose input and output gradient are
+scaled per FSDP shard (`shard_scaling=ops.ShardScaling(mesh, "fsdp")`: no amax
+all-reduce before their casts, other bits than the one-device step's; fsdp layouts only).
 
 Per (layout, n), the variants are compiled, warmed up and timed in interleaved turns
 (timing.py). Records, merged into benchmarks/results/<gpu>x<devices>/scaling.json (the
@@ -79,7 +82,7 @@ from step_model import SHAPES, DecoderStack
 from timing import Call, interleaved_seconds, speedup
 
 import jaxquant.flax as jqf
-from jaxquant import kernels, recipes
+from jaxquant import kernels, ops, recipes
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from lm import distributed  # noqa: E402  (examples/lm: the multi-process setup)
@@ -88,8 +91,13 @@ FSDP, TENSOR = "fsdp", "tensor"
 LAYOUTS = ("fsdp", "fsdp_tp")
 # The presets with the quantized gather (`weight_gather`), by the preset each extends.
 GATHERED = {"fp8_current_gather": "fp8_current", "fp8_delayed_gather": "fp8_delayed"}
-# Any of the step benchmark's variants (step_variants.ORDER), and the quantized gathers.
-KNOWN = step_variants.ORDER + tuple(GATHERED)
+# Quantized gathers whose input and output gradient are scaled per FSDP shard
+# (ops.ShardScaling: meshes whose other axes are of size 1, so fsdp layouts only).
+SHARD_SCALED = {"fp8_current_gather_shard": "fp8_current"}
+# The variants that differ from a one-device variant only when sharded: that variant.
+SHARDED_ONLY = {**GATHERED, **SHARD_SCALED}
+# Any of the step benchmark's variants (step_variants.ORDER), and the sharded-only ones.
+KNOWN = step_variants.ORDER + tuple(SHARDED_ONLY)
 VARIANTS = (
   "bf16",
   "fp8_current",
@@ -183,12 +191,14 @@ def param_specs(params):
 
 
 def build_variant(name: str, stock: DecoderStack, mesh: Mesh, specs) -> step_variants.Variant:
-  if name not in GATHERED:
+  if name not in SHARDED_ONLY:
     return step_variants.build(name, stock)
   gather = jqf.ModelWeightGather(mesh, specs, axis=FSDP)
+  shard_scaling = ops.ShardScaling(mesh, FSDP) if name in SHARD_SCALED else None
+  recipe = recipes.resolve(SHARDED_ONLY[name])
   return step_variants.Variant(
     name,
-    jqf.quantize_model(stock, recipes.resolve(GATHERED[name]), weight_gather=gather),
+    jqf.quantize_model(stock, recipe, weight_gather=gather, shard_scaling=shard_scaling),
     jqf.update_quant_state,
   )
 
@@ -333,8 +343,10 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
   )
   prepared = {}
   for name in names:
-    if name in GATHERED and config.fsdp == 1:
-      continue  # nothing is gathered over fsdp
+    if name in SHARDED_ONLY and config.fsdp == 1:
+      continue  # nothing is gathered or scaled per shard over fsdp
+    if name in SHARD_SCALED and config.tensor > 1:
+      continue  # per-shard scaling takes meshes whose other axes are of size 1
     try:  # one variant that fails costs only itself
       prepared[name] = Prepared(
         build_variant(name, stock, mesh, specs), config, args, stock, params, shardings
@@ -370,7 +382,7 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
       add(name, "speedup_vs_best_peer", speedup(samples[best_peer], times)[0])
     if config.n == 1:
       one_device_tps[name] = tokens_per_s
-    baseline = one_device_tps.get(GATHERED.get(name, name))
+    baseline = one_device_tps.get(SHARDED_ONLY.get(name, name))
     if config.n > 1 and baseline:
       add(name, "scaling_efficiency", tokens_per_s / (config.n * baseline))
     if config.n > 1:

@@ -74,7 +74,7 @@ def test_a_run_of_several_processes_labels_its_records_apart():
   assert labels == ["8b one n=1 p=2", "8b fsdp n=4 p=2"]
 
 
-def test_a_short_run_records_every_layout_and_the_narrower_gather(tmp_path):
+def test_a_short_run_records_every_layout_the_narrower_gather_and_shard_scaling(tmp_path):
   if len(jax.devices()) < 2:
     pytest.skip(f"needs 2 devices, {jax.default_backend()} has {len(jax.devices())}")
   out = tmp_path / "scaling.json"
@@ -84,7 +84,7 @@ def test_a_short_run_records_every_layout_and_the_narrower_gather(tmp_path):
       "--devices",
       "2",
       "--variants",
-      "bf16,fp8_current,fp8_current_gather",
+      "bf16,fp8_current,fp8_current_gather,fp8_current_gather_shard",
       "--profile-steps",
       "1",
       "--out",
@@ -97,11 +97,13 @@ def test_a_short_run_records_every_layout_and_the_narrower_gather(tmp_path):
   for label in ("tiny one n=1", "tiny fsdp n=2", "tiny fsdp_tp n=2"):
     for variant in ("bf16", "fp8_current"):
       assert records[f"scaling_{variant}", label, "tokens_per_s"] > 0
-  # The quantized gather runs where weights are split over fsdp, and only there.
-  assert ("scaling_fp8_current_gather", "tiny fsdp n=2", "scaling_efficiency") in records
-  assert not any(
-    op == "scaling_fp8_current_gather" and label != "tiny fsdp n=2" for op, label, _ in records
-  )
+  # The quantized gather runs where weights are split over fsdp, and only there; per-shard
+  # scaling too, and not beside tensor parallelism.
+  for variant in ("fp8_current_gather", "fp8_current_gather_shard"):
+    assert (f"scaling_{variant}", "tiny fsdp n=2", "scaling_efficiency") in records
+    assert not any(
+      op == f"scaling_{variant}" and label != "tiny fsdp n=2" for op, label, _ in records
+    )
   gathered = lambda variant: records[f"scaling_{variant}", "tiny fsdp n=2", "all_gather_gib"]
   # FP8 codes of each usage against XLA's gathers of the weights before they are quantized.
   assert 0 < gathered("fp8_current_gather") < gathered("fp8_current")
