@@ -17,9 +17,10 @@ shard with its operands' own scales:
 So the values are those of quantizing each shard's rows as a tensor of their own: not the
 bits of the one-device step, whose one scale spans every row, and they change with the
 number of shards. The weight keeps its one scale, from the amax of the whole weight.
-Only per-tensor FP8 with current scaling (`Float8Quantizer`) reduces an amax across the
-rows before its cast: delayed scaling reduces its recorded amaxes after the cast, off the
-critical path, and the block formats take their scales from blocks within a shard.
+It is offered for per-tensor FP8 with current scaling (`Float8Quantizer`), whose one amax
+scales every code: delayed scaling reduces its recorded amaxes after the cast, off the
+critical path; MXFP8 and block FP8 take their scales from blocks within a shard; NVFP4's
+global amax is not covered.
 
 The shards' products in wgrad are reduce-scattered along the kernel dim that a weight
 gather (`WeightGather`) splits over the same axes, else all-reduced.
