@@ -48,10 +48,13 @@ baseline; ` p=<P>` added for a run of P processes): `step_ms`, `tokens_per_s`,
 `speedup_vs_best_peer` (the faster of Flax's and Qwix's, both at the same layout and n),
 `scaling_efficiency`, and for n > 1 `all_gather_gib`: the bytes all-gathered per device and
 step, the results of every all-gather in the compiled step's HLO (bf16 / fp32 / FP8 as XLA
-placed them), and from a profile of `--profile-steps` steps (0: no profile), per step on
+placed them); and from a profile of `--profile-steps` steps (0: no profile), per step on
 device 0: `all_gather_ms`, `reduce_scatter_ms` and `all_reduce_ms`, the device time of
-each collective's kernels, `p2p_copy_ms`, that of the peer-to-peer copies beside them, and
-`compute_ms`, the busy time of all other kernels.
+each collective's kernels, `p2p_copy_ms`, that of the peer-to-peer copies beside them,
+`compute_ms`, the busy time of all other kernels, and their own time by kind:
+`compute_gemm_ms` (cuBLAS / cuBLASLt, jaxquant's and XLA's), `compute_cast_ms` (jaxquant's
+casts and amaxes), `compute_attention_ms`, `compute_fusion_ms` (XLA's fusions),
+`compute_copy_ms` and `compute_other_ms` (trace_summary.py's categories).
 Collectives run on their own stream beside the compute, and a collective kernel's time
 includes its wait for the other devices: a collective's time is its share of the
 network's busy time, and the step time less `compute_ms` what the step loses to waiting.
@@ -266,9 +269,28 @@ def collective_of(event) -> str | None:
   return None
 
 
+# The other kernels by kind (trace_summary's categories, library GEMMs all as one).
+COMPUTE_PARTS = {
+  "compute_gemm": ("jaxquant GEMM", "XLA GEMM (cuBLAS, cuBLASLt)"),
+  "compute_cast": ("jaxquant cast, amax, dequantize",),
+  "compute_attention": ("attention (cuDNN)",),
+  "compute_fusion": ("XLA fusion",),
+  "compute_copy": ("copy / transpose",),
+  "compute_other": ("other",),
+}
+
+
+def compute_part_of(event) -> str:
+  """The COMPUTE_PARTS kind of a kernel that is no collective."""
+  kind = trace_summary.category(event, {})
+  return next(part for part, kinds in COMPUTE_PARTS.items() if kind in kinds)
+
+
 def profile_ms(call: Call, steps: int) -> dict[str, float]:
-  """Per step on device 0, from a profile: the device time of each collective's kernels
-  and `compute` (the busy time of every other kernel, concurrent ones counted once)."""
+  """Per step on device 0, from a profile: the device time of each collective's kernels,
+  `compute` (the busy time of every other kernel, concurrent ones counted once), and the
+  other kernels' time by kind (COMPUTE_PARTS, each kernel's own time: where the compute
+  grows when sharded)."""
   jax.block_until_ready(call())
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
@@ -276,7 +298,7 @@ def profile_ms(call: Call, steps: int) -> dict[str, float]:
         out = call()
       jax.block_until_ready(out)
     events, _ = trace_summary.load_events(pathlib.Path(trace_dir), device=0)
-  times = {collective: 0.0 for collective in COLLECTIVES}
+  times = {part: 0.0 for part in (*COLLECTIVES, *COMPUTE_PARTS)}
   compute = []
   for e in events:
     collective = collective_of(e)
@@ -284,6 +306,7 @@ def profile_ms(call: Call, steps: int) -> dict[str, float]:
       times[collective] += e.duration_ns
     else:
       compute.append(e)
+      times[compute_part_of(e)] += e.duration_ns
   times["compute"] = trace_summary.busy_ns(compute)
   return {name: ns / steps / 1e6 for name, ns in times.items()}
 
@@ -387,12 +410,12 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
       add(name, "scaling_efficiency", tokens_per_s / (config.n * baseline))
     if config.n > 1:
       add(name, "all_gather_gib", p.gather_gib)
-      if args.profile_steps:
-        try:
-          for part, ms in profile_ms(p.call, args.profile_steps).items():
-            add(name, f"{part}_ms", ms)
-        except Exception as error:  # the timings are in; a failed profile costs only itself
-          print(f"    {name}: profile FAILED: {type(error).__name__}: {error}", flush=True)
+    if args.profile_steps:  # the one-device step too: what sharding adds to the compute
+      try:
+        for part, ms in profile_ms(p.call, args.profile_steps).items():
+          add(name, f"{part}_ms", ms)
+      except Exception as error:  # the timings are in; a failed profile costs only itself
+        print(f"    {name}: profile FAILED: {type(error).__name__}: {error}", flush=True)
   del prepared
   gc.collect()
 

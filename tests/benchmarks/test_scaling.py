@@ -61,12 +61,23 @@ def test_configs_take_the_layouts_each_device_count_allows():
   ]
 
 
+def event(name: str, op: str = "") -> trace_summary.Event:
+  return trace_summary.Event(name, 0.0, 1.0, op)
+
+
 def test_peer_to_peer_copies_are_transfers_not_compute():
-  event = lambda name, op="": trace_summary.Event(name, 0.0, 1.0, op)
   assert scaling.collective_of(event("MemcpyP2P")) == "p2p_copy"
   assert scaling.collective_of(event("ncclDevKernel_AllGather_RING_LL")) == "all_gather"
   assert scaling.collective_of(event("fusion_12", "all-reduce.3")) == "all_reduce"
   assert scaling.collective_of(event("nvjet_sm90_tst_128x256", "custom-call.1")) is None
+
+
+def test_compute_kernels_are_split_by_kind():
+  assert scaling.compute_part_of(event("nvjet_sm90_tst_128x256", "custom-call.1")) == "compute_gemm"
+  assert scaling.compute_part_of(event("void jaxquant::fp8_tensor_cast_kernel")) == "compute_cast"
+  assert scaling.compute_part_of(event("cudnn_generated_sdpa_bprop")) == "compute_attention"
+  assert scaling.compute_part_of(event("loop_add_fusion_5", "add_fusion")) == "compute_fusion"
+  assert scaling.compute_part_of(event("input_transpose_fusion_7")) == "compute_copy"
 
 
 def test_a_run_of_several_processes_labels_its_records_apart():
@@ -107,5 +118,12 @@ def test_a_short_run_records_every_layout_the_narrower_gather_and_shard_scaling(
   gathered = lambda variant: records[f"scaling_{variant}", "tiny fsdp n=2", "all_gather_gib"]
   # FP8 codes of each usage against XLA's gathers of the weights before they are quantized.
   assert 0 < gathered("fp8_current_gather") < gathered("fp8_current")
-  for part in ("all_gather", "reduce_scatter", "all_reduce", "p2p_copy", "compute"):
-    assert records["scaling_fp8_current", "tiny fsdp n=2", f"{part}_ms"] >= 0
+  parts = ("all_gather", "reduce_scatter", "all_reduce", "p2p_copy", "compute")
+  for label in ("tiny one n=1", "tiny fsdp n=2"):  # the one-device step is profiled too
+    for part in parts + tuple(scaling.COMPUTE_PARTS):
+      assert records["scaling_fp8_current", label, f"{part}_ms"] >= 0
+  # The kinds split the compute's kernels: their own times add up to its busy time at least.
+  kinds = sum(
+    records["scaling_fp8_current", "tiny fsdp n=2", f"{p}_ms"] for p in scaling.COMPUTE_PARTS
+  )
+  assert kinds >= records["scaling_fp8_current", "tiny fsdp n=2", "compute_ms"] * 0.999
