@@ -95,7 +95,7 @@ def test_a_short_run_records_every_layout_the_narrower_gather_and_shard_scaling(
       "--devices",
       "2",
       "--variants",
-      "bf16,fp8_current,fp8_current_gather,fp8_current_gather_shard",
+      "bf16,fp8_current,fp8_current_gather_shard",
       "--profile-steps",
       "1",
       "--out",
@@ -108,16 +108,16 @@ def test_a_short_run_records_every_layout_the_narrower_gather_and_shard_scaling(
   for label in ("tiny one n=1", "tiny fsdp n=2", "tiny fsdp_tp n=2"):
     for variant in ("bf16", "fp8_current"):
       assert records[f"scaling_{variant}", label, "tokens_per_s"] > 0
-  # The quantized gather runs where weights are split over fsdp, and only there; per-shard
-  # scaling too, and not beside tensor parallelism.
-  for variant in ("fp8_current_gather", "fp8_current_gather_shard"):
-    assert (f"scaling_{variant}", "tiny fsdp n=2", "scaling_efficiency") in records
-    assert not any(
-      op == f"scaling_{variant}" and label != "tiny fsdp n=2" for op, label, _ in records
-    )
+  # The quantized gather (with per-shard scaling) runs where weights are split over fsdp,
+  # and only there: not on one device, nor beside tensor parallelism.
+  variant = "fp8_current_gather_shard"
+  assert (f"scaling_{variant}", "tiny fsdp n=2", "scaling_efficiency") in records
+  assert not any(
+    op == f"scaling_{variant}" and label != "tiny fsdp n=2" for op, label, _ in records
+  )
   gathered = lambda variant: records[f"scaling_{variant}", "tiny fsdp n=2", "all_gather_gib"]
   # FP8 codes of each usage against XLA's gathers of the weights before they are quantized.
-  assert 0 < gathered("fp8_current_gather") < gathered("fp8_current")
+  assert 0 < gathered("fp8_current_gather_shard") < gathered("fp8_current")
   parts = ("all_gather", "reduce_scatter", "all_reduce", "p2p_copy", "compute")
   for label in ("tiny one n=1", "tiny fsdp n=2"):  # the one-device step is profiled too
     for part in parts + tuple(scaling.COMPUTE_PARTS):
