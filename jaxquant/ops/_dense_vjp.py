@@ -162,6 +162,13 @@ def _gemm_rows(cfg: DenseConfig):
   return functools.partial(gemm_rows, scaling=cfg.shard_scaling)
 
 
+def _gemm_wgrad(cfg: DenseConfig):
+  """The GEMM of wgrad, whose K is the rows of the input and the output gradient."""
+  if cfg.shard_scaling is None:
+    return gemm
+  return functools.partial(gemm_split_rows, scaling=cfg.shard_scaling, gather=cfg.weight_gather)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def dense_2d(cfg: DenseConfig, x, kernel, bias, keys, state):
   """(y [M, N] in x's dtype, new_state). `keys` maps each tensor type to its key or None;
@@ -218,10 +225,7 @@ def _dense_bwd(cfg, saved, cotangents):
   )
   # The kernel's gradient [K, N] comes out in its own layout (x first): the other order
   # gives dwᵀ, whose transpose XLA can no longer fold into a GEMM kernel's bf16 output.
-  wgrad = gemm
-  if cfg.shard_scaling is not None:
-    wgrad = functools.partial(gemm_split_rows, scaling=cfg.shard_scaling, gather=cfg.weight_gather)
-  dkernel = wgrad(
+  dkernel = _gemm_wgrad(cfg)(
     x_col,
     dy_ops["columnwise"],
     out_dtype=cfg.kernel_dtype,

@@ -4,14 +4,13 @@ output gradient of every layer) by their own amax. Its losses follow the per-ten
 within FP8 rounding, are not its bits, and its compiled step reduces fewer amaxes across
 devices; what it cannot serve is refused."""
 
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _hlo_checks import max_reduced_values
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -103,29 +102,7 @@ def _run(shard_scaled: bool) -> tuple[np.ndarray, set[str]]:
     params, opt_state, loss = compiled(params, opt_state, x, target)
     losses.append(float(loss))
   assert params["wi"]["kernel"].sharding.spec == P("fsdp", None)
-  return np.array(losses), _max_reduced_values(compiled.as_text())
-
-
-_COMPUTATION = re.compile(r"^%?([\w.\-]+) \(.*\) -> .* \{$")
-_ALL_REDUCE = re.compile(r"all-reduce(?:-start)?\((.*?)\), .*to_apply=%?([\w.\-]+)")
-
-
-def _max_reduced_values(hlo: str) -> set[str]:
-  """The distinct values that the all-reduces of compiled HLO reduce with a maximum: the
-  amaxes (jaxquant takes an amax as the u32 maximum of the magnitudes' bits). Counted by
-  operand, not by instruction, since XLA combines several all-reduces into one."""
-  maximum_computations, name = set(), None
-  for line in hlo.splitlines():
-    header = _COMPUTATION.match(line)
-    if header:
-      name = header.group(1)
-    elif name and line.strip().startswith("ROOT") and " maximum(" in line:
-      maximum_computations.add(name)
-  values = set()
-  for operands, reducer in _ALL_REDUCE.findall(hlo):
-    if reducer in maximum_computations:
-      values |= {o.strip().lstrip("%") for o in operands.split(",")}
-  return values
+  return np.array(losses), max_reduced_values(compiled.as_text())
 
 
 def test_shard_scaled_losses_follow_the_per_tensor_run_with_fewer_amax_reductions():
