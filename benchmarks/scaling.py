@@ -3,7 +3,7 @@
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/scaling.py \
         [--shape 8b] [--layers 2] [--devices 2,4,8] [--batch-per-device 4 --seq 4096] \
         [--layouts fsdp,fsdp_tp] [--variants NAMES] \
-        [--profile-steps 2] [--hlo-dir DIR] [--quick] [--out FILE]
+        [--profile-steps 2] [--top-kernels N] [--hlo-dir DIR] [--quick] [--out FILE]
 
 Weak scaling: on n devices the global batch is n x `--batch-per-device` sequences, so every
 device does the work of the one-device step (step.py's model and train step: stock Flax
@@ -55,6 +55,8 @@ each collective's kernels, `p2p_copy_ms`, that of the peer-to-peer copies beside
 `compute_gemm_ms` (cuBLAS / cuBLASLt, jaxquant's and XLA's), `compute_cast_ms` (jaxquant's
 casts and amaxes), `compute_attention_ms`, `compute_fusion_ms` (XLA's fusions),
 `compute_copy_ms` and `compute_other_ms` (trace_summary.py's categories).
+With `--top-kernels N` each profile also prints its N busiest GEMM kernels by name, time and
+launches a step (not recorded): which library kernel each GEMM runs.
 Collectives run on their own stream beside the compute, and a collective kernel's time
 includes its wait for the other devices: a collective's time is its share of the
 network's busy time, and the step time less `compute_ms` what the step loses to waiting.
@@ -63,6 +65,7 @@ network's busy time, and the step time less `compute_ms` what the step loses to 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import math
@@ -286,11 +289,8 @@ def compute_part_of(event) -> str:
   return next(part for part, kinds in COMPUTE_PARTS.items() if kind in kinds)
 
 
-def profile_ms(call: Call, steps: int) -> dict[str, float]:
-  """Per step on device 0, from a profile: the device time of each collective's kernels,
-  `compute` (the busy time of every other kernel, concurrent ones counted once), and the
-  other kernels' time by kind (COMPUTE_PARTS, each kernel's own time: where the compute
-  grows when sharded)."""
+def profile_events(call: Call, steps: int) -> list:
+  """Device 0's kernels in a profile of `steps` steps."""
   jax.block_until_ready(call())
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
@@ -298,6 +298,14 @@ def profile_ms(call: Call, steps: int) -> dict[str, float]:
         out = call()
       jax.block_until_ready(out)
     events, _ = trace_summary.load_events(pathlib.Path(trace_dir), device=0)
+  return events
+
+
+def profile_ms(events: list, steps: int) -> dict[str, float]:
+  """Per step, from a profile's kernels: the device time of each collective's kernels,
+  `compute` (the busy time of every other kernel, concurrent ones counted once), and the
+  other kernels' time by kind (COMPUTE_PARTS, each kernel's own time: where the compute
+  grows when sharded)."""
   times = {part: 0.0 for part in (*COLLECTIVES, *COMPUTE_PARTS)}
   compute = []
   for e in events:
@@ -309,6 +317,19 @@ def profile_ms(call: Call, steps: int) -> dict[str, float]:
       times[compute_part_of(e)] += e.duration_ns
   times["compute"] = trace_summary.busy_ns(compute)
   return {name: ns / steps / 1e6 for name, ns in times.items()}
+
+
+def busiest_gemm_kernels(events: list, steps: int, top: int) -> list[tuple[str, float, float]]:
+  """The `top` GEMM kernels (compute_gemm) by device time: (name, ms a step, launches a
+  step). Their names tell which library kernel each GEMM runs, and so which variant of a
+  tile loses time beside the collectives (sharding.md, "Why jaxquant's GEMMs slow down
+  beside NCCL")."""
+  time, launches = collections.Counter(), collections.Counter()
+  for e in events:
+    if collective_of(e) is None and compute_part_of(e) == "compute_gemm":
+      time[e.name] += e.duration_ns
+      launches[e.name] += 1
+  return [(name, ns / steps / 1e6, launches[name] / steps) for name, ns in time.most_common(top)]
 
 
 class Prepared:
@@ -412,8 +433,11 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
       add(name, "all_gather_gib", p.gather_gib)
     if args.profile_steps:  # the one-device step too: what sharding adds to the compute
       try:
-        for part, ms in profile_ms(p.call, args.profile_steps).items():
+        events = profile_events(p.call, args.profile_steps)
+        for part, ms in profile_ms(events, args.profile_steps).items():
           add(name, f"{part}_ms", ms)
+        for kernel, ms, count in busiest_gemm_kernels(events, args.profile_steps, args.top_kernels):
+          print(f"    {name} {label}: GEMM kernel {ms:.3f} ms, {count:g} launches: {kernel}")
       except Exception as error:  # the timings are in; a failed profile costs only itself
         print(f"    {name}: profile FAILED: {type(error).__name__}: {error}", flush=True)
   del prepared
@@ -444,6 +468,12 @@ def parse_args(argv=None):
   parser.add_argument("--warmup-s", type=float, default=0.25)
   parser.add_argument("--warmup-steps", type=int, default=2)
   parser.add_argument("--profile-steps", type=int, default=2)
+  parser.add_argument(
+    "--top-kernels",
+    type=int,
+    default=0,
+    help="print each profiled step's N busiest GEMM kernels, by name (not recorded)",
+  )
   parser.add_argument(
     "--hlo-dir", type=pathlib.Path, help="write each compiled step's optimized HLO here"
   )

@@ -80,6 +80,23 @@ def test_compute_kernels_are_split_by_kind():
   assert scaling.compute_part_of(event("input_transpose_fusion_7")) == "compute_copy"
 
 
+def test_the_busiest_gemm_kernels_are_ranked_by_time_per_step_without_collectives():
+  timed = lambda name, ms, op="": trace_summary.Event(name, 0.0, ms * 1e6, op)
+  events = [
+    timed("nvjet_sm90_qqtst_176x128_ssched_bz_TNN", 3.0, "custom-call.1"),
+    timed("nvjet_sm90_qqtst_176x128_ssched_bz_TNN", 3.0, "custom-call.1"),
+    timed("nvjet_sm90_qrtst_128x160_bz_TNT", 4.0, "custom-call.2"),
+    timed("ncclDevKernel_AllGather_RING_LL", 9.0),
+    timed("loop_add_fusion_5", 8.0, "add_fusion"),
+  ]
+  busiest = scaling.busiest_gemm_kernels(events, steps=2, top=5)
+  assert busiest == [
+    ("nvjet_sm90_qqtst_176x128_ssched_bz_TNN", 3.0, 1.0),
+    ("nvjet_sm90_qrtst_128x160_bz_TNT", 2.0, 0.5),
+  ]
+  assert scaling.busiest_gemm_kernels(events, steps=2, top=1) == busiest[:1]
+
+
 def test_a_run_of_several_processes_labels_its_records_apart():
   labels = [c.label("8b") for c in scaling.configs([4], ["fsdp"], processes=2)]
   assert labels == ["8b one n=1 p=2", "8b fsdp n=4 p=2"]
@@ -98,6 +115,8 @@ def test_a_short_run_records_every_layout_the_narrower_gather_and_shard_scaling(
       "bf16,fp8_current,fp8_current_gather_shard",
       "--profile-steps",
       "1",
+      "--top-kernels",
+      "2",
       "--out",
       str(out),
     ]
