@@ -324,12 +324,13 @@ def busiest_gemm_kernels(events: list, steps: int, top: int) -> list[tuple[str, 
   step). Their names tell which library kernel each GEMM runs, and so which variant of a
   tile loses time beside the collectives (sharding.md, "Why jaxquant's GEMMs slow down
   beside NCCL")."""
-  time, launches = collections.Counter(), collections.Counter()
+  kernel_ns, launches = collections.Counter(), collections.Counter()
   for e in events:
     if collective_of(e) is None and compute_part_of(e) == "compute_gemm":
-      time[e.name] += e.duration_ns
+      kernel_ns[e.name] += e.duration_ns
       launches[e.name] += 1
-  return [(name, ns / steps / 1e6, launches[name] / steps) for name, ns in time.most_common(top)]
+  ranked = kernel_ns.most_common(top)
+  return [(name, ns / steps / 1e6, launches[name] / steps) for name, ns in ranked]
 
 
 class Prepared:
@@ -437,7 +438,10 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
         for part, ms in profile_ms(events, args.profile_steps).items():
           add(name, f"{part}_ms", ms)
         for kernel, ms, count in busiest_gemm_kernels(events, args.profile_steps, args.top_kernels):
-          print(f"    {name} {label}: GEMM kernel {ms:.3f} ms, {count:g} launches: {kernel}")
+          print(
+            f"    {name} {label}: GEMM kernel {ms:.3f} ms, {count:g} launches: {kernel}",
+            flush=True,
+          )
       except Exception as error:  # the timings are in; a failed profile costs only itself
         print(f"    {name}: profile FAILED: {type(error).__name__}: {error}", flush=True)
   del prepared
@@ -508,6 +512,8 @@ def parse_args(argv=None):
     parser.error(f"--devices {args.devices!r}: comma-separated integers")
   if args.warmup_steps < 1:
     parser.error(f"--warmup-steps {args.warmup_steps}: at least one step runs before timing")
+  if args.top_kernels < 0:
+    parser.error(f"--top-kernels {args.top_kernels}: a number of kernels, 0 (none) or more")
   reason = step_variants.qwix_unavailable_reason()
   if reason and any(n.startswith("qwix") for n in args.variants):
     print(f"Qwix variants skipped: {reason}")

@@ -97,6 +97,12 @@ def test_the_busiest_gemm_kernels_are_ranked_by_time_per_step_without_collective
   assert scaling.busiest_gemm_kernels(events, steps=2, top=1) == busiest[:1]
 
 
+def test_a_negative_number_of_top_kernels_is_refused(capsys):
+  with pytest.raises(SystemExit):
+    scaling.parse_args(["--top-kernels", "-1"])
+  assert "--top-kernels -1" in capsys.readouterr().err
+
+
 def test_a_run_of_several_processes_labels_its_records_apart():
   labels = [c.label("8b") for c in scaling.configs([4], ["fsdp"], processes=2)]
   assert labels == ["8b one n=1 p=2", "8b fsdp n=4 p=2"]
