@@ -65,7 +65,6 @@ network's busy time, and the step time less `compute_ms` what the step loses to 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import gc
 import math
@@ -324,13 +323,11 @@ def busiest_gemm_kernels(events: list, steps: int, top: int) -> list[tuple[str, 
   step). Their names tell which library kernel each GEMM runs, and so which variant of a
   tile loses time beside the collectives (sharding.md, "Why jaxquant's GEMMs slow down
   beside NCCL")."""
-  kernel_ns, launches = collections.Counter(), collections.Counter()
-  for e in events:
-    if collective_of(e) is None and compute_part_of(e) == "compute_gemm":
-      kernel_ns[e.name] += e.duration_ns
-      launches[e.name] += 1
-  ranked = kernel_ns.most_common(top)
-  return [(name, ns / steps / 1e6, launches[name] / steps) for name, ns in ranked]
+  gemms = [e for e in events if collective_of(e) is None and compute_part_of(e) == "compute_gemm"]
+  if not gemms or not top:
+    return []
+  ranked = trace_summary.summarize(gemms, steps, top=top)["top_kernels"]
+  return [(kernel["name"], kernel["ms"], kernel["count"]) for kernel in ranked]
 
 
 class Prepared:

@@ -61,8 +61,8 @@ def test_configs_take_the_layouts_each_device_count_allows():
   ]
 
 
-def event(name: str, op: str = "") -> trace_summary.Event:
-  return trace_summary.Event(name, 0.0, 1.0, op)
+def event(name: str, op: str = "", ms: float = 1e-6) -> trace_summary.Event:
+  return trace_summary.Event(name, 0.0, ms * 1e6, op)
 
 
 def test_peer_to_peer_copies_are_transfers_not_compute():
@@ -81,13 +81,12 @@ def test_compute_kernels_are_split_by_kind():
 
 
 def test_the_busiest_gemm_kernels_are_ranked_by_time_per_step_without_collectives():
-  timed = lambda name, ms, op="": trace_summary.Event(name, 0.0, ms * 1e6, op)
   events = [
-    timed("nvjet_sm90_qqtst_176x128_ssched_bz_TNN", 3.0, "custom-call.1"),
-    timed("nvjet_sm90_qqtst_176x128_ssched_bz_TNN", 3.0, "custom-call.1"),
-    timed("nvjet_sm90_qrtst_128x160_bz_TNT", 4.0, "custom-call.2"),
-    timed("ncclDevKernel_AllGather_RING_LL", 9.0),
-    timed("loop_add_fusion_5", 8.0, "add_fusion"),
+    event("nvjet_sm90_qqtst_176x128_ssched_bz_TNN", "custom-call.1", ms=3.0),
+    event("nvjet_sm90_qqtst_176x128_ssched_bz_TNN", "custom-call.1", ms=3.0),
+    event("nvjet_sm90_qrtst_128x160_bz_TNT", "custom-call.2", ms=4.0),
+    event("ncclDevKernel_AllGather_RING_LL", ms=9.0),
+    event("loop_add_fusion_5", "add_fusion", ms=8.0),
   ]
   busiest = scaling.busiest_gemm_kernels(events, steps=2, top=5)
   assert busiest == [
