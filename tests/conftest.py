@@ -29,3 +29,14 @@ def eight_devices():
   if len(devices) < 8:
     pytest.skip(f"needs 8 devices, {jax.default_backend()} has {len(devices)}")
   return devices[:8]
+
+
+@pytest.fixture
+def cuda_library_stand_in(monkeypatch):
+  """Lowering for CUDA on a machine without the CUDA library: its load and its workspace
+  queries are stood in for (every workspace result, which XLA allocates with the call,
+  then holds 256 bytes)."""
+  from jaxquant.kernels import _library as library
+
+  monkeypatch.setattr(library, "load_error", lambda: None)
+  monkeypatch.setattr(library, "workspace_bytes", lambda target, *dims: 256)

@@ -6,6 +6,13 @@
 // result and converts it to bf16 in a separate pass (an 8192^2 output: 128 us of a
 // 0.95 ms call on the H100, docs/kernels.md). Asking cuBLASLt for the bf16 output directly
 // drops that pass; the scaled fp32 sums are rounded once, as in the reference.
+//
+// The call takes cuBLASLt's full workspace, as XLA's own GEMMs do, as a result buffer XLA
+// allocates with it (so it stays safe to trace into XLA's command buffers). With no
+// workspace cuBLASLt runs the same algorithm's statically scheduled kernel (`ssched` in its
+// name): as fast on an idle GPU, but its tiles are dealt out to the SMs in advance, so it
+// loses more than the dynamically scheduled one while NCCL's kernels hold SMs beside it
+// (an FSDP step's gathers; docs/sharding.md).
 #include <string>
 
 #include "jaxquant/bindings.h"
@@ -35,7 +42,8 @@ bool lt_type(ffi::DataType dtype, cudaDataType_t& out) {
 
 ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
                            ffi::Buffer<ffi::F32> sa, ffi::Buffer<ffi::F32> sb,
-                           ffi::Result<ffi::AnyBuffer> d, bool fast_accumulation) {
+                           ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace,
+                           bool fast_accumulation) {
   int64_t m, k, n, kb;
   const auto dd = d->dimensions();
   if (!matrix_dims(a, m, k) || !matrix_dims(b, n, kb) || dd.size() != 2 || kb != k || dd[0] != m ||
@@ -56,9 +64,12 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a
       a.untyped_data(), ta, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sa.typed_data()}};
   const LtOperand lt_b{
       b.untyped_data(), tb, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sb.typed_data()}};
-  // No workspace: the algorithms that need none are as fast for per-tensor scales
-  // (lt_gemm.cu), and the handler stays safe to trace into XLA's command buffers.
-  auto ran = lt_gemm(stream, device, Workspace{}, lt_a, lt_b, /*device_alpha_beta=*/nullptr,
+  const Workspace given{workspace->untyped_data(), workspace->size_bytes()};
+  if (auto err = check_workspace("fp8_tensor_gemm", given, lt_workspace_result_bytes());
+      err.failure()) {
+    return err;
+  }
+  auto ran = lt_gemm(stream, device, given, lt_a, lt_b, /*device_alpha_beta=*/nullptr,
                      d->untyped_data(), td, m, n, k, fast_accumulation);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
@@ -73,4 +84,11 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a
 }  // namespace jaxquant
 
 JAXQUANT_DEFINE_HANDLER(JaxquantFp8TensorGemm, jaxquant::fp8_tensor_gemm,
-                        jaxquant::scaled_gemm_binding().Attr<bool>("fast_accumulation"));
+                        jaxquant::scaled_gemm_binding()
+                            .Ret<xla::ffi::AnyBuffer>()  // workspace
+                            .Attr<bool>("fast_accumulation"));
+
+int64_t JaxquantFp8TensorGemmWorkspaceBytes(int64_t m, int64_t n) {
+  // An empty problem returns before touching its workspace.
+  return m <= 0 || n <= 0 ? 0 : static_cast<int64_t>(jaxquant::lt_workspace_result_bytes());
+}

@@ -16,8 +16,9 @@ namespace jaxquant {
 namespace {
 
 // Without workspace only algorithms that need none are candidates (H100, E4M3 per-tensor:
-// the same tiles and times at 8192^3, 4096x16384x16384 and 16x8192x8192; only split-K
-// candidates drop out, none of them the fastest).
+// the same tiles at 8192^3, 4096x16384x16384 and 16x8192x8192; only split-K candidates drop
+// out, none of them the fastest), and cuBLASLt runs their statically scheduled kernels,
+// which lose more beside NCCL's (fp8_tensor_gemm.cu): the GEMMs give it a workspace.
 // Algorithms the first call of a problem times, the rounds, and the runs per timing.
 constexpr int kCandidates = 8;
 constexpr int kRounds = 3;

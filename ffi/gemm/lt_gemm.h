@@ -35,6 +35,10 @@ struct LtOperand {
 // NVIDIA's recommendation for Hopper (split-K algorithms keep partial sums in it).
 constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 
+// The workspace result a GEMM that is only a cuBLASLt call takes: kLtWorkspaceBytes from
+// its first aligned address on (Workspace::after).
+constexpr size_t lt_workspace_result_bytes() { return kWorkspaceAlignment + kLtWorkspaceBytes; }
+
 // Runs the GEMM on `stream`. Returns false, having run nothing, when cuBLASLt has no
 // algorithm for the problem (the caller may take another kernel); an error when a call
 // fails. The algorithm is chosen on the problem's first call in the process (timed among

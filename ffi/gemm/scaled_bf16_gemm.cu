@@ -15,7 +15,8 @@ namespace jaxquant {
 namespace {
 
 ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                            ffi::Buffer<ffi::F32> alpha_beta, ffi::Result<ffi::AnyBuffer> d) {
+                            ffi::Buffer<ffi::F32> alpha_beta, ffi::Result<ffi::AnyBuffer> d,
+                            ffi::Result<ffi::AnyBuffer> workspace) {
   int64_t m, k, n, kb;
   const auto dd = d->dimensions();
   if (!matrix_dims(a, m, k) || !matrix_dims(b, n, kb) || dd.size() != 2 || kb != k || dd[0] != m ||
@@ -40,9 +41,14 @@ ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   const LtScales none{CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, nullptr};
   const LtOperand lt_a{a.untyped_data(), CUDA_R_16BF, none};
   const LtOperand lt_b{b.untyped_data(), CUDA_R_16BF, none};
-  // No workspace, as the per-tensor FP8 GEMM: safe to trace into XLA's command buffers.
-  auto ran = lt_gemm(stream, device, Workspace{}, lt_a, lt_b, alpha_beta.typed_data(),
-                     d->untyped_data(), td, m, n, k, /*fast_accumulation=*/false);
+  // cuBLASLt's full workspace, as the per-tensor FP8 GEMM takes it (fp8_tensor_gemm.cu).
+  const Workspace given{workspace->untyped_data(), workspace->size_bytes()};
+  if (auto err = check_workspace("scaled_bf16_gemm", given, lt_workspace_result_bytes());
+      err.failure()) {
+    return err;
+  }
+  auto ran = lt_gemm(stream, device, given, lt_a, lt_b, alpha_beta.typed_data(), d->untyped_data(),
+                     td, m, n, k, /*fast_accumulation=*/false);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
     return ffi::Error::Internal(
@@ -58,7 +64,8 @@ auto scaled_bf16_gemm_binding() {
       .Arg<ffi::AnyBuffer>()         // A
       .Arg<ffi::AnyBuffer>()         // B
       .Arg<ffi::Buffer<ffi::F32>>()  // alpha, beta
-      .Ret<ffi::AnyBuffer>();        // D
+      .Ret<ffi::AnyBuffer>()         // D
+      .Ret<ffi::AnyBuffer>();        // workspace
 }
 
 }  // namespace
@@ -66,3 +73,8 @@ auto scaled_bf16_gemm_binding() {
 
 JAXQUANT_DEFINE_HANDLER(JaxquantScaledBf16Gemm, jaxquant::scaled_bf16_gemm,
                         jaxquant::scaled_bf16_gemm_binding());
+
+int64_t JaxquantScaledBf16GemmWorkspaceBytes(int64_t m, int64_t n) {
+  // An empty problem returns before touching its workspace.
+  return m <= 0 || n <= 0 ? 0 : static_cast<int64_t>(jaxquant::lt_workspace_result_bytes());
+}

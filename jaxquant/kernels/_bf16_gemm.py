@@ -72,12 +72,18 @@ def _partition(config, mesh, arg_shapes, result_shape):
   )
 
 
+def _workspace_dims(config, a, b, alpha_beta):
+  """cuBLASLt's workspace, which its dynamically scheduled kernels need (ffi/gemm/lt_gemm.h)."""
+  return a.shape[0], b.shape[0]
+
+
 SPEC = primitive.KernelSpec(
   name="jaxquant_scaled_bf16_gemm",
   abstract_eval=_abstract_eval,
   reference=_reference,
   partition=_partition,
   sharding_rule=_sharding_rule,
+  workspace_dims=_workspace_dims,
 )
 scaled_bf16_gemm_p = primitive.define(SPEC)
 

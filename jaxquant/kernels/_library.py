@@ -25,6 +25,8 @@ WORKSPACE_QUERIES = {
   "jaxquant_grouped_gemm": (ctypes.c_int32,),
   "jaxquant_dequant_gemm": (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
   "jaxquant_block_fp8_gemm": (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
+  "jaxquant_fp8_tensor_gemm": (ctypes.c_int64,) * 2,
+  "jaxquant_scaled_bf16_gemm": (ctypes.c_int64,) * 2,
 }
 # The library holds sm_90a code only.
 SUPPORTED_COMPUTE_CAPABILITIES = ("9.0",)
@@ -104,7 +106,8 @@ def workspace_bytes(target: str, *dims: int) -> int:
   """Bytes of workspace `target`'s handler needs for a problem of these dims on this
   machine's GPU (the grouped GEMM's per-group arrays and TMA descriptors, the fused-dequantize
   GEMM's split-K partial sums, the block FP8 GEMM's reordered tile scales and cuBLASLt's or
-  CUTLASS's workspace): the size of the result buffer its lowering adds."""
+  CUTLASS's workspace, the per-tensor FP8 and scaled bf16 GEMMs' cuBLASLt workspace): the
+  size of the result buffer its lowering adds."""
   lib, error = _load()
   if error:
     raise RuntimeError(f"{target}: {error}")

@@ -73,12 +73,18 @@ def _partition(config, mesh, arg_shapes, result_shape):
   )
 
 
+def _workspace_dims(config, a, b, sa, sb):
+  """cuBLASLt's workspace, which its dynamically scheduled kernels need (ffi/gemm/lt_gemm.h)."""
+  return a.shape[0], b.shape[0]
+
+
 SPEC = primitive.KernelSpec(
   name="jaxquant_fp8_tensor_gemm",
   abstract_eval=_abstract_eval,
   reference=_reference,
   partition=_partition,
   sharding_rule=_sharding_rule,
+  workspace_dims=_workspace_dims,
 )
 tensor_gemm_p = primitive.define(SPEC)
 

@@ -168,13 +168,10 @@ def _nvfp4_pair(seed, per_token=False):
   return a, b
 
 
-def test_dequantize_first_gemm_lowers_per_tensor_outer_scales_to_the_kernel(monkeypatch):
+def test_dequantize_first_gemm_lowers_per_tensor_outer_scales_to_the_kernel(cuda_library_stand_in):
   """For CUDA, an NVFP4 GEMM that dequantizes first hands its S_dec to this kernel; one
   with per-token rows (a scale per output row) or with no outer scale (MXFP8) keeps
-  XLA's dot. Lowered without a GPU: the library's load is stood in for."""
-  from jaxquant.kernels import _library as library
-
-  monkeypatch.setattr(library, "load_error", lambda: None)
+  XLA's dot. Lowered without a GPU: the library is stood in for."""
   # The operands only traced (their shapes, formats and scales' layout), never computed.
   lowered = lambda operands: (
     jax.jit(gemm_ops._dequantize_first_gemm)

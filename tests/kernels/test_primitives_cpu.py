@@ -206,15 +206,13 @@ def test_decode_scale_primitive_one_device_sharded_and_batched(eight_devices):
     kernels.decode_scale(amaxes.reshape(8, 8))
 
 
-def test_nvfp4_gemm_lowers_both_decode_scales_to_one_kernel_call(monkeypatch):
+def test_nvfp4_gemm_lowers_both_decode_scales_to_one_kernel_call(cuda_library_stand_in):
   """For CUDA, an NVFP4 GEMM that dequantizes first takes both operands' S_dec from one
   decode-scale call and inlines no exact-division emulation (reference.fp32's integer long
   division, which set a quantized step's compile time when every GEMM inlined it).
-  Lowered without a GPU: the library's load is stood in for."""
-  from jaxquant.kernels import _library as library
+  Lowered without a GPU: the library is stood in for."""
   from jaxquant.ops import _gemm as gemm_ops
 
-  monkeypatch.setattr(library, "load_error", lambda: None)
   operand = lambda rows, name: jax.eval_shape(
     lambda: reference.quantize(jnp.zeros((rows, 256), jnp.bfloat16), QUANTIZERS[name]).rowwise
   )
@@ -287,14 +285,14 @@ def _two_layer_delayed_step():
   return updated, grads
 
 
-def test_delayed_update_lowers_each_state_to_its_own_kernel_call(monkeypatch):
+def test_delayed_update_lowers_each_state_to_its_own_kernel_call(
+  monkeypatch, cuda_library_stand_in
+):
   """For CUDA, a Linen model's delayed-scaling update takes each state's next scale from a
   delayed-scale call of its own (two layers, three roles each) and inlines no exact-division
-  emulation. Lowered without a GPU: the library's load is stood in for."""
+  emulation. Lowered without a GPU: the library is stood in for."""
   from jaxquant.flax import update_quant_state
-  from jaxquant.kernels import _library as library
 
-  monkeypatch.setattr(library, "load_error", lambda: None)
   monkeypatch.setattr(kernels, "available", lambda: True)
   state, grads = jax.eval_shape(_two_layer_delayed_step)
   text = (
@@ -491,3 +489,34 @@ def test_cuda_lowering_adds_the_workspace_result(monkeypatch):
   assert call.endswith("-> (tensor<64x16xf32>, tensor<1003xui8>)"), call
   assert queries == [("jaxquant_grouped_gemm", (3,))]
   assert jax.eval_shape(fn, a, b, sizes, alpha).shape == (64, 16)
+
+
+@pytest.mark.parametrize("gemm", ["fp8_tensor_gemm", "scaled_bf16_gemm"])
+def test_cublaslt_gemms_lower_with_cublaslt_s_workspace(monkeypatch, gemm):
+  """The GEMMs that are one cuBLASLt call take its workspace as a result buffer sized by
+  D's shape: without one cuBLASLt runs statically scheduled kernels, which lose more
+  beside NCCL's (ffi/gemm/fp8_tensor_gemm.cu). Lowered here without a GPU: the library's
+  load and query are stood in for."""
+  from jaxquant.kernels import _bf16_gemm as bf16_gemm
+  from jaxquant.kernels import _library as library
+  from jaxquant.kernels import _tensor_gemm as tensor_gemm
+
+  queries = []
+  monkeypatch.setattr(library, "load_error", lambda: None)
+  monkeypatch.setattr(
+    library, "workspace_bytes", lambda target, *dims: queries.append((target, dims)) or 777
+  )
+  m, n, k = 64, 48, 32
+  if gemm == "fp8_tensor_gemm":
+    a = jnp.zeros((m, k), jnp.float8_e4m3fn)
+    b = jnp.zeros((n, k), jnp.float8_e4m3fn)
+    fn = jax.jit(lambda a, b, s: tensor_gemm.fp8_tensor_gemm(a, b, s, s, out_dtype=jnp.bfloat16))
+  else:
+    a, b = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((n, k), jnp.bfloat16)
+    fn = jax.jit(lambda a, b, s: bf16_gemm.scaled_bf16_gemm(a, b, s, out_dtype=jnp.bfloat16))
+  scale = jnp.float32(1)
+  text = fn.trace(a, b, scale).lower(lowering_platforms=("cuda",)).as_text()
+  (call,) = [line for line in text.splitlines() if f"@jaxquant_{gemm}(" in line]
+  assert call.endswith(f"-> (tensor<{m}x{n}xbf16>, tensor<777xui8>)"), call
+  assert queries == [(f"jaxquant_{gemm}", (m, n))]
+  assert jax.eval_shape(fn, a, b, scale).shape == (m, n)

@@ -17,7 +17,6 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import kernels, recipes
-from jaxquant.kernels import _library as library
 from jaxquant.ops import _gemm as gemm_ops
 from jaxquant.ops import _operands as operands
 from jaxquant.quantizers import HybridQuantizer, MXFP8Quantizer, NVFP4Quantizer
@@ -27,9 +26,8 @@ on_gpu = pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailab
 
 
 @pytest.fixture
-def gpu_routes(monkeypatch):
+def gpu_routes(monkeypatch, cuda_library_stand_in):
   """The kernels' availability and the GPU's GEMM routes, on this machine."""
-  monkeypatch.setattr(library, "load_error", lambda: None)
   monkeypatch.setattr(kernels, "available", lambda: True)
   select = gemm_ops.select
   monkeypatch.setattr(

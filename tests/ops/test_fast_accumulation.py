@@ -17,7 +17,6 @@ import pytest
 import jaxquant as jq
 import jaxquant.flax as jqf
 from jaxquant import kernels, recipes
-from jaxquant.kernels import _library as library
 from jaxquant.ops import _gemm as gemm_ops
 
 M, K, N = 256, 512, 384
@@ -56,8 +55,8 @@ def test_presets_accumulate_the_forward_gemm_fast():
 
 
 def _kernel_calls(monkeypatch, loss, *args):
-  """{GEMM: its fast_accumulation attribute} of `loss`'s value and gradient lowered for CUDA."""
-  monkeypatch.setattr(library, "load_error", lambda: None)
+  """{GEMM: its fast_accumulation attribute} of `loss`'s value and gradient lowered for CUDA
+  (the caller stands the library in: `cuda_library_stand_in`)."""
   monkeypatch.setattr(kernels, "available", lambda: True)
   select = gemm_ops.select
   monkeypatch.setattr(
@@ -86,13 +85,15 @@ def _operands():
   [(), ("fprop",), ("dgrad",), ("fprop", "wgrad"), recipes.GEMMS],
   ids=lambda g: "+".join(g) or "none",
 )
-def test_each_gemm_asks_the_kernel_for_what_the_recipe_allows(monkeypatch, gemms):
+def test_each_gemm_asks_the_kernel_for_what_the_recipe_allows(
+  monkeypatch, cuda_library_stand_in, gemms
+):
   recipe = dataclasses.replace(recipes.fp8_current, fast_accumulation=gemms)
   loss = lambda x, kernel: jq.dense(x, kernel, recipe=recipe).astype(jnp.float32).sum()
   assert _kernel_calls(monkeypatch, loss, *_operands()) == {g: g in gemms for g in recipes.GEMMS}
 
 
-def test_dense_argument_overrides_the_recipe(monkeypatch):
+def test_dense_argument_overrides_the_recipe(monkeypatch, cuda_library_stand_in):
   loss = lambda x, kernel: (
     jq.dense(x, kernel, recipe=recipes.fp8_current, fast_accumulation=("dgrad",))
     .astype(jnp.float32)
@@ -105,7 +106,7 @@ def test_dense_argument_overrides_the_recipe(monkeypatch):
   }
 
 
-def test_swapped_in_flax_layer_takes_the_recipe_s_choice(monkeypatch):
+def test_swapped_in_flax_layer_takes_the_recipe_s_choice(monkeypatch, cuda_library_stand_in):
   model = jqf.quantize_model(nn.Dense(N, use_bias=False, dtype=jnp.bfloat16), recipes.fp8_current)
   x, _ = _operands()
   params = model.init(jax.random.key(2), x)["params"]

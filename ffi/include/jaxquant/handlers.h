@@ -49,3 +49,11 @@ extern "C" __attribute__((visibility("default"))) int64_t JaxquantDequantGemmWor
 // (kernels/_block_gemm.py); -1 when the device cannot be queried or the blocks are neither.
 extern "C" __attribute__((visibility("default"))) int64_t JaxquantBlockFp8GemmWorkspaceBytes(
     int64_t m, int64_t n, int64_t k, int32_t b_block_rows, int32_t f32_out);
+
+// Bytes of the workspace result the per-tensor FP8 GEMM and the scaled bf16 GEMM need for a
+// D [M, N] (kernels/_tensor_gemm.py, kernels/_bf16_gemm.py): cuBLASLt's whole workspace,
+// none for an empty D.
+extern "C" __attribute__((visibility("default"))) int64_t
+JaxquantFp8TensorGemmWorkspaceBytes(int64_t m, int64_t n);
+extern "C" __attribute__((visibility("default"))) int64_t
+JaxquantScaledBf16GemmWorkspaceBytes(int64_t m, int64_t n);
