@@ -34,8 +34,7 @@ def eight_devices():
 @pytest.fixture
 def cuda_library_stand_in(monkeypatch):
   """Lowering for CUDA on a machine without the CUDA library: its load and its workspace
-  queries are stood in for (every workspace result, which XLA allocates with the call,
-  then holds 256 bytes)."""
+  queries are stood in for (every kernel's workspace result is then 256 bytes)."""
   from jaxquant.kernels import _library as library
 
   monkeypatch.setattr(library, "load_error", lambda: None)

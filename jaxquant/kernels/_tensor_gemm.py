@@ -74,7 +74,7 @@ def _partition(config, mesh, arg_shapes, result_shape):
 
 
 def _workspace_dims(config, a, b, sa, sb):
-  """cuBLASLt's workspace, which its dynamically scheduled kernels need (ffi/gemm/lt_gemm.h)."""
+  """cuBLASLt's workspace, for its dynamically scheduled kernels (ffi/gemm/fp8_tensor_gemm.cu)."""
   return a.shape[0], b.shape[0]
 
 
