@@ -3,7 +3,8 @@
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/scaling.py \
         [--shape 8b] [--layers 2] [--devices 2,4,8] [--batch-per-device 4 --seq 4096] \
         [--layouts fsdp,fsdp_tp] [--variants NAMES] \
-        [--profile-steps 2] [--top-kernels N] [--hlo-dir DIR] [--quick] [--out FILE]
+        [--profile-steps 2] [--top-kernels N] [--top-gaps N] [--hlo-dir DIR] [--quick]
+        [--out FILE]
 
 Weak scaling: on n devices the global batch is n x `--batch-per-device` sequences, so every
 device does the work of the one-device step (step.py's model and train step: stock Flax
@@ -54,9 +55,13 @@ each collective's kernels, `p2p_copy_ms`, that of the peer-to-peer copies beside
 `compute_ms`, the busy time of all other kernels, and their own time by kind:
 `compute_gemm_ms` (cuBLAS / cuBLASLt, jaxquant's and XLA's), `compute_cast_ms` (jaxquant's
 casts and amaxes), `compute_attention_ms`, `compute_fusion_ms` (XLA's fusions),
-`compute_copy_ms` and `compute_other_ms` (trace_summary.py's categories).
-With `--top-kernels N` each profile also prints its N busiest GEMM kernels by name, time and
-launches a step (not recorded): which library kernel each GEMM runs.
+`compute_copy_ms` and `compute_other_ms` (trace_summary.py's categories), and `idle_ms`,
+the time between the profiled steps' first and last kernels in which device 0 runs no
+kernel at all (a collective's wait is a kernel: this is the host's share, launch gaps and
+synchronizations). With `--top-kernels N` each profile also prints its N busiest GEMM
+kernels by name, time and launches a step, and with `--top-gaps N` its N longest idle
+stretches with the kernels either side (neither recorded): which library kernel each GEMM
+runs, and where the device waits for the host.
 Collectives run on their own stream beside the compute, and a collective kernel's time
 includes its wait for the other devices: a collective's time is its share of the
 network's busy time, and the step time less `compute_ms` what the step loses to waiting.
@@ -302,9 +307,9 @@ def profile_events(call: Call, steps: int) -> list:
 
 def profile_ms(events: list, steps: int) -> dict[str, float]:
   """Per step, from a profile's kernels: the device time of each collective's kernels,
-  `compute` (the busy time of every other kernel, concurrent ones counted once), and the
+  `compute` (the busy time of every other kernel, concurrent ones counted once), the
   other kernels' time by kind (COMPUTE_PARTS, each kernel's own time: where the compute
-  grows when sharded)."""
+  grows when sharded), and `idle`, the profile's span in which no kernel runs."""
   times = {part: 0.0 for part in (*COLLECTIVES, *COMPUTE_PARTS)}
   compute = []
   for e in events:
@@ -315,19 +320,33 @@ def profile_ms(events: list, steps: int) -> dict[str, float]:
       compute.append(e)
       times[compute_part_of(e)] += e.duration_ns
   times["compute"] = trace_summary.busy_ns(compute)
+  ends, starts = [e.start_ns + e.duration_ns for e in events], [e.start_ns for e in events]
+  times["idle"] = (max(ends) - min(starts) if events else 0.0) - trace_summary.busy_ns(events)
   return {name: ns / steps / 1e6 for name, ns in times.items()}
 
 
 def busiest_gemm_kernels(events: list, steps: int, top: int) -> list[tuple[str, float, float]]:
   """The `top` GEMM kernels (compute_gemm) by device time: (name, ms a step, launches a
   step). Their names tell which library kernel each GEMM runs, and so which variant of a
-  tile loses time beside the collectives (sharding.md, "Why jaxquant's GEMMs slow down
-  beside NCCL")."""
+  tile loses time beside the collectives (sharding.md, "jaxquant's GEMMs beside NCCL")."""
   gemms = [e for e in events if collective_of(e) is None and compute_part_of(e) == "compute_gemm"]
   if not gemms or not top:
     return []
   ranked = trace_summary.summarize(gemms, steps, top=top)["top_kernels"]
   return [(kernel["name"], kernel["ms"], kernel["count"]) for kernel in ranked]
+
+
+def longest_idle_gaps(events: list, top: int) -> list[tuple[float, str, str]]:
+  """The `top` longest stretches of a profile in which no kernel runs, longest first: (ms,
+  the kernel whose end opens it, the kernel whose start closes it). A gap opens when
+  every kernel begun so far has ended, so overlapping streams leave none."""
+  gaps, last = [], None
+  for e in sorted(events, key=lambda e: e.start_ns):
+    if last is not None and e.start_ns > last.start_ns + last.duration_ns:
+      gaps.append(((e.start_ns - last.start_ns - last.duration_ns) / 1e6, last.name, e.name))
+    if last is None or e.start_ns + e.duration_ns > last.start_ns + last.duration_ns:
+      last = e
+  return sorted(gaps, key=lambda gap: -gap[0])[:top]
 
 
 class Prepared:
@@ -439,6 +458,8 @@ def run_config(config, names, args, stock, params, results, one_device_tps):
             f"    {name} {label}: GEMM kernel {ms:.3f} ms, {count:g} launches: {kernel}",
             flush=True,
           )
+        for ms, before, after in longest_idle_gaps(events, args.top_gaps):
+          print(f"    {name} {label}: idle {ms:.3f} ms after {before} before {after}", flush=True)
       except Exception as error:  # the timings are in; a failed profile costs only itself
         print(f"    {name}: profile FAILED: {type(error).__name__}: {error}", flush=True)
   del prepared
@@ -476,6 +497,12 @@ def parse_args(argv=None):
     help="print each profiled step's N busiest GEMM kernels, by name (not recorded)",
   )
   parser.add_argument(
+    "--top-gaps",
+    type=int,
+    default=0,
+    help="print each profile's N longest stretches with no kernel running (not recorded)",
+  )
+  parser.add_argument(
     "--hlo-dir", type=pathlib.Path, help="write each compiled step's optimized HLO here"
   )
   parser.add_argument(
@@ -511,6 +538,8 @@ def parse_args(argv=None):
     parser.error(f"--warmup-steps {args.warmup_steps}: at least one step runs before timing")
   if args.top_kernels < 0:
     parser.error(f"--top-kernels {args.top_kernels}: a number of kernels, 0 (none) or more")
+  if args.top_gaps < 0:
+    parser.error(f"--top-gaps {args.top_gaps}: a number of gaps, 0 (none) or more")
   reason = step_variants.qwix_unavailable_reason()
   if reason and any(n.startswith("qwix") for n in args.variants):
     print(f"Qwix variants skipped: {reason}")

@@ -96,10 +96,48 @@ def test_the_busiest_gemm_kernels_are_ranked_by_time_per_step_without_collective
   assert scaling.busiest_gemm_kernels(events, steps=2, top=1) == busiest[:1]
 
 
-def test_a_negative_number_of_top_kernels_is_refused(capsys):
+def timed(name: str, start_ms: float, ms: float, op: str = "") -> trace_summary.Event:
+  return trace_summary.Event(name, start_ms * 1e6, ms * 1e6, op)
+
+
+def test_idle_time_is_the_span_in_which_no_kernel_runs():
+  # Two steps: a GEMM beside a gather, then a 2 ms wait with nothing running, a fusion, a
+  # cast inside the fusion's span (no gap), and 1 ms more with nothing before the last GEMM.
+  events = [
+    timed("nvjet_sm90_qqtst_176x128_bz_TNN", 0.0, 3.0, "custom-call.1"),
+    timed("ncclDevKernel_AllGather_RING_LL", 1.0, 4.0),
+    timed("loop_add_fusion_5", 7.0, 2.0, "add_fusion"),
+    timed("void jaxquant::fp8_tensor_cast_kernel", 7.5, 1.0),
+    timed("nvjet_sm90_qqtst_176x128_bz_TNN", 10.0, 2.0, "custom-call.1"),
+  ]
+  ms = scaling.profile_ms(events, steps=2)
+  assert ms["idle"] == pytest.approx((2.0 + 1.0) / 2)
+  assert ms["compute"] == pytest.approx((3.0 + 2.0 + 2.0) / 2)
+  assert scaling.profile_ms([], steps=2)["idle"] == 0.0
+
+
+def test_the_longest_idle_gaps_name_the_kernels_either_side():
+  events = [
+    timed("gemm_a", 0.0, 3.0),
+    timed("nccl_gather", 1.0, 4.0),  # ends last: the gap after it is its
+    timed("fusion_b", 7.0, 2.0),
+    timed("cast_c", 7.5, 1.0),  # inside fusion_b: no gap around it
+    timed("gemm_d", 10.0, 2.0),
+  ]
+  assert scaling.longest_idle_gaps(events, top=5) == [
+    (2.0, "nccl_gather", "fusion_b"),
+    (1.0, "fusion_b", "gemm_d"),
+  ]
+  assert scaling.longest_idle_gaps(events, top=1) == [(2.0, "nccl_gather", "fusion_b")]
+  assert scaling.longest_idle_gaps(events, top=0) == []
+
+
+@pytest.mark.parametrize("flag", ["--top-kernels", "--top-gaps"])
+def test_a_negative_number_of_top_kernels_or_gaps_is_refused(capsys, flag):
   with pytest.raises(SystemExit):
-    scaling.parse_args(["--top-kernels", "-1"])
-  assert "--top-kernels -1" in capsys.readouterr().err
+    scaling.parse_args([flag, "-1"])
+  # The value and the rule, not argparse's "unrecognized arguments".
+  assert f"{flag} -1: a number of" in capsys.readouterr().err
 
 
 def test_a_run_of_several_processes_labels_its_records_apart():
@@ -122,6 +160,8 @@ def test_a_short_run_records_every_layout_the_narrower_gather_and_shard_scaling(
       "1",
       "--top-kernels",
       "2",
+      "--top-gaps",
+      "2",
       "--out",
       str(out),
     ]
@@ -142,7 +182,7 @@ def test_a_short_run_records_every_layout_the_narrower_gather_and_shard_scaling(
   gathered = lambda variant: records[f"scaling_{variant}", "tiny fsdp n=2", "all_gather_gib"]
   # FP8 codes of each usage against XLA's gathers of the weights before they are quantized.
   assert 0 < gathered("fp8_current_gather_shard") < gathered("fp8_current")
-  parts = ("all_gather", "reduce_scatter", "all_reduce", "p2p_copy", "compute")
+  parts = ("all_gather", "reduce_scatter", "all_reduce", "p2p_copy", "compute", "idle")
   for label in ("tiny one n=1", "tiny fsdp n=2"):  # the one-device step is profiled too
     for part in parts + tuple(scaling.COMPUTE_PARTS):
       assert records["scaling_fp8_current", label, f"{part}_ms"] >= 0
