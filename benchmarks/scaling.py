@@ -320,8 +320,7 @@ def profile_ms(events: list, steps: int) -> dict[str, float]:
       compute.append(e)
       times[compute_part_of(e)] += e.duration_ns
   times["compute"] = trace_summary.busy_ns(compute)
-  ends, starts = [e.start_ns + e.duration_ns for e in events], [e.start_ns for e in events]
-  times["idle"] = (max(ends) - min(starts) if events else 0.0) - trace_summary.busy_ns(events)
+  times["idle"] = sum(ns for ns, _, _ in trace_summary.idle_gaps(events))
   return {name: ns / steps / 1e6 for name, ns in times.items()}
 
 
@@ -338,15 +337,9 @@ def busiest_gemm_kernels(events: list, steps: int, top: int) -> list[tuple[str, 
 
 def longest_idle_gaps(events: list, top: int) -> list[tuple[float, str, str]]:
   """The `top` longest stretches of a profile in which no kernel runs, longest first: (ms,
-  the kernel whose end opens it, the kernel whose start closes it). A gap opens when
-  every kernel begun so far has ended, so overlapping streams leave none."""
-  gaps, last = [], None
-  for e in sorted(events, key=lambda e: e.start_ns):
-    if last is not None and e.start_ns > last.start_ns + last.duration_ns:
-      gaps.append(((e.start_ns - last.start_ns - last.duration_ns) / 1e6, last.name, e.name))
-    if last is None or e.start_ns + e.duration_ns > last.start_ns + last.duration_ns:
-      last = e
-  return sorted(gaps, key=lambda gap: -gap[0])[:top]
+  the kernel whose end opens it, the kernel whose start closes it)."""
+  gaps = sorted(trace_summary.idle_gaps(events), key=lambda gap: -gap[0])[:top]
+  return [(ns / 1e6, before, after) for ns, before, after in gaps]
 
 
 class Prepared:

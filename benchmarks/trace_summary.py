@@ -207,6 +207,19 @@ def busy_ns(events: list[Event]) -> float:
   return total
 
 
+def idle_gaps(events: list[Event]) -> list[tuple[float, str, str]]:
+  """The stretches between the events' first start and last end in which no event runs, in
+  time order: (ns, the event whose end opens it, the event whose start closes it). A gap
+  opens when every event begun so far has ended, so overlapping streams leave none."""
+  gaps, last = [], None
+  for e in sorted(events, key=lambda e: e.start_ns):
+    if last is not None and e.start_ns > last.start_ns + last.duration_ns:
+      gaps.append((e.start_ns - last.start_ns - last.duration_ns, last.name, e.name))
+    if last is None or e.start_ns + e.duration_ns > last.start_ns + last.duration_ns:
+      last = e
+  return gaps
+
+
 def summarize(
   events: list[Event], steps: int, targets: dict[str, str] | None = None, top: int = 20
 ) -> dict:
@@ -237,7 +250,7 @@ def summarize(
     "steps": steps,
     "device_span_ms": per_step(span),
     "device_busy_ms": per_step(busy),
-    "idle_ms": per_step(span - busy),
+    "idle_ms": per_step(sum(ns for ns, _, _ in idle_gaps(events))),
     # Above busy where streams overlap: the categories add up to this.
     "kernel_time_ms": per_step(kernel_sum),
     "categories": {

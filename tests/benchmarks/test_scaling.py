@@ -61,8 +61,8 @@ def test_configs_take_the_layouts_each_device_count_allows():
   ]
 
 
-def event(name: str, op: str = "", ms: float = 1e-6) -> trace_summary.Event:
-  return trace_summary.Event(name, 0.0, ms * 1e6, op)
+def event(name: str, op: str = "", ms: float = 1e-6, start_ms: float = 0.0) -> trace_summary.Event:
+  return trace_summary.Event(name, start_ms * 1e6, ms * 1e6, op)
 
 
 def test_peer_to_peer_copies_are_transfers_not_compute():
@@ -96,19 +96,15 @@ def test_the_busiest_gemm_kernels_are_ranked_by_time_per_step_without_collective
   assert scaling.busiest_gemm_kernels(events, steps=2, top=1) == busiest[:1]
 
 
-def timed(name: str, start_ms: float, ms: float, op: str = "") -> trace_summary.Event:
-  return trace_summary.Event(name, start_ms * 1e6, ms * 1e6, op)
-
-
 def test_idle_time_is_the_span_in_which_no_kernel_runs():
   # Two steps: a GEMM beside a gather, then a 2 ms wait with nothing running, a fusion, a
   # cast inside the fusion's span (no gap), and 1 ms more with nothing before the last GEMM.
   events = [
-    timed("nvjet_sm90_qqtst_176x128_bz_TNN", 0.0, 3.0, "custom-call.1"),
-    timed("ncclDevKernel_AllGather_RING_LL", 1.0, 4.0),
-    timed("loop_add_fusion_5", 7.0, 2.0, "add_fusion"),
-    timed("void jaxquant::fp8_tensor_cast_kernel", 7.5, 1.0),
-    timed("nvjet_sm90_qqtst_176x128_bz_TNN", 10.0, 2.0, "custom-call.1"),
+    event("nvjet_sm90_qqtst_176x128_bz_TNN", "custom-call.1", ms=3.0, start_ms=0.0),
+    event("ncclDevKernel_AllGather_RING_LL", ms=4.0, start_ms=1.0),
+    event("loop_add_fusion_5", "add_fusion", ms=2.0, start_ms=7.0),
+    event("void jaxquant::fp8_tensor_cast_kernel", ms=1.0, start_ms=7.5),
+    event("nvjet_sm90_qqtst_176x128_bz_TNN", "custom-call.1", ms=2.0, start_ms=10.0),
   ]
   ms = scaling.profile_ms(events, steps=2)
   assert ms["idle"] == pytest.approx((2.0 + 1.0) / 2)
@@ -118,11 +114,11 @@ def test_idle_time_is_the_span_in_which_no_kernel_runs():
 
 def test_the_longest_idle_gaps_name_the_kernels_either_side():
   events = [
-    timed("gemm_a", 0.0, 3.0),
-    timed("nccl_gather", 1.0, 4.0),  # ends last: the gap after it is its
-    timed("fusion_b", 7.0, 2.0),
-    timed("cast_c", 7.5, 1.0),  # inside fusion_b: no gap around it
-    timed("gemm_d", 10.0, 2.0),
+    event("gemm_a", ms=3.0, start_ms=0.0),
+    event("nccl_gather", ms=4.0, start_ms=1.0),  # ends last: the gap after it is its
+    event("fusion_b", ms=2.0, start_ms=7.0),
+    event("cast_c", ms=1.0, start_ms=7.5),  # inside fusion_b: no gap around it
+    event("gemm_d", ms=2.0, start_ms=10.0),
   ]
   assert scaling.longest_idle_gaps(events, top=5) == [
     (2.0, "nccl_gather", "fusion_b"),
