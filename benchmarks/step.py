@@ -37,6 +37,12 @@ XLA holds its outputs (new params and optimizer state) beside its arguments for 
 call, and `activation_gib` is about XLA's temporaries at their peak (the residuals, the
 gradients, the backward pass's work buffers) plus x plus one optimizer state's bytes, the
 last two alike in every variant (benchmarks/residuals.py lists what the backward keeps).
+`peak_donated_gib`, `activation_donated_gib` and `activation_donated_vs_bf16`: the same of
+the step compiled as a training loop compiles it, the params and optimizer state donated
+(`donate_argnums`), so that the new ones take the old ones' buffers. Compiled for its memory
+only: the timed step donates nothing, so that every call starts from the same state. (On
+the CPU XLA's reported peak leaves the temporaries out, of both executables: there the
+figures are not a step's memory.)
 
 Budget: variants compile in step_variants.ORDER (baseline, fp8_current and the peers
 first, the slowest compiles last). With `--deadline-s`, a variant is skipped (and said so)
@@ -187,6 +193,12 @@ class Prepared:
     params, opt_state, collections, x, key = args
     self.state_gib = state_bytes(params, opt_state) / 2**30
     self.activation_gib = None if self.peak_gib is None else self.peak_gib - self.state_gib
+    # A second executable, compiled for its memory only: a training loop donates its state.
+    donating = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+    self.peak_donated_gib = memory_gib(donating)
+    self.activation_donated_gib = (
+      None if self.peak_donated_gib is None else self.peak_donated_gib - self.state_gib
+    )
     start = time.perf_counter()
     loss = None
     for _ in range(warmup_steps):  # carries the collections (delayed scaling's state) on
@@ -195,6 +207,8 @@ class Prepared:
     self.step_estimate_s = (time.perf_counter() - start) / max(warmup_steps, 1)
     self.call = Call(self.executable, (args[0], args[1], collections, x, key))
     peak = "" if self.peak_gib is None else f", XLA memory {self.peak_gib:.2f} GiB"
+    if self.peak_donated_gib is not None:
+      peak += f" ({self.peak_donated_gib:.2f} GiB donated)"
     print(
       f"  {self.name}: compiled in {self.compile_s:.1f} s (trace+lower {lowered_s:.1f} s){peak}; "
       f"warm-up {self.step_estimate_s * 1e3:.1f} ms/step, loss {loss:.4g}",
@@ -300,12 +314,17 @@ def record_shape(results, shape_name, prepared, args, clock):
     add(name, "compile_s", p.compile_s)
     if name != "bf16" and "bf16" in prepared:
       add(name, "compile_vs_bf16", p.compile_s / prepared["bf16"].compile_s)
-    if p.peak_gib is not None:
-      add(name, "peak_gib", p.peak_gib)
-      add(name, "activation_gib", p.activation_gib)
-      bf16 = prepared.get("bf16")
-      if name != "bf16" and bf16 is not None and bf16.activation_gib is not None:
-        add(name, "activation_vs_bf16", p.activation_gib / bf16.activation_gib)
+    bf16 = prepared.get("bf16") if name != "bf16" else None
+    for suffix in ("", "_donated"):
+      peak = getattr(p, f"peak{suffix}_gib")
+      if peak is None:
+        continue
+      activation = getattr(p, f"activation{suffix}_gib")
+      add(name, f"peak{suffix}_gib", peak)
+      add(name, f"activation{suffix}_gib", activation)
+      baseline = None if bf16 is None else getattr(bf16, f"activation{suffix}_gib")
+      if baseline is not None:
+        add(name, f"activation{suffix}_vs_bf16", activation / baseline)
 
 
 def profile(prepared, names, directory: pathlib.Path, steps: int):
