@@ -46,8 +46,9 @@ figures are not a step's memory.)
 
 Budget: variants compile in step_variants.ORDER (baseline, fp8_current and the peers
 first, the slowest compiles last). With `--deadline-s`, a variant is skipped (and said so)
-where its compile, estimated from its compile at an earlier shape or else the longest
-compile so far, and the timing of the shape's variants would end past the deadline.
+where its compiles (the timed step's and the donating one's), estimated from its compiles
+at an earlier shape or else the longest so far, and the timing of the shape's variants
+would end past the deadline.
 Triton GEMM autotuning should be off on the GPU (XLA_FLAGS above; scripts/gpu.sh sets it):
 it took minutes to compile quantized steps, and cuBLAS(Lt) takes those dots instead.
 
@@ -194,7 +195,9 @@ class Prepared:
     self.state_gib = state_bytes(params, opt_state) / 2**30
     self.activation_gib = None if self.peak_gib is None else self.peak_gib - self.state_gib
     # A second executable, compiled for its memory only: a training loop donates its state.
+    start = time.perf_counter()
     donating = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+    self.donated_compile_s = time.perf_counter() - start
     self.peak_donated_gib = memory_gib(donating)
     self.activation_donated_gib = (
       None if self.peak_donated_gib is None else self.peak_donated_gib - self.state_gib
@@ -277,7 +280,8 @@ def prepare_shape(shape_name, names, args, clock, compile_history) -> dict[str, 
         f"  {name}: FAILED, not recorded: {type(error).__name__}: {str(error)[:2000]}", flush=True
       )
       continue
-    compile_history[name] = prepared[name].compile_s
+    # The deadline's estimate: both compilations.
+    compile_history[name] = prepared[name].compile_s + prepared[name].donated_compile_s
   return prepared
 
 
