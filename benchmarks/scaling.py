@@ -320,7 +320,7 @@ def profile_ms(events: list, steps: int) -> dict[str, float]:
       compute.append(e)
       times[compute_part_of(e)] += e.duration_ns
   times["compute"] = trace_summary.busy_ns(compute)
-  times["idle"] = sum(ns for ns, _, _ in trace_summary.idle_gaps(events))
+  times["idle"] = trace_summary.idle_ns(events)
   return {name: ns / steps / 1e6 for name, ns in times.items()}
 
 

@@ -220,6 +220,11 @@ def idle_gaps(events: list[Event]) -> list[tuple[float, str, str]]:
   return gaps
 
 
+def idle_ns(events: list[Event]) -> float:
+  """The time between the events' first start and last end in which no event runs."""
+  return sum(ns for ns, _, _ in idle_gaps(events))
+
+
 def summarize(
   events: list[Event], steps: int, targets: dict[str, str] | None = None, top: int = 20
 ) -> dict:
@@ -250,7 +255,7 @@ def summarize(
     "steps": steps,
     "device_span_ms": per_step(span),
     "device_busy_ms": per_step(busy),
-    "idle_ms": per_step(sum(ns for ns, _, _ in idle_gaps(events))),
+    "idle_ms": per_step(idle_ns(events)),
     # Above busy where streams overlap: the categories add up to this.
     "kernel_time_ms": per_step(kernel_sum),
     "categories": {
