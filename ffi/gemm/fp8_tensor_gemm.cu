@@ -7,12 +7,15 @@
 // 0.95 ms call on the H100, docs/kernels.md). Asking cuBLASLt for the bf16 output directly
 // drops that pass; the scaled fp32 sums are rounded once, as in the reference.
 //
-// The call takes cuBLASLt's full workspace, as XLA's own GEMMs do, as a result buffer XLA
-// allocates with it (so it stays safe to trace into XLA's command buffers). With no
-// workspace cuBLASLt runs the same algorithm's statically scheduled kernel (`ssched` in its
-// name): as fast on an idle GPU, but its tiles are dealt out to the SMs in advance, so it
-// loses more than the dynamically scheduled one while NCCL's kernels hold SMs beside it
-// (an FSDP step's gathers; docs/sharding.md).
+// Where the computation spans more than one device the call takes cuBLASLt's full
+// workspace, as XLA's own GEMMs do, as a result buffer XLA allocates with it (so it stays
+// safe to trace into XLA's command buffers). With no workspace cuBLASLt runs the same
+// algorithm's statically scheduled kernel (`ssched` in its name): as fast on an idle GPU,
+// but its tiles are dealt out to the SMs in advance, so it loses more than the dynamically
+// scheduled one while NCCL's kernels hold SMs beside it (an FSDP step's gathers;
+// docs/sharding.md). On one device the call has D alone: a second result makes the call
+// tuple-shaped, and XLA then lets no fusion write its output in place of D
+// (kernels/_primitive.py).
 #include <string>
 
 #include "jaxquant/bindings.h"
@@ -42,7 +45,7 @@ bool lt_type(ffi::DataType dtype, cudaDataType_t& out) {
 
 ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
                            ffi::Buffer<ffi::F32> sa, ffi::Buffer<ffi::F32> sb,
-                           ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace,
+                           ffi::Result<ffi::AnyBuffer> d, ffi::RemainingRets workspace_result,
                            bool fast_accumulation) {
   int64_t m, k, n, kb;
   const auto dd = d->dimensions();
@@ -64,12 +67,9 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a
       a.untyped_data(), ta, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sa.typed_data()}};
   const LtOperand lt_b{
       b.untyped_data(), tb, {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, sb.typed_data()}};
-  const Workspace given{workspace->untyped_data(), workspace->size_bytes()};
-  if (auto err = check_workspace("fp8_tensor_gemm", given, lt_workspace_result_bytes());
-      err.failure()) {
-    return err;
-  }
-  auto ran = lt_gemm(stream, device, given, lt_a, lt_b, /*device_alpha_beta=*/nullptr,
+  auto given = lt_workspace_result(workspace_result, "fp8_tensor_gemm");
+  if (given.has_error()) return given.error();
+  auto ran = lt_gemm(stream, device, *given, lt_a, lt_b, /*device_alpha_beta=*/nullptr,
                      d->untyped_data(), td, m, n, k, fast_accumulation);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
@@ -85,7 +85,7 @@ ffi::Error fp8_tensor_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a
 
 JAXQUANT_DEFINE_HANDLER(JaxquantFp8TensorGemm, jaxquant::fp8_tensor_gemm,
                         jaxquant::scaled_gemm_binding()
-                            .Ret<xla::ffi::AnyBuffer>()  // workspace
+                            .RemainingRets()  // cuBLASLt's workspace, or none
                             .Attr<bool>("fast_accumulation"));
 
 int64_t JaxquantFp8TensorGemmWorkspaceBytes(int64_t m, int64_t n) {

@@ -196,6 +196,19 @@ ffi::ErrorOr<Plan> fastest_candidate(cudaStream_t stream, const Workspace& works
 
 }  // namespace
 
+ffi::ErrorOr<Workspace> lt_workspace_result(const ffi::RemainingRets& rets, const char* what) {
+  if (rets.empty()) return Workspace{};
+  auto buffer = rets.get<ffi::AnyBuffer>(0);
+  if (rets.size() > 1 || !buffer.has_value()) {
+    return ffi::Unexpected(invalid(std::string(what) + ": expects D and at most one workspace"));
+  }
+  const Workspace given{(*buffer)->untyped_data(), (*buffer)->size_bytes()};
+  if (auto err = check_workspace(what, given, lt_workspace_result_bytes()); err.failure()) {
+    return ffi::Unexpected(err);
+  }
+  return given;
+}
+
 ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace& given,
                            const LtOperand& a, const LtOperand& b, const float* device_alpha_beta,
                            void* d, cudaDataType_t td, int64_t m, int64_t n, int64_t k,

@@ -39,6 +39,12 @@ constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 // its first aligned address on (Workspace::after).
 constexpr size_t lt_workspace_result_bytes() { return kWorkspaceAlignment + kLtWorkspaceBytes; }
 
+// The workspace of a GEMM that is only a cuBLASLt call (fp8_tensor_gemm.cu,
+// scaled_bf16_gemm.cu): its results after D, none or one of at least
+// lt_workspace_result_bytes(). The lowering adds it only where the computation spans more
+// than one device (kernels/_primitive.py says why); without it the Workspace is empty.
+ffi::ErrorOr<Workspace> lt_workspace_result(const ffi::RemainingRets& rets, const char* what);
+
 // Runs the GEMM on `stream`. Returns false, having run nothing, when cuBLASLt has no
 // algorithm for the problem (the caller may take another kernel); an error when a call
 // fails. The algorithm is chosen on the problem's first call in the process (timed among

@@ -16,7 +16,7 @@ namespace {
 
 ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
                             ffi::Buffer<ffi::F32> alpha_beta, ffi::Result<ffi::AnyBuffer> d,
-                            ffi::Result<ffi::AnyBuffer> workspace) {
+                            ffi::RemainingRets workspace_result) {
   int64_t m, k, n, kb;
   const auto dd = d->dimensions();
   if (!matrix_dims(a, m, k) || !matrix_dims(b, n, kb) || dd.size() != 2 || kb != k || dd[0] != m ||
@@ -41,13 +41,11 @@ ffi::Error scaled_bf16_gemm(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   const LtScales none{CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, nullptr};
   const LtOperand lt_a{a.untyped_data(), CUDA_R_16BF, none};
   const LtOperand lt_b{b.untyped_data(), CUDA_R_16BF, none};
-  // cuBLASLt's full workspace, as the per-tensor FP8 GEMM takes it (fp8_tensor_gemm.cu).
-  const Workspace given{workspace->untyped_data(), workspace->size_bytes()};
-  if (auto err = check_workspace("scaled_bf16_gemm", given, lt_workspace_result_bytes());
-      err.failure()) {
-    return err;
-  }
-  auto ran = lt_gemm(stream, device, given, lt_a, lt_b, alpha_beta.typed_data(), d->untyped_data(),
+  // cuBLASLt's workspace where the call has one, as the per-tensor FP8 GEMM takes it
+  // (fp8_tensor_gemm.cu).
+  auto given = lt_workspace_result(workspace_result, "scaled_bf16_gemm");
+  if (given.has_error()) return given.error();
+  auto ran = lt_gemm(stream, device, *given, lt_a, lt_b, alpha_beta.typed_data(), d->untyped_data(),
                      td, m, n, k, /*fast_accumulation=*/false);
   if (ran.has_error()) return ran.error();
   if (!*ran) {
@@ -65,7 +63,7 @@ auto scaled_bf16_gemm_binding() {
       .Arg<ffi::AnyBuffer>()         // B
       .Arg<ffi::Buffer<ffi::F32>>()  // alpha, beta
       .Ret<ffi::AnyBuffer>()         // D
-      .Ret<ffi::AnyBuffer>();        // workspace
+      .RemainingRets();              // cuBLASLt's workspace, or none
 }
 
 }  // namespace

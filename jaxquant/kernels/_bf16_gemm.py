@@ -73,7 +73,8 @@ def _partition(config, mesh, arg_shapes, result_shape):
 
 
 def _workspace_dims(config, a, b, alpha_beta):
-  """cuBLASLt's workspace, for its dynamically scheduled kernels (ffi/gemm/fp8_tensor_gemm.cu)."""
+  """cuBLASLt's workspace, for its dynamically scheduled kernels beside other devices'
+  collectives (ffi/gemm/fp8_tensor_gemm.cu)."""
   return a.shape[0], b.shape[0]
 
 
@@ -84,6 +85,7 @@ SPEC = primitive.KernelSpec(
   partition=_partition,
   sharding_rule=_sharding_rule,
   workspace_dims=_workspace_dims,
+  workspace_only_across_devices=True,
 )
 scaled_bf16_gemm_p = primitive.define(SPEC)
 

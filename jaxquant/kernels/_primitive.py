@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 # Only for prim_requires_devices_during_lowering (see define): JAX has no public way to ask
 # for the device assignment while lowering a primitive.
-from jax._src import dispatch
+from jax._src import dispatch, sharding_impls
 from jax.core import ShapedArray
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
@@ -56,6 +56,11 @@ class KernelSpec:
   # (config, *avals) -> the dims the library's workspace query of the target takes, for a
   # kernel whose lowering adds a workspace result (`_library.workspace_bytes` sizes it).
   workspace_dims: Optional[Callable] = None
+  # For a workspace that only speeds the kernel up beside other devices' collectives
+  # (cuBLASLt's dynamically scheduled GEMMs): on one device the call goes without it. A
+  # second result makes the call tuple-shaped, and XLA lets no fusion write its output in
+  # place of a tuple's element: it cost the 8B train step 0.44 GiB of peak memory.
+  workspace_only_across_devices: bool = False
   # A kernel of several FFI targets (the cast, one per family) lists them all and picks the
   # one of each call: config -> target.
   ffi_targets: tuple[str, ...] = ()
@@ -71,13 +76,25 @@ class KernelSpec:
     return self.pick_target(config) if self.pick_target else self.name
 
 
+def _lowered_device_count(ctx) -> Optional[int]:
+  """The devices the computation being lowered runs on (None where JAX does not say)."""
+  axis_context = ctx.module_context.axis_context
+  if isinstance(axis_context, sharding_impls.ShardingContext):
+    return axis_context.num_devices
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext):  # custom_partitioning, shard_map
+    return axis_context.mesh.size
+  return None
+
+
 def _cuda_lowering(spec: KernelSpec):
   def lower(ctx, *args, config):
     error = library.load_error()
     if error:
       raise RuntimeError(f"{spec.name}: cannot lower to the CUDA kernel: {error}")
     ffi = jax.ffi.ffi_lowering(spec.target(config))
-    if spec.workspace_dims is None:
+    if spec.workspace_dims is None or (
+      spec.workspace_only_across_devices and _lowered_device_count(ctx) == 1
+    ):
       return ffi(ctx, *args, **config.ffi_attributes())
     # The workspace is the call's last result, which nothing reads after it.
     target = spec.target(config)

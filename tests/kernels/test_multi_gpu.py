@@ -134,8 +134,23 @@ def _quantized(seed, shape, quantizer):
 
 
 # The GEMMs whose workspace is a result buffer sized when the call is lowered: under a
-# sharded jit it is sized for each device's shard.
+# sharded jit it is sized for each device's shard (the cuBLASLt GEMMs, per-tensor FP8 and
+# NVFP4's dequantize-first GEMM, take theirs only there).
 WORKSPACE_GEMMS = {
+  "fp8_tensor": (
+    lambda: (
+      _quantized(13, (1024, 2048), Float8Quantizer()),
+      _quantized(14, (512, 2048), Float8Quantizer()),
+    ),
+    FP8_MMA_TOLERANCE,
+  ),
+  "nvfp4_dequantize_first": (
+    lambda: (
+      _quantized(15, (1024, 2048), NVFP4Quantizer()),
+      _quantized(16, (512, 2048), NVFP4Quantizer()),
+    ),
+    BF16_MMA_TOLERANCE,
+  ),
   "block_fp8": (
     lambda: (
       _quantized(7, (1024, 2048), BlockFloat8Quantizer(block="1x128")),
@@ -167,6 +182,30 @@ def test_gemm_with_workspace_takes_shards(mesh, name, spec_a, spec_b):
   )
   got = np.asarray(f(place(a, spec_a), place(b, spec_b)), np.float64)
   assert relative_error(got, want) <= tolerance
+
+
+@pytest.mark.parametrize(
+  "name,target",
+  [
+    ("fp8_tensor", "jaxquant_fp8_tensor_gemm"),
+    ("nvfp4_dequantize_first", "jaxquant_scaled_bf16_gemm"),
+  ],
+)
+def test_cublaslt_gemm_takes_its_workspace_only_across_devices(mesh, name, target):
+  """One device: the call's only result is D, which XLA's fusions may overwrite in place.
+  Sharded: D and cuBLASLt's workspace (uint8), for its dynamically scheduled kernels."""
+  a, b = WORKSPACE_GEMMS[name][0]()
+  f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
+  sharded_a = jax.tree.map(
+    lambda t: jax.device_put(t, NamedSharding(mesh, P("d", None) if t.ndim == 2 else P())), a
+  )
+  for args, with_workspace in (((a, b), False), ((sharded_a, b), True)):
+    hlo = f.lower(*args).compile().as_text()
+    calls = [line for line in hlo.splitlines() if f'custom_call_target="{target}"' in line]
+    assert calls, f"no {target} call"
+    for call in calls:
+      result = call.split(" = ", 1)[1].split(" custom-call(", 1)[0]
+      assert ("u8[" in result) == with_workspace, call[:300]
 
 
 def test_grouped_gemm_with_sharded_tokens(mesh):

@@ -491,12 +491,16 @@ def test_cuda_lowering_adds_the_workspace_result(monkeypatch):
   assert jax.eval_shape(fn, a, b, sizes, alpha).shape == (64, 16)
 
 
+@pytest.mark.parametrize("across_devices", [False, True], ids=["one_device", "eight_devices"])
 @pytest.mark.parametrize("gemm", ["fp8_tensor_gemm", "scaled_bf16_gemm"])
-def test_cublaslt_gemms_lower_with_cublaslt_s_workspace(monkeypatch, gemm):
+def test_cublaslt_gemms_take_cublaslt_s_workspace_across_devices(
+  monkeypatch, eight_devices, gemm, across_devices
+):
   """The GEMMs that are one cuBLASLt call take its workspace as a result buffer sized by
-  D's shape: without one cuBLASLt runs statically scheduled kernels, which lose more
-  beside NCCL's (ffi/gemm/fp8_tensor_gemm.cu). Lowered here without a GPU: the library's
-  load and query are stood in for."""
+  D's shape where the computation spans several devices (without one cuBLASLt runs
+  statically scheduled kernels, which lose more beside NCCL's; ffi/gemm/fp8_tensor_gemm.cu),
+  and on one device have D as their only result, which XLA's fusions may then overwrite
+  in place. Lowered here without a GPU: the library's load and query are stood in for."""
   from jaxquant.kernels import _bf16_gemm as bf16_gemm
   from jaxquant.kernels import _library as library
   from jaxquant.kernels import _tensor_gemm as tensor_gemm
@@ -510,13 +514,22 @@ def test_cublaslt_gemms_lower_with_cublaslt_s_workspace(monkeypatch, gemm):
   if gemm == "fp8_tensor_gemm":
     a = jnp.zeros((m, k), jnp.float8_e4m3fn)
     b = jnp.zeros((n, k), jnp.float8_e4m3fn)
-    fn = jax.jit(lambda a, b, s: tensor_gemm.fp8_tensor_gemm(a, b, s, s, out_dtype=jnp.bfloat16))
+    call = lambda a, b, s: tensor_gemm.fp8_tensor_gemm(a, b, s, s, out_dtype=jnp.bfloat16)
   else:
     a, b = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((n, k), jnp.bfloat16)
-    fn = jax.jit(lambda a, b, s: bf16_gemm.scaled_bf16_gemm(a, b, s, out_dtype=jnp.bfloat16))
+    call = lambda a, b, s: bf16_gemm.scaled_bf16_gemm(a, b, s, out_dtype=jnp.bfloat16)
+  if across_devices:  # each device's rows of A, its own GEMM
+    mesh = Mesh(np.array(eight_devices), ("d",))
+    call = jax.shard_map(call, mesh=mesh, in_specs=(P("d"), P(), P()), out_specs=P("d"))
+  fn = jax.jit(call)
   scale = jnp.float32(1)
   text = fn.trace(a, b, scale).lower(lowering_platforms=("cuda",)).as_text()
-  (call,) = [line for line in text.splitlines() if f"@jaxquant_{gemm}(" in line]
-  assert call.endswith(f"-> (tensor<{m}x{n}xbf16>, tensor<777xui8>)"), call
-  assert queries == [(f"jaxquant_{gemm}", (m, n))]
+  (line,) = [line for line in text.splitlines() if f"@jaxquant_{gemm}(" in line]
+  rows = m // len(eight_devices) if across_devices else m
+  if across_devices:
+    assert line.endswith(f"-> (tensor<{rows}x{n}xbf16>, tensor<777xui8>)"), line
+    assert queries == [(f"jaxquant_{gemm}", (rows, n))]
+  else:
+    assert line.endswith(f"-> tensor<{m}x{n}xbf16>"), line
+    assert queries == []
   assert jax.eval_shape(fn, a, b, scale).shape == (m, n)
