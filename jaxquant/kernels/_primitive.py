@@ -25,8 +25,9 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-# Only for prim_requires_devices_during_lowering (see define): JAX has no public way to ask
-# for the device assignment while lowering a primitive.
+# Only for prim_requires_devices_during_lowering (see define) and for the axis context a
+# lowering runs in (`_lowered_device_count`): JAX has no public way to ask for the device
+# assignment while lowering a primitive.
 from jax._src import dispatch, sharding_impls
 from jax.core import ShapedArray
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -59,7 +60,7 @@ class KernelSpec:
   # For a workspace that only speeds the kernel up beside other devices' collectives
   # (cuBLASLt's dynamically scheduled GEMMs): on one device the call goes without it. A
   # second result makes the call tuple-shaped, and XLA lets no fusion write its output in
-  # place of a tuple's element: it cost the 8B train step 0.44 GiB of peak memory.
+  # place of a tuple's element: it cost the 8B train step 0.44-0.58 GiB of peak memory.
   workspace_only_across_devices: bool = False
   # A kernel of several FFI targets (the cast, one per family) lists them all and picks the
   # one of each call: config -> target.
@@ -77,7 +78,8 @@ class KernelSpec:
 
 
 def _lowered_device_count(ctx) -> Optional[int]:
-  """The devices the computation being lowered runs on (None where JAX does not say)."""
+  """The devices the computation being lowered runs on; None where JAX does not say (a
+  kernel then keeps its workspace)."""
   axis_context = ctx.module_context.axis_context
   if isinstance(axis_context, sharding_impls.ShardingContext):
     return axis_context.num_devices

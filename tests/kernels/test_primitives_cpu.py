@@ -525,8 +525,8 @@ def test_cublaslt_gemms_take_cublaslt_s_workspace_across_devices(
   scale = jnp.float32(1)
   text = fn.trace(a, b, scale).lower(lowering_platforms=("cuda",)).as_text()
   (line,) = [line for line in text.splitlines() if f"@jaxquant_{gemm}(" in line]
-  rows = m // len(eight_devices) if across_devices else m
   if across_devices:
+    rows = m // len(eight_devices)
     assert line.endswith(f"-> (tensor<{rows}x{n}xbf16>, tensor<777xui8>)"), line
     assert queries == [(f"jaxquant_{gemm}", (rows, n))]
   else:
