@@ -136,36 +136,38 @@ def _quantized(seed, shape, quantizer):
 # The GEMMs whose workspace is a result buffer sized when the call is lowered: under a
 # sharded jit it is sized for each device's shard (the cuBLASLt GEMMs, per-tensor FP8 and
 # NVFP4's dequantize-first GEMM, take theirs only there).
-WORKSPACE_GEMMS = {
+WORKSPACE_GEMMS = {  # name: (A's and B's (seed, shape, quantizer), tolerance)
   "fp8_tensor": (
-    lambda: (
-      _quantized(13, (1024, 2048), Float8Quantizer()),
-      _quantized(14, (512, 2048), Float8Quantizer()),
-    ),
+    ((13, (1024, 2048), Float8Quantizer()), (14, (512, 2048), Float8Quantizer())),
     FP8_MMA_TOLERANCE,
   ),
   "nvfp4_dequantize_first": (
-    lambda: (
-      _quantized(15, (1024, 2048), NVFP4Quantizer()),
-      _quantized(16, (512, 2048), NVFP4Quantizer()),
-    ),
+    ((15, (1024, 2048), NVFP4Quantizer()), (16, (512, 2048), NVFP4Quantizer())),
     BF16_MMA_TOLERANCE,
   ),
   "block_fp8": (
-    lambda: (
-      _quantized(7, (1024, 2048), BlockFloat8Quantizer(block="1x128")),
-      _quantized(8, (512, 2048), BlockFloat8Quantizer(block="128x128")),
+    (
+      (7, (1024, 2048), BlockFloat8Quantizer(block="1x128")),
+      (8, (512, 2048), BlockFloat8Quantizer(block="128x128")),
     ),
     FP8_MMA_TOLERANCE,
   ),
   "fused_dequant_m32": (
-    lambda: (
-      _quantized(9, (32, 2048), MXFP8Quantizer()),
-      _quantized(10, (1024, 2048), NVFP4Quantizer()),
-    ),
+    ((9, (32, 2048), MXFP8Quantizer()), (10, (1024, 2048), NVFP4Quantizer())),
     BF16_MMA_TOLERANCE,
   ),
 }
+
+
+def _workspace_gemm_operands(name):
+  return [_quantized(*operand) for operand in WORKSPACE_GEMMS[name][0]]
+
+
+def _placed(mesh, qd, spec):
+  """A usage's data with `spec` (its scales, scalars or vectors, replicated)."""
+  return jax.tree.map(
+    lambda t: jax.device_put(t, NamedSharding(mesh, spec if t.ndim == 2 else P())), qd
+  )
 
 
 @pytest.mark.parametrize("name", sorted(WORKSPACE_GEMMS))
@@ -173,15 +175,11 @@ WORKSPACE_GEMMS = {
   "spec_a,spec_b", [(P("d", None), P()), (P(), P("d", None))], ids=["data_parallel", "weight_rows"]
 )
 def test_gemm_with_workspace_takes_shards(mesh, name, spec_a, spec_b):
-  make, tolerance = WORKSPACE_GEMMS[name]
-  a, b = make()
+  a, b = _workspace_gemm_operands(name)
   f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
   want = np.asarray(f(a, b), np.float64)
-  place = lambda qd, spec: jax.tree.map(
-    lambda t: jax.device_put(t, NamedSharding(mesh, spec if t.ndim == 2 else P())), qd
-  )
-  got = np.asarray(f(place(a, spec_a), place(b, spec_b)), np.float64)
-  assert relative_error(got, want) <= tolerance
+  got = np.asarray(f(_placed(mesh, a, spec_a), _placed(mesh, b, spec_b)), np.float64)
+  assert relative_error(got, want) <= WORKSPACE_GEMMS[name][1]
 
 
 @pytest.mark.parametrize(
@@ -194,12 +192,9 @@ def test_gemm_with_workspace_takes_shards(mesh, name, spec_a, spec_b):
 def test_cublaslt_gemm_takes_its_workspace_only_across_devices(mesh, name, target):
   """One device: the call's only result is D, which XLA's fusions may overwrite in place.
   Sharded: D and cuBLASLt's workspace (uint8), for its dynamically scheduled kernels."""
-  a, b = WORKSPACE_GEMMS[name][0]()
+  a, b = _workspace_gemm_operands(name)
   f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.float32))
-  sharded_a = jax.tree.map(
-    lambda t: jax.device_put(t, NamedSharding(mesh, P("d", None) if t.ndim == 2 else P())), a
-  )
-  for args, with_workspace in (((a, b), False), ((sharded_a, b), True)):
+  for args, with_workspace in (((a, b), False), ((_placed(mesh, a, P("d", None)), b), True)):
     hlo = f.lower(*args).compile().as_text()
     calls = [line for line in hlo.splitlines() if f'custom_call_target="{target}"' in line]
     assert calls, f"no {target} call"
