@@ -7,6 +7,11 @@ contractions take the model recipe, `on_unfit` and `weight_gather` from it, and 
 each contraction they meet as a `Row` (what `swap_report` prints and what the no-GEMM
 check counts). The layers read it without knowing the swap-in: it sits below both.
 
+Delayed scaling's input state is shared within a session: layers that read one tensor
+(q, k and v of an attention, gate and up of a gated MLP) quantize it with the state of the
+first of them (`Session.input_state`), so the compiled step casts it once, keeps one
+copy of its codes for backward, and each layer's state records the same amaxes.
+
 The swap-in also supplies `find_weight(operand)`: which param of the model an operand
 is (a `jaxquant.flax.swap` weight reference), or None. Every contraction of a param met
 runs in `param_contraction_scope()`, so that `swap_report` can tell, in the traced
@@ -28,6 +33,7 @@ import warnings
 from typing import Any, Callable, Literal, Optional
 
 import jax
+import jax.extend
 
 from jaxquant import recipes
 from jaxquant.quantizers import Quantizer
@@ -86,6 +92,21 @@ class Row:
     return self.role is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class _QuantizedInput:
+  """A layer input that a delayed-scaling GEMM of the session quantized first."""
+
+  tensor: Any  # compared by identity: the same traced value, not an equal one
+  dtype: Any  # the dtype the layer promoted it to
+  trace: Any  # the JAX trace it was quantized in (jax.extend.core.get_opaque_trace_state)
+  quantizer: Quantizer
+  state: Any  # the DelayedScalingState it was quantized with
+
+
+def _current_trace():
+  return jax.extend.core.get_opaque_trace_state(convention="flax")
+
+
 @dataclasses.dataclass
 class Session:
   recipe: Optional[recipes.CustomRecipe]
@@ -103,10 +124,28 @@ class Session:
   # rows are theirs: the innermost recipe holds), so a model whose GEMMs all sit in such a
   # submodel did not run entirely in high precision.
   nested_weight_gemms: int = 0
+  quantized_inputs: list[_QuantizedInput] = dataclasses.field(default_factory=list)
 
   @property
   def met_weight_gemm(self) -> bool:
     return self.nested_weight_gemms > 0 or any(row.is_weight_gemm for row in self.rows)
+
+  def input_state(self, x, dtype, quantizer: Quantizer, state):
+    """The delayed-scaling state to quantize the layer input `x`, promoted to `dtype`,
+    with: the state of the first GEMM of this session that quantized the same `x` (one
+    traced value, in the same trace), promoted alike, with an equal quantizer; else
+    `state`, recorded as `x`'s.
+
+    The layers' own states stay theirs to write: each records `x`'s amax into the state
+    it was given, so states that were equal (every state from init, from a checkpoint of
+    the same model, or after one shared step) stay equal, and the shared bits are the
+    bits each layer's own state gives."""
+    trace = _current_trace()
+    for seen in self.quantized_inputs:
+      if seen.tensor is x and (seen.dtype, seen.trace, seen.quantizer) == (dtype, trace, quantizer):
+        return seen.state
+    self.quantized_inputs.append(_QuantizedInput(x, dtype, trace, quantizer, state))
+    return state
 
   def record(self, row: Row) -> None:
     self.rows.append(row)

@@ -345,6 +345,7 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
       record(sessions.unfit_status(reason), shapes)
       return flax_call(x, *args, **kwargs)
   kernel, bias, add_bias = layer.params()
+  layer_input = x
   x, kernel, bias = module.promote_dtype(x, kernel, bias, dtype=module.dtype)
   variables, state = _state_variables(module, roles, quantizers)
   gather = None
@@ -369,6 +370,7 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
     weight_gather=gather,
     fast_accumulation=recipe.fast_accumulation,
     shard_scaling=None if session is None else session.shard_scaling,
+    layer_input=layer_input,
   )
   record(sessions.QUANTIZED, shapes)
   if variables:

@@ -171,6 +171,7 @@ class _QuantizedGemm:
       key=self._key(quantizers),
       state=state,
       fast_accumulation=recipe.fast_accumulation,
+      layer_input=inputs,
     )
     record(sessions.QUANTIZED)
     if new_state is not None:

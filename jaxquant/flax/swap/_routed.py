@@ -121,6 +121,7 @@ def _param_contraction(session, call: Call, found: calls.Contraction, shapes, re
     return call.fallback()
   recipe, quantizers = admitted
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
+  operand = x
   x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
   key = ref.host.key(quantizers, what)
   if grouped:
@@ -140,6 +141,7 @@ def _param_contraction(session, call: Call, found: calls.Contraction, shapes, re
     state=state,
     fast_accumulation=recipe.fast_accumulation,
     shard_scaling=session.shard_scaling,
+    layer_input=operand,
   )
   if new_state is not None:
     ref.host.write_state(ref.param, new_state)
