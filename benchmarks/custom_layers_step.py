@@ -102,14 +102,21 @@ class Stack(nn.Module):
 
 
 def train_step(model, tx):
-  def loss_fn(params, x):
-    return jnp.mean(model.apply({"params": params}, x).astype(jnp.float32) ** 2)
+  """AdamW on the params; the other collections (delayed scaling's "quant_state", where
+  the recipe keeps one) advanced by `update_quant_state`, as README's Linen step does."""
+
+  def loss_fn(params, collections, x):
+    y, updated = model.apply({"params": params, **collections}, x, mutable=list(collections))
+    return jnp.mean(y.astype(jnp.float32) ** 2), updated
 
   @jax.jit
-  def step(params, opt_state, x):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+  def step(params, opt_state, collections, x):
+    (loss, updated), (grads, state_grads) = jax.value_and_grad(
+      loss_fn, argnums=(0, 1), has_aux=True
+    )(params, collections, x)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    updated = jqf.update_quant_state(updated, state_grads)
+    return optax.apply_updates(params, updates), opt_state, updated, loss
 
   return step
 
@@ -149,12 +156,14 @@ def main():
   calls = {}
   for variant in ("stock", "custom"):
     model = jqf.quantize_model(Stack(shape, args.layers, stock=variant == "stock"), recipe)
-    params = jax.jit(model.init)(jax.random.key(1), x[:, :128])["params"]
+    variables = jax.jit(model.init)(jax.random.key(1), x[:, :128])
+    params = variables["params"]
+    collections = {name: c for name, c in variables.items() if name != "params"}
     if variant == "custom":
-      report = jqf.swap_report(model, {"params": params}, x)
+      report = jqf.swap_report(model, variables, x)
       print(report)
       assert len(report.quantized) == 6 * args.layers, "a GEMM of the custom model was missed"
-    calls[variant] = Call(train_step(model, tx), (params, tx.init(params), x))
+    calls[variant] = Call(train_step(model, tx), (params, tx.init(params), collections, x))
   samples = interleaved_seconds(calls, rounds=args.rounds)
   record_shape = {
     **dataclasses.asdict(shape),
