@@ -73,17 +73,19 @@ def _with_input_scale(collections, layer, scale):
   return {**collections, "quant_state": quant_state}
 
 
+def _dense(x, kernel, states):
+  """The oracle: ops.dense of x with these delayed-scaling states, in fp32 (the layers
+  promote a bf16 x to their fp32 kernel's dtype)."""
+  y, _ = ops.dense(
+    x.reshape(-1, D).astype(jnp.float32), kernel, recipe=recipes.fp8_delayed, state=states
+  )
+  return y.reshape(x.shape[:-1] + (D,))
+
+
 def _own_state_output(params, collections, layer, x):
-  """`layer`'s output quantized with its own states: ops.dense, the oracle (in fp32,
-  as nn.Dense promotes a bf16 x to its fp32 kernel's dtype)."""
+  """`layer`'s output quantized with its own states."""
   states = {t: s.scaling for t, s in collections["quant_state"][layer].items()}
-  return ops.dense(
-    x.reshape(-1, D).astype(jnp.float32),
-    params[layer]["kernel"],
-    recipe=recipes.fp8_delayed,
-    name=layer,
-    state=states,
-  )[0].reshape(x.shape[:-1] + (D,))
+  return _dense(x, params[layer]["kernel"], states)
 
 
 def _linen(remat_k=False):
@@ -142,15 +144,8 @@ def test_routed_contractions_share_the_first_reader_state_too():
     {"params": params, "quant_state": {**states, "k": k_states}}, x, mutable=["quant_state"]
   )
   own = {t.removeprefix("w_"): s.scaling for t, s in k_states.items()}
-  with_states = lambda states: ops.dense(
-    x.reshape(-1, D).astype(jnp.float32),
-    params["k"]["w"],
-    recipe=recipes.fp8_delayed,
-    name="k",
-    state=states,
-  )[0].reshape(k.shape)
-  expected = with_states(own | {"input": q_input.scaling})
-  assert not np.array_equal(with_states(own), expected)  # the two scales give other bits
+  expected = _dense(x, params["k"]["w"], own | {"input": q_input.scaling})
+  assert not np.array_equal(_dense(x, params["k"]["w"], own), expected)  # other bits
   np.testing.assert_array_equal(k, expected)
 
 
@@ -168,13 +163,6 @@ def test_nnx_layers_share_the_first_reader_state_too():
   x = _x(2)
   _, k, _, _ = model(x)
   own = {t: s.scaling for t, s in k_states.items()}
-  with_states = lambda states: ops.dense(
-    x.reshape(-1, D).astype(jnp.float32),
-    model.k.kernel[...],
-    recipe=recipes.fp8_delayed,
-    name="k",
-    state=states,
-  )[0].reshape(k.shape)
-  expected = with_states(own | {"input": q_input.scaling})
-  assert not np.array_equal(with_states(own), expected)  # the two scales give other bits
+  expected = _dense(x, model.k.kernel[...], own | {"input": q_input.scaling})
+  assert not np.array_equal(_dense(x, model.k.kernel[...], own), expected)  # other bits
   np.testing.assert_array_equal(k, expected)
