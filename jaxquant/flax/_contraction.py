@@ -290,22 +290,21 @@ def quantized_gemm(
   what: str,
   key: Optional[jax.Array],
   state: Optional[dict],
+  layer_input: jax.Array,
   weight_gather: Optional[ops.WeightGather] = None,
   fast_accumulation: frozenset = frozenset(),
   shard_scaling: Optional[ops.ShardScaling] = None,
-  layer_input: Optional[jax.Array] = None,
 ):
   """The layer's output through `ops.dense`, and the new delayed-scaling state (or None).
   `weight_gather` describes the GEMM's 2-D [K, N] kernel; `fast_accumulation` names the
   GEMMs allowed FP8 fast accumulation, `shard_scaling` the mesh axes over whose row shards
   the input and output gradient are scaled (ops.dense). Under a swap-in session, a
   delayed-scaling input is quantized with the state of the session's first GEMM whose
-  layer was called with the same `layer_input` (x before the layer promoted its dtype;
-  default x itself), promoted alike (`Session.input_state`)."""
+  layer was called with the same `layer_input` (x before the layer promoted its dtype),
+  promoted alike (`Session.input_state`)."""
   session = sessions.current()
   if state is not None and "input" in state and session is not None:
-    source = x if layer_input is None else layer_input
-    shared = session.input_state(source, x.dtype, quantizers["input"], state["input"])
+    shared = session.input_state(layer_input, x.dtype, quantizers["input"], state["input"])
     state = dict(state, input=shared)
 
   def gemm(x2d, k2d):
