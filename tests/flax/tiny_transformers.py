@@ -237,12 +237,21 @@ def linen_train_step(model, tx):
   return step
 
 
+# XLA's own CPU optimization level (the suite runs at 0, tests/conftest.py): at 0 the CPU
+# dot's summation order follows its operands' shapes, so a sharded step's fp32 sums part
+# from the one-device step's; a test comparing those losses to fp32 noise compiles both at
+# this level. Pairs, as jitted_linen_step's cache needs hashable arguments.
+XLA_DEFAULT_OPT = (("xla_backend_optimization_level", 3),)
+
+
 @functools.cache
-def jitted_linen_step(model, tx=None):
-  """One jitted train step per model (Linen modules compare by value) and optimizer
-  (default: `optimizer()`): tests that train the same model share its compiled step
-  instead of compiling it again."""
-  return jax.jit(linen_train_step(model, tx or optimizer()))
+def jitted_linen_step(model, tx=None, compiler_options=()):
+  """One jitted train step per model (Linen modules compare by value), optimizer
+  (default: `optimizer()`) and XLA compiler options ((name, value) pairs): tests that
+  train the same model share its compiled step instead of compiling it again."""
+  return jax.jit(
+    linen_train_step(model, tx or optimizer()), compiler_options=dict(compiler_options) or None
+  )
 
 
 def linen_init(model, windows):
@@ -251,9 +260,9 @@ def linen_init(model, windows):
   return params, variables
 
 
-def train_linen(model, params, collections, steps, windows, tx=None):
+def train_linen(model, params, collections, steps, windows, tx=None, compiler_options=()):
   opt_state = (tx or optimizer()).init(params)
-  step = jitted_linen_step(model, tx)
+  step = jitted_linen_step(model, tx, compiler_options)
   losses = []
   for i in range(steps):
     params, opt_state, collections, loss = step(
