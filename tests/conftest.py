@@ -6,10 +6,11 @@ backends, hence here, at collection time.
   quantizers), not by running them, so the CPU backend's LLVM optimizations are turned
   off: skipping the expensive passes saves about a sixth of the compile time, optimization
   level 0 a further 13-15 % of each CI run's test time. Quantized bits do not change (the
-  bit tests run under it). At level 0 the CPU dot's summation order follows its operands' shapes, so a
-  test that compares a sharded step's fp32 losses with one device's compiles that step at
-  XLA's default level (tiny_transformers.XLA_DEFAULT_OPT). `JAXQUANT_TEST_XLA_OPT=1` keeps
-  XLA's defaults throughout, as the GPU machine's run of this suite does.
+  bit tests run under it). At level 0 the CPU dot's summation order follows its operands'
+  shapes, so a test that compares a sharded step's fp32 losses with one device's compiles
+  that step at XLA's default level (tiny_transformers.XLA_DEFAULT_OPT).
+  `JAXQUANT_TEST_XLA_OPT=1` keeps XLA's defaults throughout, as the GPU machine's run of
+  this suite does.
 """
 
 import os

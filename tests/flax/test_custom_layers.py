@@ -30,7 +30,10 @@ def head_in_bf16(factory, head):
   )
 
 
-TRAINED = [recipes.fp8_current_factory, recipes.mxfp8_factory, recipes.nvfp4_factory]
+# Per-tensor scales and random keys (NVFP4's stochastic rounding): the two ways a factory's
+# quantizers reach a custom layer's GEMMs differently. (MXFP8 trains the NNX custom layers,
+# test_custom_layers_nnx.py; its quantizer is checked bit for bit in tests/reference.)
+TRAINED = [recipes.fp8_current_factory, recipes.nvfp4_factory]
 
 
 def roles_seen(model, tokens):
@@ -249,7 +252,7 @@ def test_maxtext_bf16_is_the_plain_model(maxtext, route):
 
 
 # The hook's GEMMs are the swap's, bit for bit (the grads test below): it trains under one
-# recipe here, the swap under all three (each NVFP4 step costs a minute to compile on CI).
+# recipe here, the swap under both (each NVFP4 step costs a minute to compile on CI).
 @pytest.mark.parametrize(
   "route, factory",
   [("swap", f) for f in TRAINED] + [("hook", TRAINED[0])],

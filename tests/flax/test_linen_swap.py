@@ -23,7 +23,19 @@ def first_and_last_in_bf16(role):
 
 
 CUSTOM = recipes.CustomRecipe(first_and_last_in_bf16, name="first_last_bf16")
-RECIPES = list(recipes.PRESETS.values()) + [CUSTOM]
+# One recipe a way the swap-in treats a recipe: nothing quantized, per-tensor scales, state
+# (fp8_delayed), random keys (nvfp4's stochastic rounding), a format per usage (hybrid, whose
+# forward is MXFP8) and a per-role policy. Block FP8 and MXFP8 differ from fp8_current only
+# inside their quantizers, which tests/reference and tests/ops check bit for bit; each NVFP4
+# or MXFP8 step here costs half a minute of CI's CPU to compile.
+RECIPES = [
+  recipes.bf16,
+  recipes.fp8_current,
+  recipes.fp8_delayed,
+  recipes.nvfp4,
+  recipes.hybrid,
+  CUSTOM,
+]
 
 
 @pytest.fixture(scope="module")
