@@ -318,10 +318,13 @@ ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace&
       return false;
     }
     JAXQUANT_LT_UNEXPECTED(lt_error("querying the algorithm heuristic", status));
-    // While XLA captures the stream into a CUDA graph nothing may wait for the device: the
-    // heuristic's first choice runs, untimed and not kept, so a later direct call still
-    // times the candidates. (XLA runs a graph's first executions directly: the timing
-    // normally happens then.)
+    // While XLA captures the stream into a CUDA graph nothing may wait for the device, so
+    // the heuristic's first choice runs untimed; it is kept like a timed plan. A call's
+    // plan must not change once a graph holds it: XLA re-traces a captured call whenever
+    // its buffers move and updates the graph in place, which fails if the new trace
+    // launches other kernels (a split-K algorithm adds a reduction). The same problem
+    // may also run directly from a part of the step XLA leaves out of its graphs, which
+    // would otherwise time and keep another plan under the captured call's feet.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     JAXQUANT_LT_UNEXPECTED(cuda_error("cuBLASLt GEMM: querying stream capture",
                                       cudaStreamIsCapturing(stream, &capture)));
@@ -333,8 +336,8 @@ ffi::ErrorOr<bool> lt_gemm(cudaStream_t stream, int32_t device, const Workspace&
                             [&](const Plan& p, void* ws) { return run(*handle, p, ws); });
       if (fastest.has_error()) return ffi::Unexpected(fastest.error());
       plan = *fastest;
-      cache.insert(key, plan);
     }
+    cache.insert(key, plan);
   }
   auto plan_workspace = workspace_for(workspace, plan.workspace_bytes);
   if (plan_workspace.has_error()) return ffi::Unexpected(plan_workspace.error());
