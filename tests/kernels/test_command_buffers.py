@@ -223,8 +223,11 @@ def test_kernels_replay_from_command_buffers():
 
 
 def _gpu_count() -> int:
-  """The GPUs present, counted without starting JAX's GPU backend in this process (which
-  would take the memory the training below needs)."""
+  """The GPUs this process may use, counted without starting JAX's GPU backend in it
+  (which would take the memory the training below needs)."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    return len([device for device in visible.split(",") if device.strip()])
   smi = shutil.which("nvidia-smi")
   if smi is None:
     return 0
