@@ -5,6 +5,7 @@
 #   bash scripts/gpu.sh test [PYTEST ARGS...]      # the GPU tests (default: tests/kernels, tests/ops -m gpu)
 #   bash scripts/gpu.sh test cpu [PYTEST ARGS...]  # the CPU suite on this machine's JAX
 #   bash scripts/gpu.sh bench NAME [ARGS...]       # casts (benchmarks/run.py), gemm, or benchmarks/NAME.py
+#                                                  # (PROCESSES=N: as N processes, launch_local.py)
 #   bash scripts/gpu.sh example [TRAIN_LM ARGS...] # examples/train_lm.py, every recipe, --preset gpu
 #   bash scripts/gpu.sh seeds NAME [TRAIN_SEEDS ARGS...] -- [TRAIN_LM ARGS...] [+++ NAME ...]
 #                                                  # examples/train_seeds.py, results in $OUT/NAME;
@@ -41,6 +42,13 @@ kernels_load() {  # with PYTHONPATH and JAXQUANT_FFI_LIBRARY as set: does the li
 build() {
   local log="$OUT/build.log"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the source tree, as the tests import it
+  # The carried wheels: CUTLASS's headers for a build, and the peers (Qwix) that the
+  # benchmarks import whether or not this call builds.
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl >"$log" 2>&1 || { tail -20 "$log"; return 1; }
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
   if [ -n "${JAXQUANT_FFI_LIBRARY:-}" ]; then
     echo "prebuilt library: $JAXQUANT_FFI_LIBRARY"
     kernels_load && return 0
@@ -55,11 +63,6 @@ build() {
     kernels_load && return 0
   fi
   unset JAXQUANT_FFI_LIBRARY
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl >"$log" 2>&1 || { tail -20 "$log"; return 1; }
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  fi
   python3 -m pip install --no-build-isolation --no-deps --force-reinstall -v . >>"$log" 2>&1
   local status=$?
   echo "pip install: exit $status after $(elapsed) s"
@@ -121,7 +124,11 @@ run_bench() {
   triton_gemm_off
   threefry_kernel_on
   echo "XLA_FLAGS=$XLA_FLAGS JAX_THREEFRY_GPU_KERNEL_LOWERING=$JAX_THREEFRY_GPU_KERNEL_LOWERING"
-  timeout -k 10 $(remaining) python3 "$script" "$@" 2>&1 | tee "$OUT/bench_$name.log" \
+  # PROCESSES=N: one jax.distributed job of N processes on this host, each with its share
+  # of the GPUs, as a job across hosts runs (README.md, "Several processes").
+  local launch=()
+  [ -n "${PROCESSES:-}" ] && launch=(python3 examples/launch_local.py --processes "$PROCESSES" --)
+  timeout -k 10 $(remaining) "${launch[@]}" python3 "$script" "$@" 2>&1 | tee "$OUT/bench_$name.log" \
     | grep --line-buffered -v "^jax.nn.scaled_matmul"
   local status=${PIPESTATUS[0]}
   # Only this benchmark's file, two folders down: what the device tool brings back.
