@@ -23,7 +23,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -31,13 +30,17 @@ import pytest
 
 from jaxquant import kernels
 
+HERE = pathlib.Path(__file__).parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import launch_local  # noqa: E402  (needs examples/ on the path)
+
 pytestmark = [
   pytest.mark.gpu,
   pytest.mark.skipif(not kernels.available(), reason=f"{kernels.unavailable_reason()}"),
 ]
 
-HERE = pathlib.Path(__file__).parent
-ROOT = HERE.parents[1]
 FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 CHILD = r'''
@@ -222,25 +225,14 @@ def test_kernels_replay_from_command_buffers():
   assert run.stdout.split() == [w for name in done for w in (name, "ok")]
 
 
-def _gpu_count() -> int:
-  """The GPUs this process may use, counted without starting JAX's GPU backend in it
-  (which would take the memory the training below needs)."""
-  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None:
-    return len([device for device in visible.split(",") if device.strip()])
-  smi = shutil.which("nvidia-smi")
-  if smi is None:
-    return 0
-  listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
-  return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
-
-
 def test_sharded_training_steps_update_their_graphs(tmp_path):
   """examples/train_lm.py, FSDP over every GPU, deterministic compilation. While the
   per-tensor GEMM did not keep the plan it took under stream capture, XLA's update of a
   re-traced graph failed (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE) within these four steps on
   four H200, and trained once it kept it."""
-  gpus = _gpu_count()
+  # launch_local's count: it must not start JAX's GPU backend in this process, which would
+  # take the memory the training needs.
+  gpus = len(launch_local.visible_gpus())
   if gpus < 2:
     pytest.skip(f"needs two GPUs or more, found {gpus}")
   recipes = ("fp8_delayed", "fp8_current")
