@@ -327,7 +327,7 @@ def profile_ms(events: list, steps: int) -> dict[str, float]:
 def busiest_gemm_kernels(events: list, steps: int, top: int) -> list[tuple[str, float, float]]:
   """The `top` GEMM kernels (compute_gemm) by device time: (name, ms a step, launches a
   step). Their names tell which library kernel each GEMM runs, and so which variant of a
-  tile loses time beside the collectives (sharding.md, "jaxquant's GEMMs beside NCCL")."""
+  tile loses time beside the collectives (sharding.md, "Four H200, one process a GPU")."""
   gemms = [e for e in events if collective_of(e) is None and compute_part_of(e) == "compute_gemm"]
   if not gemms or not top:
     return []
