@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import fcntl
 import json
 import os
 import pathlib
@@ -34,10 +35,9 @@ TINY = presets.PRESETS["tiny"]
 # by a two-step run on one layer and by tracing (no compilation).
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> tuple[pathlib.Path, str]:
-  """The script as a user runs it (tiny preset, bf16, two seeds)."""
-  out = tmp_path_factory.mktemp("train_lm")
+def _train_tiny(out: pathlib.Path) -> str:
+  """Runs the script as a user runs it (tiny preset, bf16, two seeds) into `out`; its
+  standard output."""
   env = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -65,7 +65,26 @@ def tiny_run(tmp_path_factory) -> tuple[pathlib.Path, str]:
     env=env,
   )
   assert completed.returncode == 0, completed.stdout + completed.stderr
-  return out, completed.stdout
+  return completed.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[pathlib.Path, str]:
+  """The tiny run's folder and standard output, made once a session. Under xdist every
+  worker that takes one of its tests would make its own (half a minute of CI's CPU each),
+  so the workers share one in the session's common temporary folder, the first to get
+  there making it while the others wait on a lock."""
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    out = tmp_path_factory.mktemp("train_lm")
+    return out, _train_tiny(out)
+  shared = tmp_path_factory.getbasetemp().parent  # this session's, above each worker's own
+  out, stdout = shared / "train_lm", shared / "train_lm.stdout"
+  with open(shared / "train_lm.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not stdout.exists():
+      out.mkdir(exist_ok=True)
+      stdout.write_text(_train_tiny(out))
+  return out, stdout.read_text()
 
 
 def test_writes_all_outputs(tiny_run):
