@@ -125,7 +125,8 @@ def with_bf16_head(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:
   def qfactory(role: QuantizerRole) -> Optional[Quantizer]:
     return recipe.quantizer(role) if in_decoder_layers(role.name) else None
 
-  return jq_recipes.CustomRecipe(qfactory, backward=recipe.backward, name=recipe.name)
+  # The recipe's other settings (backward, fast accumulation, tiny GEMMs) stay the preset's.
+  return dataclasses.replace(recipe, qfactory=qfactory)
 
 
 def recipe_for(name: str, config: ModelConfig) -> jq_recipes.CustomRecipe:
@@ -154,7 +155,7 @@ def for_moe_block(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:
       return jq_recipes.fp8_current_factory(role)
     return quantizer
 
-  return jq_recipes.CustomRecipe(qfactory, backward=recipe.backward, name=recipe.name)
+  return dataclasses.replace(recipe, qfactory=qfactory)
 
 
 def with_quantized_gather(model: RecipeModel, mesh, param_shardings, axis: str) -> RecipeModel:

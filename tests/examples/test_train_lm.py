@@ -24,6 +24,7 @@ from lm import data, layout, presets, recipes, report, stats, suggested, trainin
 from lm.model import AUX_LOSSES, TransformerLM  # noqa: E402
 
 from jaxquant import kernels as jq_kernels  # noqa: E402
+from jaxquant import recipes as jq_recipes  # noqa: E402
 from jaxquant.flax import weight_roles  # noqa: E402
 from jaxquant.quantizers import NVFP4Quantizer  # noqa: E402
 
@@ -264,6 +265,17 @@ def test_moe_recipe_keeps_the_router_high_precision_and_experts_stateless():
   assert recipe.quantizer(Role("linear", "input", "decoder/layer_0/mlp/moe/router")) is None
   expert = recipe.quantizer(Role("grouped_linear", "grad_output", "decoder/layer_0/mlp/moe/up"))
   assert type(expert).__name__ == "Float8Quantizer" and expert.element == "e5m2"
+
+
+@pytest.mark.parametrize("name", recipes.PRESET_RECIPES)
+def test_example_recipes_keep_the_presets_settings(name):
+  """The bf16 head and the MoE block change which GEMMs a preset quantizes, not how: the
+  backward mode, the GEMMs accumulating fast and the tiny GEMMs' treatment stay the
+  preset's (docs/example.md)."""
+  preset = jq_recipes.get(name)
+  settings = lambda r: (r.name, r.backward, r.fast_accumulation, r.tiny_gemms_in_high_precision)
+  dense = recipes.recipe_for(name, TINY.model)
+  assert settings(dense) == settings(recipes.for_moe_block(dense)) == settings(preset)
 
 
 def test_recipe_names():
