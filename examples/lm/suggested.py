@@ -119,10 +119,8 @@ def from_policy(config: ModelConfig, policy: dict) -> Suggestion:
   train_layout = dataclasses.replace(
     config, scanned_layers=min(config.scanned_layers, first_kept_layer)
   )
-  recipe = jq_recipes.CustomRecipe(
-    analysis.KeepHighPrecision(base, frozenset(kept_modules)),
-    backward=base.backward,
-    name=SUGGESTED_RECIPE,
+  recipe = dataclasses.replace(
+    base, qfactory=analysis.KeepHighPrecision(base, frozenset(kept_modules)), name=SUGGESTED_RECIPE
   )
   return Suggestion(recipe, None, train_layout, kept)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from jaxquant import recipes
@@ -39,7 +40,8 @@ def suggest_recipe(
   `rank_by`) run in high precision (every role of theirs maps to None).
 
   Returns a `CustomRecipe` named `<recipe.name>_suggested` whose qfactory, a
-  `KeepHighPrecision`, lists the kept modules as (module type, module path) in `.kept`.
+  `KeepHighPrecision`, lists the kept modules as (module type, module path) in `.kept`;
+  its other settings (backward mode, fast accumulation, tiny GEMMs) are `recipe`'s.
   """
   if not isinstance(keep_high_precision, int) or keep_high_precision < 0:
     raise ValueError(
@@ -52,8 +54,8 @@ def suggest_recipe(
     )
   top = ranked_modules(report, rank_by)[:keep_high_precision]
   kept = frozenset((m.module_type, m.name) for m in top)
-  return recipes.CustomRecipe(
-    KeepHighPrecision(recipe, kept), backward=recipe.backward, name=f"{recipe.name}_suggested"
+  return dataclasses.replace(
+    recipe, qfactory=KeepHighPrecision(recipe, kept), name=f"{recipe.name}_suggested"
   )
 
 

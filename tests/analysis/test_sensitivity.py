@@ -121,6 +121,8 @@ def test_suggested_recipe_keeps_the_top_module_in_bf16(fp8_report):
       role = QuantizerRole("linear", tensor_type, name)
       assert suggested.quantizer(role) == recipes.fp8_current.quantizer(role)
   assert suggested.qfactory.kept == {("linear", "down")}
+  settings = lambda r: (r.backward, r.fast_accumulation, r.tiny_gemms_in_high_precision)
+  assert settings(suggested) == settings(recipes.fp8_current)
   with pytest.raises(ValueError, match="keep_high_precision=4"):
     analysis.suggest_recipe(fp8_report, recipes.fp8_current, keep_high_precision=4)
 
