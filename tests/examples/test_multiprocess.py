@@ -17,7 +17,6 @@ optimizations are off (both runs alike). The runs take turns: beside the one-pro
 on two cores, the job's processes wait for each other in every collective.
 """
 
-import json
 import os
 import pathlib
 import subprocess
@@ -31,6 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import launch_local  # noqa: E402  (needs examples/ on the path)
+from lm import report  # noqa: E402
 
 RTOL = 1e-5
 RTOL_TRAINED = 1e-3
@@ -90,11 +90,8 @@ def _finish(process: subprocess.Popen) -> str:
 
 
 def _losses(out: pathlib.Path) -> dict[str, tuple[list[float], list[float]]]:
-  recipes = json.loads((out / "curves.json").read_text())["recipes"]
-  return {
-    name: (recipe["seeds"]["0"]["train_losses"], recipe["seeds"]["0"]["val_losses"])
-    for name, recipe in recipes.items()
-  }
+  _, results = report.read_curves_json(out / report.CURVES_JSON)
+  return {r.recipe: (r.train_losses, r.val_losses) for r in results}
 
 
 def test_two_processes_train_as_one_process_on_the_same_mesh(tmp_path):

@@ -20,7 +20,6 @@ two, which must train alike.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
@@ -37,6 +36,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import launch_local  # noqa: E402  (needs examples/ on the path)
+from lm import report  # noqa: E402
 
 pytestmark = [
   pytest.mark.gpu,
@@ -238,11 +238,8 @@ def _train_losses(command: list[str], out: pathlib.Path, env: dict[str, str]) ->
     [*command, "--out", str(out)], env=env, capture_output=True, text=True, timeout=600
   )
   assert run.returncode == 0, f"stdout:\n{run.stdout[-3000:]}\nstderr:\n{run.stderr[-6000:]}"
-  recipes = json.loads((out / "curves.json").read_text())["recipes"]
-  return {
-    name: (recipe["seeds"]["0"]["train_losses"], recipe["seeds"]["0"]["val_losses"])
-    for name, recipe in recipes.items()
-  }
+  _, results = report.read_curves_json(out / report.CURVES_JSON)
+  return {r.recipe: (r.train_losses, r.val_losses) for r in results}
 
 
 def test_sharded_training_as_one_process_and_as_two(tmp_path):
