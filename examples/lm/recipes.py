@@ -38,6 +38,10 @@ RECIPE_NAMES = (PLAIN_RECIPE,) + PRESET_RECIPES + (CUSTOM_RECIPE,)
 # An NVFP4 policy chosen by jaxquant.analysis on the model itself (lm/suggested.py); by
 # name only ('all' is the eight above): it runs a sensitivity analysis first.
 SUGGESTED_RECIPE = "suggested_nvfp4"
+# The per-tensor FP8 presets with every GEMM accumulating fast (`fast_accumulation=GEMMS`),
+# as XLA's FP8 dot, the peers', does; the presets accumulate fprop fast only. By name only:
+# they exist to measure what the faster backward GEMMs cost in loss (docs/example.md).
+FAST_ACCUMULATION_RECIPES = {"fp8_current_fast": "fp8_current", "fp8_delayed_fast": "fp8_delayed"}
 
 # NVIDIA's NVFP4 pretraining recipe keeps roughly the last 15% of the blocks in bf16:
 # the final layers are the most sensitive to quantization noise.
@@ -62,10 +66,10 @@ def keep_forward_state(forward_collections: dict, collection_grads: dict) -> dic
 
 
 def parse_recipe_names(text: str) -> list[str]:
-  """'all' (RECIPE_NAMES) or a comma-separated list of names from RECIPE_NAMES and
-  SUGGESTED_RECIPE."""
+  """'all' (RECIPE_NAMES) or a comma-separated list of names from RECIPE_NAMES,
+  SUGGESTED_RECIPE and FAST_ACCUMULATION_RECIPES."""
   names = list(RECIPE_NAMES) if text == "all" else [n.strip() for n in text.split(",") if n.strip()]
-  known = RECIPE_NAMES + (SUGGESTED_RECIPE,)
+  known = RECIPE_NAMES + (SUGGESTED_RECIPE,) + tuple(FAST_ACCUMULATION_RECIPES)
   unknown = [n for n in names if n not in known]
   if unknown or not names:
     raise ValueError(
@@ -130,9 +134,15 @@ def with_bf16_head(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:
 
 
 def recipe_for(name: str, config: ModelConfig) -> jq_recipes.CustomRecipe:
-  """jaxquant's preset recipe of that name for the decoder layers, or the custom policy."""
+  """jaxquant's preset recipe of that name for the decoder layers (a FAST_ACCUMULATION_RECIPES
+  name: its preset with every GEMM accumulating fast), or the custom policy."""
   if name == CUSTOM_RECIPE:
     return nvidia_nvfp4_policy(config)
+  if name in FAST_ACCUMULATION_RECIPES:
+    preset = jq_recipes.get(FAST_ACCUMULATION_RECIPES[name])
+    return with_bf16_head(
+      dataclasses.replace(preset, name=name, fast_accumulation=jq_recipes.GEMMS)
+    )
   return with_bf16_head(jq_recipes.get(name))
 
 

@@ -278,8 +278,25 @@ def test_example_recipes_keep_the_presets_settings(name):
   assert settings(dense) == settings(recipes.for_moe_block(dense)) == settings(preset)
 
 
+@pytest.mark.parametrize("name", sorted(recipes.FAST_ACCUMULATION_RECIPES))
+def test_fast_accumulation_recipes_are_their_preset_with_every_gemm_fast(name):
+  preset = jq_recipes.get(recipes.FAST_ACCUMULATION_RECIPES[name])
+  fast = recipes.recipe_for(name, TINY.model)
+  assert fast.name == name and fast.fast_accumulation == frozenset(jq_recipes.GEMMS)
+  assert preset.fast_accumulation != fast.fast_accumulation
+  assert (fast.backward, fast.tiny_gemms_in_high_precision) == (
+    preset.backward,
+    preset.tiny_gemms_in_high_precision,
+  )
+  role = Role("linear", "grad_output", "decoder/layer_0/mlp/wi")
+  assert fast.quantizer(role) == preset.quantizer(role)
+  head = Role("linear", "input", "head")
+  assert fast.quantizer(head) is None
+
+
 def test_recipe_names():
   assert recipes.parse_recipe_names("all") == list(recipes.RECIPE_NAMES)
+  assert recipes.parse_recipe_names("bf16,fp8_delayed_fast") == ["bf16", "fp8_delayed_fast"]
   with pytest.raises(ValueError, match="unknown recipe"):
     recipes.parse_recipe_names("fp9")
 
