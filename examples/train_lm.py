@@ -581,9 +581,11 @@ def train_recipes(args: argparse.Namespace, start: float) -> list[report.RecipeR
     f"{train_config.batch_size}x{seq_len} tokens, seeds {seeds}, on {where(mesh)}, "
     f"attention: {model_config.attention_implementation or 'xla'}"
   )
-  if args.moe and "fp8_delayed" in recipe_names:
+  preset_of = lambda name: recipes.FAST_ACCUMULATION_RECIPES.get(name, name)
+  delayed = [n for n in recipe_names if preset_of(n) == "fp8_delayed"]
+  if args.moe and delayed:
     print(
-      "--moe: under fp8_delayed the experts' grouped GEMMs use current scaling "
+      f"--moe: under {', '.join(delayed)} the experts' grouped GEMMs use current scaling "
       "(jaxquant's GroupedDense keeps no delayed-scaling state yet)"
     )
   validation_windows = validation_set(corpus, train_config, seq_len, validation_seed_of(args))
