@@ -22,6 +22,8 @@ its train step carries the model's other collections to the next step:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -29,13 +31,15 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from step_model import PROJECTION_PATH_REGEX, DecoderStack
 
+# The `_fast` recipes are the example's (examples/lm/recipes.py), which trains them too.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from lm.recipes import FAST_ACCUMULATION_RECIPES, every_gemm_fast  # noqa: E402
+
 import jaxquant.flax as jqf
 from jaxquant import recipes
 
 PEERS = ("flax_fp8", "qwix_fp8_channel", "qwix_fp8_tensor")
 PRESETS = tuple(recipes.PRESETS)
-# Presets with fast accumulation in all three GEMMs: variant name -> preset.
-FAST = {"fp8_current_fast": "fp8_current", "fp8_delayed_fast": "fp8_delayed"}
 # The order variants are compiled and timed in: the baseline, the headline recipe and the
 # peers first, so that a run cut short (or one given a deadline) still has the comparisons
 # that matter most; the recipes slowest to compile last.
@@ -53,7 +57,7 @@ ORDER = (
   "nvfp4",
   "hybrid",
 )
-assert set(ORDER) == set(PRESETS) | set(PEERS) | set(FAST)
+assert set(ORDER) == set(PRESETS) | set(PEERS) | set(FAST_ACCUMULATION_RECIPES)
 
 
 def _keep(collections, state_grads):
@@ -106,11 +110,9 @@ def build(name: str, stock: DecoderStack) -> Variant:
     return Variant(name, stock, _keep)
   if name in PRESETS:
     return Variant(name, jqf.quantize_model(stock, recipes.get(name)), jqf.update_quant_state)
-  if name in FAST:
-    recipe = dataclasses.replace(
-      recipes.get(FAST[name]), name=name, fast_accumulation=recipes.GEMMS
-    )
-    return Variant(name, jqf.quantize_model(stock, recipe), jqf.update_quant_state)
+  if name in FAST_ACCUMULATION_RECIPES:
+    model = jqf.quantize_model(stock, every_gemm_fast(name))
+    return Variant(name, model, jqf.update_quant_state)
   if name == "flax_fp8":
     return Variant(
       name, stock.clone(dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp), _overwrite_with_gradient

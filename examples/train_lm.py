@@ -581,8 +581,7 @@ def train_recipes(args: argparse.Namespace, start: float) -> list[report.RecipeR
     f"{train_config.batch_size}x{seq_len} tokens, seeds {seeds}, on {where(mesh)}, "
     f"attention: {model_config.attention_implementation or 'xla'}"
   )
-  preset_of = lambda name: recipes.FAST_ACCUMULATION_RECIPES.get(name, name)
-  delayed = [n for n in recipe_names if preset_of(n) == "fp8_delayed"]
+  delayed = [n for n in recipe_names if recipes.preset_of(n) == "fp8_delayed"]
   if args.moe and delayed:
     print(
       f"--moe: under {', '.join(delayed)} the experts' grouped GEMMs use current scaling "

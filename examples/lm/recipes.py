@@ -139,11 +139,19 @@ def recipe_for(name: str, config: ModelConfig) -> jq_recipes.CustomRecipe:
   if name == CUSTOM_RECIPE:
     return nvidia_nvfp4_policy(config)
   if name in FAST_ACCUMULATION_RECIPES:
-    preset = jq_recipes.get(FAST_ACCUMULATION_RECIPES[name])
-    return with_bf16_head(
-      dataclasses.replace(preset, name=name, fast_accumulation=jq_recipes.GEMMS)
-    )
+    return with_bf16_head(every_gemm_fast(name))
   return with_bf16_head(jq_recipes.get(name))
+
+
+def every_gemm_fast(name: str) -> jq_recipes.CustomRecipe:
+  """The FAST_ACCUMULATION_RECIPES recipe `name`: its preset, every GEMM accumulating fast."""
+  preset = jq_recipes.get(FAST_ACCUMULATION_RECIPES[name])
+  return dataclasses.replace(preset, name=name, fast_accumulation=jq_recipes.GEMMS)
+
+
+def preset_of(name: str) -> str:
+  """The preset a recipe name stands for: itself, or a FAST_ACCUMULATION_RECIPES name's."""
+  return FAST_ACCUMULATION_RECIPES.get(name, name)
 
 
 def for_moe_block(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:

@@ -76,6 +76,17 @@ def test_jaxquant_bf16_preset_is_the_stock_program(stock_and_params):
   assert strip(lower(variant).as_text()) == strip(_step_hlo("bf16", stock, params))
 
 
+@pytest.mark.parametrize("name", ["fp8_current_fast", "fp8_delayed_fast"])
+def test_fast_variants_swap_in_their_preset_with_every_gemm_fast(stock_and_params, name):
+  from jaxquant import recipes
+
+  stock, _ = stock_and_params
+  recipe = step_variants.build(name, stock).model.recipe
+  preset = recipes.get(name.removesuffix("_fast"))
+  assert recipe.name == name and recipe.fast_accumulation == frozenset(recipes.GEMMS)
+  assert recipe.qfactory is preset.qfactory and recipe.backward == preset.backward
+
+
 def test_a_short_run_records_every_metric(tmp_path):
   out = tmp_path / "step.json"
   step.main(
