@@ -98,15 +98,17 @@ class ResultFile:
       self.records = old["records"]
     self._index = {_key(r): i for i, r in enumerate(self.records)}
 
-  def add(self, op: str, shape, metric: str, value: float) -> dict:
+  def add(self, op: str, shape, metric: str, value: float, **context) -> dict:
     """Records one figure (replacing the file's record of the same op, shape and metric)
-    and rewrites the file."""
+    and rewrites the file; `context` (the baseline a ratio is against, say) is kept in the
+    record beside it."""
     # Significant digits, not decimals: an error of 1e-4 keeps its digits as a speedup does.
     record = {
       "op": op,
       "shape": shape,
       "metric": metric,
       "value": float(f"{float(value):.5g}"),
+      **context,
       **self.provenance,
     }
     key = _key(record)
