@@ -1,10 +1,18 @@
-// Grouped GEMM for grouped_dense (MoE experts), group sizes read on the device:
+// Grouped GEMMs for grouped_dense (MoE experts), group sizes read on the device. Two
+// groupings of one kernel:
 //
-//   D[rows of g] = alpha[g] * A[rows of g] . B[g]^T     A [M, K], B [G, N, K], D [M, N]
+//   rows (fprop, dgrad):  D[rows of g] = alpha[g] * A[rows of g] . B[g]^T
+//                         A [M, K], B [G, N, K], D [M, N]
+//   contraction (wgrad):  D[g] = alpha[g] * A[:, cols of g] . B[:, cols of g]^T
+//                         A [P, L], B [Q, L], D [G, P, Q]
 //
-// Rows are contiguous per group (group g owns the sizes[g] rows after those of groups < g;
+// Rows: contiguous per group (group g owns the sizes[g] rows after those of groups < g;
 // sizes are clipped at M like reference.grouped.group_layout); rows past the last group
-// are written as zeros. One CUTLASS Hopper pointer-array kernel (TMA, warp-specialized,
+// are written as zeros. Contraction: group g owns sizes[g] columns of A and B from column
+// S_g = the sum over h < g of sizes[h] rounded up to kColumnAlign, the layout whose every
+// group starts on a 16-byte boundary for TMA (columns past a group's size, up to the next
+// start, are never read; groups are clipped at L); an empty group's D[g] is zeros. This is
+// the wgrad of each expert, its K the expert's rows: the "K-grouped" problem list. One CUTLASS Hopper pointer-array kernel (TMA, warp-specialized,
 // persistent) runs every group: a setup kernel turns the sizes into the per-group problem
 // shapes and pointers in the call's workspace, so nothing waits on the host and the call
 // is the same work under a CUDA graph. The workspace is a result buffer that XLA allocates
@@ -24,6 +32,8 @@
 #pragma once
 
 #include <cutlass/cutlass.h>
+
+#include <algorithm>
 
 #include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
@@ -122,13 +132,21 @@ struct GroupedGemm {
   }
 };
 
-// One CTA: group g starts at row min(P_g, m), P_g the sum of the (non-negative) sizes
-// before it, so a group is clipped where the sizes pass m and later ones are empty. The
-// prefix sums are a block scan over chunks of kSetupThreads groups (one thread walking 64
-// groups took 6 us, 2 % of the G=64 benchmark's GEMM).
+// What the group sizes divide: the rows of A and D, or the contraction's columns of A and B.
+enum class Grouping { kRows, kContraction };
+
+// In the contraction grouping each group starts on a multiple of this many columns (16
+// bytes of FP8; 32 of bf16, which keeps one layout for both).
+constexpr int64_t kColumnAlign = 16;
+
+// One CTA: group g starts at min(P_g, m), P_g the sum of the (non-negative) sizes before it
+// (each rounded up to kColumnAlign in the contraction grouping), so a group is clipped
+// where the sizes pass m (the rows, or the columns L) and later ones are empty. The prefix
+// sums are a block scan over chunks of kSetupThreads groups (one thread walking 64 groups
+// took 6 us, 2 % of the G=64 benchmark's GEMM).
 constexpr int kSetupThreads = 256;
 
-template <typename Config, typename TA, typename TB, typename TD>
+template <typename Config, Grouping kGrouping, typename TA, typename TB, typename TD>
 __global__ __launch_bounds__(kSetupThreads) void setup_groups(const int32_t* __restrict__ sizes,
                                                               int32_t num_groups, int32_t m,
                                                               int32_t n, int32_t k, const TA* a,
@@ -142,20 +160,35 @@ __global__ __launch_bounds__(kSetupThreads) void setup_groups(const int32_t* __r
   for (int32_t base = 0; base < num_groups; base += kSetupThreads) {
     const int32_t g = base + threadIdx.x;
     const int64_t size = g < num_groups ? max(sizes[g], 0) : 0;
+    const int64_t span = kGrouping == Grouping::kRows
+                             ? size
+                             : (size + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
     int64_t before, chunk;
-    Scan(scan).ExclusiveSum(size, before, chunk);
+    Scan(scan).ExclusiveSum(span, before, chunk);
     before += carry;
     if (g < num_groups) {
       const int32_t start = static_cast<int32_t>(min(before, int64_t{m}));
-      const int32_t rows = static_cast<int32_t>(min(before + size, int64_t{m})) - start;
-      groups.shapes[g] = GroupShape(rows, n, k);
-      groups.a[g] = a + static_cast<int64_t>(start) * k;
-      groups.b[g] = b + static_cast<int64_t>(g) * n * k;
-      groups.d[g] = d + static_cast<int64_t>(start) * n;
+      const int32_t used = static_cast<int32_t>(min(before + size, int64_t{m})) - start;
       using cutlass::make_cute_packed_stride;
-      groups.stride_a[g] = make_cute_packed_stride(typename Config::StrideA{}, {rows, k, 1});
-      groups.stride_b[g] = make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
-      groups.stride_d[g] = make_cute_packed_stride(typename Config::StrideD{}, {rows, n, 1});
+      if constexpr (kGrouping == Grouping::kRows) {
+        groups.shapes[g] = GroupShape(used, n, k);
+        groups.a[g] = a + static_cast<int64_t>(start) * k;
+        groups.b[g] = b + static_cast<int64_t>(g) * n * k;
+        groups.d[g] = d + static_cast<int64_t>(start) * n;
+        groups.stride_a[g] = make_cute_packed_stride(typename Config::StrideA{}, {used, k, 1});
+        groups.stride_b[g] = make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
+        groups.stride_d[g] = make_cute_packed_stride(typename Config::StrideD{}, {used, n, 1});
+      } else {
+        // Here n is P (A's rows), k is Q (B's rows) and m is L (the columns); D[g] is [P, Q].
+        // An empty group gets no tile (P = 0): zero_empty_groups writes its D[g].
+        groups.shapes[g] = GroupShape(used > 0 ? n : 0, k, used);
+        groups.a[g] = a + start;
+        groups.b[g] = b + start;
+        groups.d[g] = d + static_cast<int64_t>(g) * n * k;
+        groups.stride_a[g] = make_cute_packed_stride(typename Config::StrideA{}, {n, m, 1});
+        groups.stride_b[g] = make_cute_packed_stride(typename Config::StrideB{}, {k, m, 1});
+        groups.stride_d[g] = make_cute_packed_stride(typename Config::StrideD{}, {n, k, 1});
+      }
     }
     __syncthreads();  // every thread has read carry (and the scan storage is free again)
     if (threadIdx.x == 0) carry += chunk;
@@ -171,6 +204,18 @@ __global__ void zero_unused_rows(TD* d, const int32_t* rows_used, int64_t m, int
   for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     d[i] = TD(0.0f);
+  }
+}
+
+// The contraction grouping's empty groups (no tile was scheduled for them): D[g] = 0.
+template <typename TD>
+__global__ void zero_empty_groups(TD* d, const GroupShape* shapes, int64_t group_elements) {
+  const int64_t g = blockIdx.y;
+  if (cute::get<0>(shapes[g]) != 0) return;
+  TD* out = d + g * group_elements;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < group_elements;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = TD(0.0f);
   }
 }
 
@@ -201,10 +246,12 @@ size_t workspace_bytes(int32_t num_groups, int32_t device) {
          Config::Gemm::get_workspace_size(args);
 }
 
+// Rows: m, n, k are the GEMM's M, N, K. Contraction: m is L, n is P, k is Q (setup_groups).
 template <typename TA, typename TB, typename TD>
 ffi::Error run_grouped(cudaStream_t stream, const Workspace& workspace, const void* a,
                        const void* b, const int32_t* sizes, const float* alpha, void* d,
-                       int32_t num_groups, int32_t m, int32_t n, int32_t k) {
+                       int32_t num_groups, int32_t m, int32_t n, int32_t k,
+                       bool contraction_grouping) {
   using Config = GroupedGemm<TA, TB, TD>;
   using Gemm = typename Config::Gemm;
   int device = 0;
@@ -214,9 +261,10 @@ ffi::Error run_grouped(cudaStream_t stream, const Workspace& workspace, const vo
   if (auto err = check_workspace("grouped_gemm", workspace, needed); err.failure()) return err;
   const auto groups = Config::carve(workspace.after(0).data, num_groups);
   void* cutlass_workspace = workspace.after(align_up(Config::groups_bytes(num_groups))).data;
-  setup_groups<Config>
-      <<<1, kSetupThreads, 0, stream>>>(sizes, num_groups, m, n, k, static_cast<const TA*>(a),
-                                        static_cast<const TB*>(b), static_cast<TD*>(d), groups);
+  auto setup = contraction_grouping ? setup_groups<Config, Grouping::kContraction, TA, TB, TD>
+                                    : setup_groups<Config, Grouping::kRows, TA, TB, TD>;
+  setup<<<1, kSetupThreads, 0, stream>>>(sizes, num_groups, m, n, k, static_cast<const TA*>(a),
+                                         static_cast<const TB*>(b), static_cast<TD*>(d), groups);
   if (auto err = cuda_status("grouped_gemm setup"); err.failure()) return err;
 
   args.problem_shape = {num_groups, groups.shapes, nullptr};
@@ -229,14 +277,21 @@ ffi::Error run_grouped(cudaStream_t stream, const Workspace& workspace, const vo
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return invalid(
-        "grouped_gemm: CUTLASS cannot run this problem (N and K must be multiples "
-        "of 16 bytes' worth of elements)");
+        "grouped_gemm: CUTLASS cannot run this problem (the contiguous dims must be "
+        "multiples of 16 bytes' worth of elements)");
   }
   if (gemm.initialize(args, cutlass_workspace, stream) != cutlass::Status::kSuccess) {
     return ffi::Error::Internal("grouped_gemm: CUTLASS initialization failed");
   }
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
     return cuda_status("grouped_gemm: CUTLASS kernel launch");
+  }
+  if (contraction_grouping) {
+    const int64_t group_elements = static_cast<int64_t>(n) * k;
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>((group_elements + 255) / 256, 64)),
+                    static_cast<unsigned>(num_groups));
+    zero_empty_groups<<<grid, 256, 0, stream>>>(static_cast<TD*>(d), groups.shapes, group_elements);
+    return cuda_status("grouped_gemm zero empty groups");
   }
   zero_unused_rows<<<264, 256, 0, stream>>>(static_cast<TD*>(d), groups.rows_used, m, n);
   return cuda_status("grouped_gemm zero rows");
@@ -253,7 +308,7 @@ using e5m2 = cutlass::float_e5m2_t;
 // one (A, B) pair and both output types.
 #define JAXQUANT_GROUPED_GEMM_ARGS                                                    \
   cudaStream_t, const jaxquant::Workspace&, const void*, const void*, const int32_t*, \
-      const float*, void*, int32_t, int32_t, int32_t, int32_t
+      const float*, void*, int32_t, int32_t, int32_t, int32_t, bool
 #define JAXQUANT_GROUPED_GEMM_OUT(PREFIX, TA, TB, TD)                                        \
   PREFIX template xla::ffi::Error jaxquant::grouped_gemm_detail::run_grouped<TA, TB, TD>(    \
       JAXQUANT_GROUPED_GEMM_ARGS);                                                           \

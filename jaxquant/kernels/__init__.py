@@ -16,7 +16,7 @@ from jaxquant.kernels._decode_scale import decode_scale
 from jaxquant.kernels._delayed_scale import delayed_scale
 from jaxquant.kernels._dequantize import dequantize_data
 from jaxquant.kernels._fused_dequant import dequant_gemm
-from jaxquant.kernels._grouped import grouped_gemm
+from jaxquant.kernels._grouped import grouped_gemm, grouped_wgrad
 from jaxquant.kernels._library import library_path
 from jaxquant.kernels._quantize import (
   cast,
@@ -42,6 +42,7 @@ __all__ = [
   "delayed_scale",
   "dequantize_data",
   "grouped_gemm",
+  "grouped_wgrad",
   "block_fp8_gemm",
   "dequant_gemm",
   "fp8_tensor_gemm",

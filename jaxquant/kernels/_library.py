@@ -23,6 +23,7 @@ LIBRARY_NAME = "libjaxquant_ffi.so"
 # target's handler symbol followed by WorkspaceBytes.
 WORKSPACE_QUERIES = {
   "jaxquant_grouped_gemm": (ctypes.c_int32,),
+  "jaxquant_grouped_wgrad": (ctypes.c_int32,),
   "jaxquant_dequant_gemm": (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
   "jaxquant_block_fp8_gemm": (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2,
   "jaxquant_fp8_tensor_gemm": (ctypes.c_int64,) * 2,

@@ -35,6 +35,7 @@ SPECS = (
   _delayed_scale.SPEC,
   _dequantize.SPEC,
   _grouped.SPEC,
+  _grouped.WGRAD_SPEC,
   _block_gemm.SPEC,
   _fused_dequant.SPEC,
   _tensor_gemm.SPEC,

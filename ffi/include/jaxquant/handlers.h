@@ -25,6 +25,7 @@ JAXQUANT_HANDLER(JaxquantNvfp4DecodeScale);
 JAXQUANT_HANDLER(JaxquantDelayedScale);
 JAXQUANT_HANDLER(JaxquantDequantize);
 JAXQUANT_HANDLER(JaxquantGroupedGemm);
+JAXQUANT_HANDLER(JaxquantGroupedWgrad);
 JAXQUANT_HANDLER(JaxquantBlockFp8Gemm);
 JAXQUANT_HANDLER(JaxquantDequantGemm);
 JAXQUANT_HANDLER(JaxquantFp8TensorGemm);
@@ -37,6 +38,9 @@ JAXQUANT_HANDLER(JaxquantScaledBf16Gemm);
 // device cannot be queried.
 extern "C" __attribute__((visibility("default"))) int64_t
 JaxquantGroupedGemmWorkspaceBytes(int32_t num_groups);
+// The same for the wgrad grouping of the grouped GEMM (the same kernels).
+extern "C" __attribute__((visibility("default"))) int64_t
+JaxquantGroupedWgradWorkspaceBytes(int32_t num_groups);
 
 // Bytes of the workspace result the fused-dequantize GEMM needs for A [M, K] x B [N, K] with
 // these element codes on the current device (kernels/_fused_dequant.py); -1 when the device
