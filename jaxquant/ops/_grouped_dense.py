@@ -34,9 +34,10 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import recipes, scaling
-from jaxquant.formats import INPUT_DTYPES, Family
+from jaxquant.formats import INPUT_DTYPES
 from jaxquant.ops import _delayed_state as delayed_state
-from jaxquant.ops._grouped_gemm import grouped_matmul
+from jaxquant.ops import _grouped_operands as operands
+from jaxquant.ops._grouped_gemm import grouped_contract, grouped_matmul
 from jaxquant.ops._operands import (
   check_placement,
   check_role_args,
@@ -48,7 +49,6 @@ from jaxquant.ops._operands import (
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key
 from jaxquant.reference import _fp32 as fp32
 from jaxquant.reference import _grouped as ref
-from jaxquant.reference._ragged import ragged_contract
 from jaxquant.roles import GROUPED_LINEAR, TENSOR_TYPES
 
 RESIDUAL_NAMES = {"input": "jaxquant_grouped_dense_input"}
@@ -109,52 +109,19 @@ def _scale_of(state):
   return None if state is None else state.scale
 
 
-_ELEMENT_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-
-
-def _exact_dtype(quantizer: Optional[Quantizer], usage: str, input_dtype):
-  """The narrow dtype holding one usage's GEMM values exactly (see ops.grouped_gemm)."""
-  q = for_usage(quantizer, usage)
-  if q is None:
-    return jnp.bfloat16 if jnp.dtype(input_dtype) == jnp.bfloat16 else None
-  fmt = q.format(usage)
-  if fmt.family is Family.FP8_TENSOR:
-    return _ELEMENT_DTYPES[fmt.element]
-  if fmt.family is Family.FP8_BLOCK and not fmt.pow2_scales:
-    return None
-  return jnp.bfloat16
-
-
 # ---- The custom_vjp ----
-
-
-def _epilogue(acc, a_outer_rows, b_outer_groups, layout):
-  """Output row m times A's row scale, then times B's scale of m's group (gemm's order)."""
-  if a_outer_rows is not None:
-    acc = acc * a_outer_rows[:, None]
-  if b_outer_groups is not None:
-    acc = acc * b_outer_groups[layout.row_gather_ids()][:, None]
-  return acc
 
 
 def _forward(cfg, x, kernel, group_sizes, bias, keys, state):
   layout = ref.group_layout(group_sizes, x.shape[0])
-  in_groups = layout.row_mask()[:, None]
-  x32 = jnp.where(in_groups, fp32.widen(x), 0.0)
   qx, qw = cfg.quantizer("input"), cfg.quantizer("weight")
   new_state = dict(state)
-  x_row, x_amax = ref.quantize_rows(
-    x32,
-    layout,
-    qx,
-    "rowwise",
-    input_dtype=x.dtype,
-    what="input",
-    delayed_scale=_scale_of(state.get("input")),
-    key=_usage_key(keys["input"], "rowwise"),
+  x_args = dict(what="input", delayed_scale=_scale_of(state.get("input")))
+  x_row, x_amax = operands.quantize_rows(
+    x, layout, qx, "rowwise", key=_usage_key(keys["input"], "rowwise"), **x_args
   )
-  w_vals, w_outer, w_amax = ref.quantize_experts(
-    jnp.swapaxes(kernel, 1, 2),
+  w_row, w_amax = operands.quantize_experts(
+    kernel,
     qw,
     "rowwise",
     delayed_scale=_scale_of(state.get("weight")),
@@ -163,33 +130,20 @@ def _forward(cfg, x, kernel, group_sizes, bias, keys, state):
   for t, amax in (("input", x_amax), ("weight", w_amax)):
     if amax is not None:
       new_state[t] = scaling.record_amax(state[t], amax)
-  acc = grouped_matmul(
-    x_row.values,
-    w_vals,
-    layout,
-    tile=cfg.tile,
-    a_exact=_exact_dtype(qx, "rowwise", x.dtype),
-    b_exact=_exact_dtype(qw, "rowwise", kernel.dtype),
-  )
-  y = _epilogue(acc, x_row.outer, w_outer, layout)
-  if bias is not None:
+  if bias is None:
+    y = grouped_matmul(x_row, w_row, out_dtype=x.dtype, tile=cfg.tile)
+  else:  # added in fp32 after the output scales
+    y = grouped_matmul(x_row, w_row, out_dtype=jnp.float32, tile=cfg.tile)
     y = y + bias.astype(jnp.float32)[layout.row_gather_ids()]
-  y = jnp.where(in_groups, y, 0.0).astype(x.dtype)
+    y = jnp.where(layout.row_mask()[:, None], y, 0.0).astype(x.dtype)
   if cfg.backward == "quantized":
-    x_res, _ = ref.quantize_rows(
-      x32,
-      layout,
-      qx,
-      "columnwise",
-      input_dtype=x.dtype,
-      what="input",
-      delayed_scale=_scale_of(state.get("input")),
-      key=_usage_key(keys["input"], "columnwise"),
+    x_res, _ = operands.quantize_rows(
+      x, layout, qx, "columnwise", key=_usage_key(keys["input"], "columnwise"), **x_args
     )
   elif cfg.backward == "high_precision":
-    x_res = ref.GroupedValues(x32, None, layout)
-  else:  # dequantized: the forward's rowwise values with their row scales applied
-    x_res = ref.GroupedValues(_epilogue(x_row.values, x_row.outer, None, layout), None, layout)
+    x_res, _ = operands.quantize_rows(x, layout, None, "columnwise", what="input")
+  else:  # dequantized: the forward's rowwise values with their scales applied
+    x_res = operands.scaled_values(x_row)
   x_res = jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAMES["input"]), x_res)
   return y, new_state, x_res
 
@@ -207,80 +161,55 @@ def _fwd(cfg, x, kernel, group_sizes, bias, keys, state):
   return (y, new_state), saved
 
 
-def _weight_columnwise(cfg, kernel, w_state, key):
-  """Each expert's w columnwise, stored [K, N] (the kernel's own layout), its scale, and
-  the narrow dtype holding the values exactly."""
+def _weight_columnwise(cfg, kernel, w_state, key) -> operands.GroupedOperand:
+  """Each expert's w for dgrad, stored [K, N] (the kernel's own layout)."""
   qw = cfg.quantizer("weight")
   if cfg.backward == "quantized":
-    vals, outer, _ = ref.quantize_experts(
-      jnp.swapaxes(kernel, 1, 2),
-      qw,
-      "columnwise",
-      delayed_scale=_scale_of(w_state),
-      key=_usage_key(key, "columnwise"),
+    w_col, _ = operands.quantize_experts(
+      kernel, qw, "columnwise", delayed_scale=_scale_of(w_state), key=_usage_key(key, "columnwise")
     )
-    return vals, outer, _exact_dtype(qw, "columnwise", kernel.dtype)
+    return w_col
   if cfg.backward == "high_precision":
-    return kernel.astype(jnp.float32), None, _exact_dtype(None, "columnwise", kernel.dtype)
-  vals, outer, _ = ref.quantize_experts(
-    jnp.swapaxes(kernel, 1, 2),
-    qw,
-    "rowwise",
-    delayed_scale=_scale_of(w_state),
-    key=_usage_key(key, "rowwise"),
+    return operands.quantize_experts(kernel, None, "columnwise")[0]
+  w_row, _ = operands.quantize_experts(
+    kernel, qw, "rowwise", delayed_scale=_scale_of(w_state), key=_usage_key(key, "rowwise")
   )
-  exact = _exact_dtype(qw, "rowwise", kernel.dtype)
-  if outer is not None:  # the scale is applied, so the values are no longer codes
-    vals, exact = vals * outer[:, None, None], None
-  return jnp.swapaxes(vals, 1, 2), None, exact
+  if w_row.group_scale is not None:  # the scale is applied, so the values are no longer codes
+    w_row = operands.scaled_values(w_row)
+  return dataclasses.replace(w_row, values=jnp.swapaxes(w_row.values, 1, 2))
 
 
-def _common_rows(a: ref.GroupedValues, b: ref.GroupedValues):
+def _common_rows(a: operands.GroupedOperand, b: operands.GroupedOperand):
   """Both wgrad operands on one row layout (the padded one when either is RHT'd)."""
-  if a.layout.rows == b.layout.rows:
-    return a.values, b.values, a.layout
   if a.layout.rows < b.layout.rows:
-    return ref.to_layout(a.values, a.layout, b.layout), b.values, b.layout
-  return a.values, ref.to_layout(b.values, b.layout, a.layout), a.layout
+    a = dataclasses.replace(a, values=ref.to_layout(a.values, a.layout, b.layout), layout=b.layout)
+  elif b.layout.rows < a.layout.rows:
+    b = dataclasses.replace(b, values=ref.to_layout(b.values, b.layout, a.layout), layout=a.layout)
+  return a, b
 
 
 def _bwd(cfg, saved, cotangents):
   x_res, kernel, group_sizes, keys, w_state, dy_state = saved
   dy, state_ct = cotangents
   layout = ref.group_layout(group_sizes, dy.shape[0])
-  in_groups = layout.row_mask()[:, None]
-  dy32 = jnp.where(in_groups, fp32.widen(dy), 0.0)
   qdy = cfg.quantizer("grad_output") if cfg.backward == "quantized" else None
   dy_key = keys["grad_output"]
-  common = dict(input_dtype=dy.dtype, what="grad_output", delayed_scale=_scale_of(dy_state))
-  dy_row, dy_amax = ref.quantize_rows(
-    dy32, layout, qdy, "rowwise", key=_usage_key(dy_key, "rowwise"), **common
+  common = dict(what="grad_output", delayed_scale=_scale_of(dy_state))
+  dy_row, dy_amax = operands.quantize_rows(
+    dy, layout, qdy, "rowwise", key=_usage_key(dy_key, "rowwise"), **common
   )
-  dy_col, _ = ref.quantize_rows(
-    dy32, layout, qdy, "columnwise", key=_usage_key(dy_key, "columnwise"), **common
+  dy_col, _ = operands.quantize_rows(
+    dy, layout, qdy, "columnwise", key=_usage_key(dy_key, "columnwise"), **common
   )
-
-  w_col, w_outer, w_exact = _weight_columnwise(cfg, kernel, w_state, keys["weight"])
-  acc = grouped_matmul(
-    dy_row.values,
-    w_col,
-    layout,
-    tile=cfg.tile,
-    a_exact=_exact_dtype(qdy, "rowwise", dy.dtype),
-    b_exact=w_exact,
-  )
-  dx = _epilogue(acc, dy_row.outer, w_outer, layout)
-  dx = jnp.where(in_groups, dx, 0.0).astype(dy.dtype)  # y's dtype, which is x's
-
-  a, b, rows = _common_rows(x_res, dy_col)
-  dkernel = ragged_contract(a, b, rows, tile=cfg.tile)  # [G, K, N]
-  for outer in (dy_col.outer, x_res.outer):  # gemm's order: A's (dy) scale, then B's (x)
-    if outer is not None:
-      dkernel = dkernel * outer[:, None, None]
-  dkernel = dkernel.astype(cfg.kernel_dtype)
+  w_col = _weight_columnwise(cfg, kernel, w_state, keys["weight"])
+  dx = grouped_matmul(dy_row, w_col, out_dtype=dy.dtype, tile=cfg.tile)  # y's dtype, x's
+  # [G, K, N]: A (x) then B (dy), each group's scales folded into one factor.
+  x_res, dy_col = _common_rows(x_res, dy_col)
+  dkernel = grouped_contract(x_res, dy_col, out_dtype=cfg.kernel_dtype, tile=cfg.tile)
 
   dbias = None
   if cfg.bias_dtype is not None:
+    dy32 = jnp.where(layout.row_mask()[:, None], fp32.widen(dy), 0.0)
     dbias = jax.ops.segment_sum(dy32, layout.group_ids, layout.num_groups + 1)[
       : layout.num_groups
     ].astype(cfg.bias_dtype)
