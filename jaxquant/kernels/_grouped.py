@@ -104,7 +104,7 @@ def aligned_layout(group_sizes: jax.Array, columns: int) -> GroupLayout:
   starts = jnp.minimum(column_starts(sizes), columns)
   sizes = jnp.minimum(starts + sizes, columns) - starts
   index = jnp.arange(columns, dtype=jnp.int32)
-  owner = jnp.searchsorted(starts, index, side="right").astype(jnp.int32) - 1
+  owner = jnp.searchsorted(starts, index, side="right", method="compare_all").astype(jnp.int32) - 1
   owner = jnp.maximum(owner, 0)
   inside = index < starts[owner] + sizes[owner]
   ids = jnp.where(inside, owner, len(group_sizes)).astype(jnp.int32)

@@ -145,7 +145,10 @@ def group_layout(group_sizes: jax.Array, rows: int) -> GroupLayout:
   # checked); with valid sizes this changes nothing.
   ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), rows)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-  ids = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")
+  # compare_all: one fused comparison of every row with every group end, not a loop.
+  ids = jnp.searchsorted(
+    ends, jnp.arange(rows, dtype=jnp.int32), side="right", method="compare_all"
+  )
   return GroupLayout(ids.astype(jnp.int32), starts, ends - starts)
 
 

@@ -194,3 +194,113 @@ def test_sharded_operands_give_the_unsharded_result(eight_devices):
     jnp.float32,
   )
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---- The contraction grouping (wgrad) ----
+
+
+def wgrad_operands(seed, p, q, sizes, a_dtype, b_dtype):
+  """A [P, L], B [Q, L] in the aligned column layout; the gap columns hold NaN, which the
+  kernel must never read."""
+  columns = gg.aligned_columns(int(np.clip(sizes, 0, None).sum()), len(sizes))
+  ka, kb, kal = jax.random.split(jax.random.key(seed), 3)
+  a = jax.random.normal(ka, (p, columns)) * 4
+  b = jax.random.normal(kb, (q, columns)) * 4
+  owner = np.asarray(gg.aligned_layout(jnp.asarray(sizes, jnp.int32), columns).group_ids)
+  gap = jnp.asarray(owner == len(sizes))
+  a, b = (jnp.where(gap, jnp.nan, m) for m in (a, b))
+  alpha = jax.random.uniform(kal, (len(sizes),), jnp.float32, 0.25, 2.0)
+  return a.astype(a_dtype), b.astype(b_dtype), alpha
+
+
+def wgrad_oracle(a, b, sizes, alpha):
+  """Group by group in float64, its columns found by walking the sizes (each start the sum
+  of the sizes before it, rounded up to 16)."""
+  a64, b64 = (np.asarray(m.astype(jnp.float32), np.float64) for m in (a, b))
+  out = np.zeros((len(sizes), a64.shape[0], b64.shape[0]))
+  start = 0
+  for g, size in enumerate(np.asarray(sizes)):
+    size = max(int(size), 0)
+    cols = slice(start, start + size)
+    if size:
+      out[g] = a64[:, cols] @ b64[:, cols].T * float(alpha[g])
+    start += -(-size // 16) * 16
+  return out
+
+
+# (P, Q, sizes): empty groups first, last and between, one group holding every row, single
+# rows, P and Q not multiples of any tile, 1 to 256 groups.
+WGRAD_SHAPES = [
+  (24, 40, [0, 5, 33, 0, 17, 0]),
+  (64, 16, [300]),
+  (40, 24, [1]),
+  (16, 32, [3] * 256),
+  (32, 48, [0, 0, 0, 70]),
+]
+
+
+@pytest.mark.parametrize("p,q,sizes", WGRAD_SHAPES, ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "x".join(jnp.dtype(d).name for d in p))
+def test_wgrad_reference_lowering_matches_oracle(pair, p, q, sizes):
+  a, b, alpha = wgrad_operands(p + q, p, q, sizes, *pair)
+  a, b, alpha, sizes = jax.device_put(
+    (a, b, alpha, jnp.asarray(sizes, jnp.int32)), jax.devices("cpu")[0]
+  )
+  got = jax.jit(gg.grouped_wgrad, static_argnums=4)(a, b, sizes, alpha, jnp.float32)
+  want = wgrad_oracle(a, b, sizes, alpha)
+  assert got.shape == want.shape
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert not np.asarray(got)[np.asarray(sizes) <= 0].any(), "empty groups must be zero"
+
+
+def test_wgrad_layout_starts_every_group_on_16_columns():
+  sizes = jnp.asarray([0, 5, 16, 0, 17, 1], jnp.int32)
+  np.testing.assert_array_equal(gg.column_starts(sizes), [0, 0, 16, 32, 32, 64])
+  columns = gg.aligned_columns(39, 6)
+  assert columns == 144  # 39 rows and 6 x 15 columns of padding at most, rounded up to 16
+  ids = np.asarray(gg.aligned_layout(sizes, columns).group_ids)
+  want = np.full(columns, 6)
+  for g, (s, n) in enumerate(zip([0, 0, 16, 32, 32, 64], [0, 5, 16, 0, 17, 1], strict=True)):
+    want[s : s + n] = g
+  np.testing.assert_array_equal(ids, want)
+
+
+@pytest.mark.parametrize(
+  "ashape,bshape,sizes,match",
+  [
+    ((8, 24), (8, 24), 2, "L = 24 must be a multiple of 16"),
+    ((8, 32), (8, 16), 2, "A has L=32 columns, B has 16"),
+    ((8, 32), (8, 32, 1), 2, r"expects A \[P, L\] and B \[Q, L\]"),
+  ],
+)
+def test_wgrad_rejects_bad_input(ashape, bshape, sizes, match):
+  a, b = jnp.zeros(ashape, BF16), jnp.zeros(bshape, BF16)
+  with pytest.raises(ValueError, match=match):
+    gg.grouped_wgrad(a, b, jnp.zeros((sizes,), jnp.int32), jnp.ones((sizes,), jnp.float32))
+
+
+# The MoE widths (K 2048 / 1408 / 4096, N the same), groups from one row to the whole batch.
+WGRAD_GPU_SHAPES = WGRAD_SHAPES + [
+  (2048, 1408, [700, 0, 900, 300, 1, 2047]),
+  (1408, 2048, [96] * 64),
+  (512, 768, [8192]),
+  (256, 384, [15] * 300),
+]
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("p,q,sizes", WGRAD_GPU_SHAPES, ids=lambda v: str(v)[:40])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "x".join(jnp.dtype(d).name for d in p))
+def test_wgrad_kernel_matches_reference(pair, p, q, sizes):
+  a, b, alpha = wgrad_operands(5 * p + q, p, q, sizes, *pair)
+  sizes = jnp.asarray(sizes, jnp.int32)
+  run = jax.jit(gg.grouped_wgrad, static_argnums=4)
+  got = np.asarray(run(a, b, sizes, alpha, jnp.float32))
+  want = wgrad_oracle(a, b, sizes, alpha)
+  assert np.isfinite(got).all(), "a gap column (NaN) was read"
+  assert relative_error(got, want) <= tolerance(pair)
+  assert not got[np.asarray(sizes) <= 0].any(), "empty groups must be zero"
+  if q % 8 == 0:
+    got_bf16 = np.asarray(run(a, b, sizes, alpha, BF16).astype(jnp.float32))
+    assert relative_error(got_bf16, want) <= tolerance(pair) + 2.0**-9

@@ -206,8 +206,8 @@ def test_delayed_state_is_per_group():
 @pytest.mark.skipif(not jq.kernels.available(), reason=f"{jq.kernels.unavailable_reason()}")
 @pytest.mark.parametrize("name", ["bf16", "fp8_current", "mxfp8", "nvfp4"])
 def test_kernel_path_matches_reference(name, monkeypatch):
-  """On Hopper, fprop and dgrad run on the CUTLASS grouped kernel: the same products as
-  the reference, summed in another order."""
+  """On Hopper, fprop, dgrad and wgrad run on the CUTLASS grouped kernels: the same products
+  as the reference, summed in another order."""
   recipe = _recipe(name)
   dtype = jnp.bfloat16 if name == "bf16" else jnp.float32  # bf16 recipe: exact in bf16 only
   rng = np.random.default_rng(1)
@@ -222,7 +222,8 @@ def test_kernel_path_matches_reference(name, monkeypatch):
     return (y,) + vjp(dy)
 
   lowered = jax.jit(grads).lower(x, w, dy).as_text()
-  assert lowered.count("jaxquant_grouped_gemm") >= 2, "fprop and dgrad must use the kernel"
+  assert lowered.count("jaxquant_grouped_gemm(") >= 2, "fprop and dgrad must use the kernel"
+  assert "jaxquant_grouped_wgrad(" in lowered, "wgrad must use the kernel"
   got = jax.jit(grads)(x, w, dy)
   monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
   want = jax.jit(grads)(x, w, dy)
