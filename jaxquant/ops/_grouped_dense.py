@@ -10,10 +10,12 @@ on the host, so it may be traced). The three GEMMs and their usages are those of
 
 with the per-group scales and the block rule of `reference.grouped` (per-tensor scales
 become per group, columnwise blocks never straddle a group boundary: each group is
-zero-padded to its block). fprop and dgrad run on `_grouped_gemm.py` (the CUTLASS grouped
-kernel on Hopper for operands it holds exactly, `reference._ragged` otherwise); wgrad on
-`reference._ragged.ragged_contract`. Both are fp32 products of block-scaled values, outer
-scales after, in memory that does not grow with G.
+zero-padded to its block). The operands come from ops/_grouped_operands.py (per-tensor FP8
+cast per group straight from the input's dtype; the other formats through
+`reference.grouped`), the GEMMs from ops/_grouped_gemm.py: on Hopper all three run on the
+CUTLASS grouped kernels (fprop and dgrad grouped by rows, wgrad by its contraction, each
+expert's K its rows) for operands they hold exactly, elsewhere on `reference._ragged`'s
+fp32 products, in memory that does not grow with G.
 
 Delayed scaling keeps one state per group: `{tensor_type: DelayedScalingState}` with
 `amax_history [G, L]` and `scale [G]` (`init_grouped_state`); `jaxquant.flax`'s
