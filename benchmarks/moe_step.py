@@ -135,14 +135,12 @@ def train_step(model, advance, tx):
 class Prepared:
   """One variant compiled, warmed up, and its balanced and skewed calls."""
 
-  def __init__(self, name, shape, inputs, tx, warmup_steps):
+  def __init__(self, name, shape, inputs, tx, stock, warmup_steps):
     self.name = name
     model, advance = build_model(name, shape)
     x, balanced, skewed, key = inputs
     start = time.perf_counter()
-    variables = dict(jax.jit(model.init)({"params": jax.random.key(0), "quant": key}, x, balanced))
-    params = variables.pop("params")
-    opt_state = jax.jit(tx.init)(params)
+    params, opt_state, variables = variables_for(model, stock, tx, inputs)
     init_s = time.perf_counter() - start
     step = train_step(model, advance, tx)
     args = (params, opt_state, variables, x, balanced, key)
@@ -170,6 +168,24 @@ class Prepared:
       raise FloatingPointError(f"{name}: loss {loss} after {warmup_steps} warm-up steps")
 
 
+def variables_for(model, stock, tx, inputs):
+  """(params, optimizer state, other collections) of a variant: the stock model's params
+  and optimizer state where the variant's param tree is theirs (every variant trains the
+  same parameters), its own init otherwise (jaxquant's MoE module); a real init only where
+  the variant holds collections besides params (delayed scaling's state)."""
+  x, balanced, _, key = inputs
+  rngs = {"params": jax.random.key(0), "quant": key}
+  shapes = jax.eval_shape(model.init, rngs, x, balanced)
+  same_params = jax.tree.structure(shapes["params"]) == jax.tree.structure(stock[0])
+  if same_params and set(shapes) == {"params"}:
+    return stock[0], stock[1], {}
+  variables = dict(jax.jit(model.init)(rngs, x, balanced))
+  params = variables.pop("params")
+  if same_params:
+    return stock[0], stock[1], variables
+  return params, jax.jit(tx.init)(params), variables
+
+
 def prepare_shape(shape_name, names, args, clock):
   shape = SHAPES[shape_name]
   tx = optax.adamw(1e-4)
@@ -177,6 +193,8 @@ def prepare_shape(shape_name, names, args, clock):
   balanced = jnp.zeros((shape.experts,), jnp.float32)
   skewed = jnp.asarray(skewed_route_bias(shape.experts))
   inputs = (x, balanced, skewed, jax.random.key(3))
+  params = jax.jit(MoEBlock(shape).init)(jax.random.key(0), x, balanced)["params"]
+  stock = (params, jax.jit(tx.init)(params))
   prepared = {}
   for name in names:
     compiles = [p.compile_s for p in prepared.values()]
@@ -186,7 +204,7 @@ def prepare_shape(shape_name, names, args, clock):
       continue
     print(f"  {name}: compiling at {clock.elapsed():.0f} s", flush=True)
     try:  # one variant that fails costs only itself
-      prepared[name] = Prepared(name, shape, inputs, tx, args.warmup_steps)
+      prepared[name] = Prepared(name, shape, inputs, tx, stock, args.warmup_steps)
     except Exception as error:
       print(f"  {name}: FAILED, not recorded: {type(error).__name__}: {str(error)[:1500]}")
   return prepared

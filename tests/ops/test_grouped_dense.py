@@ -139,6 +139,31 @@ def test_jit_with_rows_sharded_over_devices():
   np.testing.assert_allclose(dw, dw0, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp8_current"])
+def test_jit_with_experts_sharded_over_devices(name):
+  """Expert parallelism's layout: the [G, K, N] kernel sharded over its expert axis (and
+  the rows over the same devices); the results are one device's."""
+  devices = jax.devices()
+  if len(devices) < 2:
+    pytest.skip("needs 2 (fake CPU) devices; tests/conftest.py sets XLA_FLAGS")
+  mesh = jax.sharding.Mesh(np.array(devices[:2]), ("expert",))
+  x, w, b, dy = _data()
+  sizes = jnp.asarray(SIZES)
+  recipe = recipes.get(name)
+
+  def loss(x, w, b, sizes):
+    return jnp.sum(jq.grouped_dense(x, w, sizes, b, recipe=recipe).astype(jnp.float32) * dy)
+
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  ws = jax.device_put(w, NamedSharding(mesh, P("expert", None, None)))
+  bs = jax.device_put(b, NamedSharding(mesh, P("expert", None)))
+  xs = jax.device_put(x, NamedSharding(mesh, P("expert", None)))
+  (v, grads), (v0, grads0) = f(xs, ws, bs, sizes), f(x, w, b, sizes)
+  np.testing.assert_allclose(v, v0, rtol=1e-5)
+  for g, g0 in zip(grads, grads0, strict=True):
+    np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(g0)).max()))
+
+
 def test_bf16_dtypes_and_traced_sizes():
   x, w, b, dy = _data(jnp.bfloat16)
   f = jax.jit(lambda x, w, b, s: jq.grouped_dense(x, w, s, b))
