@@ -13,6 +13,7 @@ from jaxquant.ops import _gemm as gemm_ops
 from jaxquant.ops import _grouped_gemm as grouped_gemm
 from jaxquant.ops._backend import Backend, read_backend
 from jaxquant.ops._delayed_state import divides_in_kernel
+from jaxquant.ops._grouped_operands import GroupedOperand
 from jaxquant.quantizers import Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer
 from jaxquant.reference._grouped import group_layout
 
@@ -128,10 +129,15 @@ def test_disabled_kernels_leave_the_other_ops_too(monkeypatch):
   bf16 = jnp.dtype(jnp.bfloat16)
 
   def jaxpr():
-    f = lambda a, b: grouped_gemm.grouped_matmul(a, b, layout, a_exact=bf16, b_exact=bf16)
+    def f(a, b):
+      a_op = GroupedOperand(a, None, None, layout, bf16)
+      b_op = GroupedOperand(b, None, None, None, bf16)
+      return grouped_gemm.grouped_matmul(a_op, b_op), grouped_gemm.grouped_contract(a_op, a_op)
+
     return str(jax.make_jaxpr(f)(a, b))
 
+  # Both groupings of the grouped kernel answer to its one name.
   monkeypatch.setenv("JAXQUANT_DISABLE_KERNELS", "grouped_gemm")
-  assert "jaxquant_grouped_gemm" not in jaxpr()
+  assert "jaxquant_grouped" not in jaxpr()
   monkeypatch.delenv("JAXQUANT_DISABLE_KERNELS")
-  assert "jaxquant_grouped_gemm" in jaxpr()
+  assert "jaxquant_grouped_gemm" in jaxpr() and "jaxquant_grouped_wgrad" in jaxpr()
