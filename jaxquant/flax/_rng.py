@@ -39,13 +39,20 @@ def draws_key(quantizers: dict[str, Optional[Quantizer]]) -> bool:
   return any(needs_key(q) for q in quantizers.values())
 
 
-def linen_key(module: nn.Module, quantizers, what: str) -> Optional[jax.Array]:
-  """A Linen module's key for its GEMM's stochastic rounding (None when none rounds so)."""
+def linen_key(
+  module: nn.Module, quantizers, what: str, *, optional: bool = False
+) -> Optional[jax.Array]:
+  """A Linen module's key for its GEMM's stochastic rounding (None when none rounds so).
+  Without a "quant" stream: None where `optional` (`ops.dense`, which asks for the key
+  only where it rounds: a forward alone, when its rounding is the gradient's), else an
+  error saying how to pass one."""
   if not draws_key(quantizers):
     return None
   if module.is_initializing():
     return jax.random.key(0)  # init needs shapes only; the params stream stays untouched
   if not module.has_rng(QUANT_RNG):
+    if optional:
+      return None
     raise ValueError(
       f"{what}: its recipe rounds stochastically; pass a PRNG key for the "
       f"{QUANT_RNG!r} stream: model.apply(..., rngs={{'{QUANT_RNG}': key}})"
@@ -118,11 +125,14 @@ def nnx_key(
   what: str,
   how_to_pass: Any,
   index: Optional[LayerIndex] = None,
+  *,
+  optional: bool = False,
 ) -> Optional[jax.Array]:
   """An NNX GEMM's key (None when no quantizer rounds stochastically): from `rngs`' "quant"
   stream, else from the running model call's key (`call_keys`), folded with `what` (the
-  GEMM's label), its draw count in this call and its `index` in a stack of layers.
-  `how_to_pass` completes the error raised when there is neither ("pass <how_to_pass>")."""
+  GEMM's label), its draw count in this call and its `index` in a stack of layers. With
+  neither: None where `optional` (as `linen_key`), else an error whose "pass
+  <how_to_pass>" says how to give one."""
   if not draws_key(quantizers):
     return None
   call = _CALL_KEYS.get()
@@ -130,6 +140,8 @@ def nnx_key(
     key = _draw(rngs[QUANT_RNG])
   elif call is not None:
     key = call.key
+  elif optional:
+    return None
   else:
     raise ValueError(f"{what}: its recipe rounds stochastically; pass {how_to_pass}")
   key = jax.random.fold_in(key, zlib.crc32(what.encode()) & 0x7FFFFFFF)

@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxquant import scaling
 from jaxquant.ops import _delayed_state as delayed_state
+from jaxquant.ops._grouped_dense import init_grouped_state
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_state
 from jaxquant.roles import QuantizerRole
 
@@ -79,6 +80,17 @@ def init_role_states(
     t: RoleState(scaling.init_state(_delayed(q)), roles[t], q)
     for t, q in quantizers.items()
     if needs_state(q)
+  }
+
+
+def init_grouped_role_states(
+  roles: dict[str, QuantizerRole], quantizers: dict[str, Optional[Quantizer]], num_groups: int
+) -> dict[str, RoleState]:
+  """Fresh states, one per group (`ops.grouped_dense`'s: a leading [num_groups] axis), for
+  exactly the roles whose quantizer needs state; advanced per group like stacked layers'."""
+  return {
+    t: RoleState(state, roles[t], quantizers[t])
+    for t, state in init_grouped_state(quantizers, num_groups).items()
   }
 
 
@@ -161,8 +173,19 @@ def _role_states_and_grads(quant_state: Any, state_grads: Any):
 
 
 def _nnx_quant_states(model: nnx.Module, state_grads: Any):
-  grads = None if state_grads is None else nnx.filter_state(state_grads, QuantState)
-  return nnx.state(model, QuantState), grads
+  """The model's `QuantState`s and their gradients, the latter shaped as the former: None
+  for a state the step made (a routed contraction's, made at its first call), which the
+  step could not differentiate."""
+  states = nnx.state(model, QuantState)
+  if state_grads is None:
+    return states, None
+  flat_grads = jax.tree_util.tree_flatten_with_path(
+    nnx.filter_state(state_grads, QuantState), is_leaf=is_role_state
+  )[0]
+  grads = dict(flat_grads)
+  return states, jax.tree_util.tree_map_with_path(
+    lambda path, _: grads.get(path), states, is_leaf=is_role_state
+  )
 
 
 def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True) -> Any:

@@ -365,7 +365,7 @@ def _quantized_call(module, recipe, roles, quantizers, flax_call, record, x, *ar
     backward=recipe.backward,
     name=roles["weight"].name,
     what=what,
-    key=linen_key(module, quantizers, what),
+    key=linen_key(module, quantizers, what, optional=True),
     state=state,
     weight_gather=gather,
     fast_accumulation=recipe.fast_accumulation,

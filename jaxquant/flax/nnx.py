@@ -119,6 +119,7 @@ class _QuantizedGemm:
       self._what(),
       "quant_rngs=nnx.Rngs(quant=seed) (or rngs= to quantize_model)",
       getattr(self, "quant_layer_index", None),
+      optional=True,  # ops.dense asks for it where it rounds (a forward alone may not)
     )
 
   def _gemm(self, flax_call, plan_fn, inputs, *args, **kwargs):

@@ -145,8 +145,16 @@ def dense(
     usages = usages_to_quantize(t, backward)
     # The forward's usages here; the backward's when a backward is traced (dense_vjp).
     check_dims(shapes[t], quantizers[t], FORWARD_USAGES[t], f"{what} {t}")
+    # The backward's keys are checked when a backward is traced (dense_vjp): a forward
+    # alone (evaluation, generation) runs without one.
     check_role_args(
-      t, quantizers[t], usages, key=key, state=(state or {}).get(t), what=f"{what} {t}"
+      t,
+      quantizers[t],
+      usages,
+      key=key,
+      state=(state or {}).get(t),
+      what=f"{what} {t}",
+      key_usages=FORWARD_USAGES[t],
     )
     keys[t] = role_key(key, t) if needs_key(quantizers[t]) else None
 

@@ -26,6 +26,7 @@ from jaxquant.ops._operands import (
   FORWARD_USAGES,
   backward_residual,
   check_dims,
+  check_key,
   columnwise_operand,
   gemm_matrices,
   gemm_values_operand,
@@ -180,8 +181,12 @@ def dense_2d(cfg: DenseConfig, x, kernel, bias, keys, state):
 def _dense_fwd(cfg, x, kernel, bias, keys, state):
   # A backward pass is coming: its usages must tile too (the primal call checked the
   # forward's alone, so that few-token inference is not refused for the columnwise blocks).
+  # So must its keys: a quantizer rounding stochastically in the backward alone (the
+  # gradient's) took none for a forward.
   for t, shape in gemm_matrices(*x.shape, kernel.shape[1]).items():
-    check_dims(shape, cfg.quantizer(t), usages_to_quantize(t, cfg.backward), f"{cfg.what} {t}")
+    usages = usages_to_quantize(t, cfg.backward)
+    check_dims(shape, cfg.quantizer(t), usages, f"{cfg.what} {t}")
+    check_key(cfg.quantizer(t), usages, key=keys[t], what=f"{cfg.what} {t}", backward=True)
   y, new_state, residuals = _forward(cfg, x, kernel, bias, keys, state, for_backward=True)
   saved = (residuals, keys["grad_output"], state.get("grad_output"))
   return (y, new_state), saved

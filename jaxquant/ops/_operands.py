@@ -108,16 +108,34 @@ def check_dims(shape: tuple[int, int], quantizer: Optional[Quantizer], usages, w
     )
 
 
-def check_role_args(tensor_type: str, quantizer, usages, *, key, state, what: str) -> None:
-  """Errors for a missing key or a missing / unexpected delayed-scaling state."""
+def check_role_args(
+  tensor_type: str, quantizer, usages, *, key, state, what: str, key_usages=None
+) -> None:
+  """Errors for a missing key or a missing / unexpected delayed-scaling state. The key is
+  checked for `key_usages` (default: `usages`): a caller that checks the backward's usages
+  when a backward is traced passes the forward's here."""
   quantized = [u for u in usages if for_usage(quantizer, u) is not None]
   if quantized and needs_state(quantizer) and state is None:
     raise ValueError(
       f"{what}: {quantizer!r} uses delayed scaling: pass state="
       f"{{'{tensor_type}': DelayedScalingState}} (scaling.init_state)"
     )
-  if any(needs_key(for_usage(quantizer, u)) for u in quantized) and key is None:
-    raise ValueError(f"{what}: {quantizer!r} rounds stochastically: pass a PRNG key as key=")
+  check_key(quantizer, usages if key_usages is None else key_usages, key=key, what=what)
+
+
+def check_key(quantizer, usages, *, key, what: str, backward: bool = False) -> None:
+  """Errors for a missing key where a quantized usage among `usages` rounds stochastically
+  (`backward`: usages of a backward pass being traced; a forward alone needs no key)."""
+  rounds = any(
+    for_usage(quantizer, u) is not None and needs_key(for_usage(quantizer, u)) for u in usages
+  )
+  if rounds and key is None:
+    where = " in the backward pass (a forward alone needs no key)" if backward else ""
+    raise ValueError(
+      f"{what}: {quantizer!r} rounds stochastically{where}: pass a PRNG key as key= "
+      "(jaxquant.flax: the 'quant' RNG stream, apply(..., rngs={'quant': key}) in Linen, "
+      "rngs=nnx.Rngs(quant=seed) to quantize_model in NNX)"
+    )
 
 
 # A model's layers quantize operands of the same few shapes: as a nested jit, each

@@ -256,7 +256,8 @@ def _owg_states(model):
 @pytest.mark.parametrize("scanned", [False, True], ids=["unscanned", "scanned"])
 def test_fp8_delayed_state_advances_in_maxtexts_train_step(scanned):
   # logits_dense is contracted by MaxText's own code (no quant=), routed by quantize_model:
-  # NNX routed contractions hold no delayed-scaling state, so it takes current scaling.
+  # its state is a QuantState made at its first call, which MaxText's step (a copy merged
+  # inside jax.jit, only params and _overwrite_with_gradient kept) would drop each step.
   recipe = recipes.CustomRecipe(
     lambda role: (
       recipes.fp8_current_factory(role)

@@ -120,10 +120,10 @@ class BridgedHost:
   drawn_key: Optional[jax.Array]
   written: dict = dataclasses.field(default_factory=dict)
 
-  def key(self, quantizers, what: str) -> Optional[jax.Array]:
+  def key(self, quantizers, what: str, optional: bool = False) -> Optional[jax.Array]:
     if not draws_key(quantizers):
       return None
-    if self.drawn_key is None:
+    if self.drawn_key is None and not optional:
       raise ValueError(
         f"{what}: its recipe rounds stochastically, and the bridge gave the hook no "
         f"{QUANT_RNG!r} or {MAXTEXT_RNG!r} stream. MaxText keeps a layer's Rngs for its hook "
@@ -133,10 +133,16 @@ class BridgedHost:
       )
     return self.drawn_key
 
-  def state(self, param: str, roles, quantizers, what: str) -> Optional[dict]:
+  def state(self, param: str, roles, quantizers, what: str, num_groups=None) -> Optional[dict]:
     stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
     if not stateful:
       return None
+    if num_groups is not None:
+      raise ValueError(
+        f"{what}: a grouped (per-expert) GEMM needs one delayed-scaling state per "
+        f"expert, and MaxText makes one per layer in {OVERWRITE_WITH_GRADIENT}; give "
+        "this role current scaling"
+      )
     missing = sorted(t for t in stateful if _state_name(t) not in self.states)
     if missing:
       raise ValueError(

@@ -1,9 +1,18 @@
 """Where a routed weight GEMM keeps its delayed-scaling state and draws its key: its host.
 
 A weight the model's code contracts belongs to a host: the Linen module that owns the
-param (`LinenHost`), a quantized NNX model (`NnxHost`), or an NNX `dot_general` /
-`einsum_op` hook (`HookHost`), which holds neither state nor RNG. The handler of routed
-contractions (`_routed`) asks the weight's host through the `Host` protocol alone.
+param (`LinenHost`), the NNX module of a quantized NNX model that owns it (`NnxHost`), or
+an NNX `dot_general` / `einsum_op` hook (`HookHost`), which holds neither state nor RNG.
+The handler of routed contractions (`_routed`) asks the weight's host through the `Host`
+protocol alone.
+
+A weight GEMM keeps one state per delayed-scaling role; a grouped one (MoE experts: a
+ragged dot, or a batched einsum run as one grouped GEMM) one per group, with a leading
+[G] axis (`ops.grouped_dense`'s), which `update_quant_state` advances per group. The
+state is made at the GEMM's first traced call: at `init` in Linen; in NNX, by the call
+that first meets it (the model exists before any trace, its routed contractions are
+found only by running it), a `QuantState` added to the owner module, which `nnx.jit`
+and `nnx.grad` hand back to the model like any change of its state.
 """
 
 from __future__ import annotations
@@ -11,13 +20,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Protocol
 
+import flax.errors
 import flax.linen as nn
 import jax
 from flax import nnx
 
 from jaxquant.flax import linen
 from jaxquant.flax._rng import draws_key, linen_key, nnx_key
-from jaxquant.flax._state import QUANT_STATE, init_role_states
+from jaxquant.flax._state import (
+  QUANT_STATE,
+  QuantState,
+  init_grouped_role_states,
+  init_role_states,
+  is_role_state,
+)
 from jaxquant.quantizers import Quantizer, needs_state
 from jaxquant.roles import QuantizerRole
 
@@ -28,13 +44,21 @@ KERNEL = "kernel"  # the param name Flax's layers give their one weight
 class Host(Protocol):
   """What the handler asks of the owner of a weight operand; `what` names the GEMM in errors."""
 
-  def key(self, quantizers: Quantizers, what: str) -> Optional[jax.Array]:
-    """The stochastic-rounding key of the GEMM (None when no quantizer rounds so)."""
+  def key(self, quantizers: Quantizers, what: str, optional: bool = False) -> Optional[jax.Array]:
+    """The stochastic-rounding key of the GEMM (None when no quantizer rounds so). With no
+    stream to draw from: None where `optional` (the GEMM's op asks for it where it rounds),
+    else an error saying how to give one."""
 
   def state(
-    self, param: str, roles: dict[str, QuantizerRole], quantizers: Quantizers, what: str
+    self,
+    param: str,
+    roles: dict[str, QuantizerRole],
+    quantizers: Quantizers,
+    what: str,
+    num_groups: Optional[int] = None,
   ) -> Optional[dict]:
-    """{tensor_type: DelayedScalingState} for the delayed-scaling quantizers, else None."""
+    """{tensor_type: DelayedScalingState} for the delayed-scaling quantizers, else None;
+    one per group (a leading [num_groups] axis) for a grouped GEMM."""
 
   def write_state(self, param: str, new_state: dict) -> None:
     """Stores the state the GEMM returned (called only when `state` gave one)."""
@@ -67,14 +91,14 @@ class LinenHost:
   module: nn.Module
   variables: dict = dataclasses.field(default_factory=dict)
 
-  def key(self, quantizers, what: str) -> Optional[jax.Array]:
-    return linen_key(self.module, quantizers, what)
+  def key(self, quantizers, what: str, optional: bool = False) -> Optional[jax.Array]:
+    return linen_key(self.module, quantizers, what, optional=optional)
 
-  def state(self, param: str, roles, quantizers, what: str) -> Optional[dict]:
+  def state(self, param: str, roles, quantizers, what: str, num_groups=None) -> Optional[dict]:
     stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
     if not stateful:
       return None
-    fresh = lambda t: init_role_states(roles, quantizers)[t]
+    fresh = lambda t: _fresh_states(roles, quantizers, num_groups)[t]
     # scope.variable, not module.variable: the owner need not be in a compact method.
     variables = {
       t: self.module.scope.variable(QUANT_STATE, f"{param}_{t}", fresh, t) for t in stateful
@@ -86,34 +110,78 @@ class LinenHost:
     linen.write_states(self.module, self.variables[param], new_state)
 
 
+def _fresh_states(roles, quantizers, num_groups: Optional[int]) -> dict:
+  if num_groups is None:
+    return init_role_states(roles, quantizers)
+  return init_grouped_role_states(roles, quantizers, num_groups)
+
+
+def nnx_state_attr(param: str) -> str:
+  """The attribute of an NNX module holding the state of its param `param`'s GEMM."""
+  return f"{param}_{QUANT_STATE}"
+
+
 @dataclasses.dataclass(frozen=True)
 class NnxHost:
-  """A quantized NNX model: keys from the `rngs` given to `quantize_model`; no
-  delayed-scaling state (it would have to exist before the first trace)."""
+  """The NNX module owning the weight, in a quantized NNX model: its state a `QuantState`
+  at `<module path>/<param>_quant_state` ({tensor_type: RoleState}), made at the GEMM's
+  first call (and made anew for a recipe that changed its quantizers, as a fresh process
+  would); keys from the model call's (`rngs` given to `quantize_model`)."""
 
-  rngs: Optional[nnx.Rngs]
+  module: Optional[nnx.Module] = None
+  rngs: Optional[nnx.Rngs] = None
 
-  def key(self, quantizers, what: str) -> Optional[jax.Array]:
-    return nnx_key(self.rngs, quantizers, what, "rngs=nnx.Rngs(quant=seed) to quantize_model")
+  def key(self, quantizers, what: str, optional: bool = False) -> Optional[jax.Array]:
+    how_to_pass = "rngs=nnx.Rngs(quant=seed) to quantize_model"
+    return nnx_key(self.rngs, quantizers, what, how_to_pass, optional=optional)
 
-  def state(self, param, roles, quantizers, what: str) -> None:
-    if any(needs_state(q) for q in quantizers.values()):
-      raise ValueError(
-        f"{what}: delayed scaling needs state that an NNX model's routed "
-        "contractions do not hold; use a current-scaling recipe for this role "
-        "or build the layer from jaxquant.flax.nnx's Linear / Einsum"
-      )
-    return None
+  def state(self, param, roles, quantizers, what: str, num_groups=None) -> Optional[dict]:
+    stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
+    if not stateful:
+      return None
+    attr = nnx_state_attr(param)
+    held = getattr(self.module, attr, None)
+    held = {} if held is None else held.get_value()
+    for t, state in held.items():
+      if not is_role_state(state):
+        raise TypeError(
+          f"{what}: {nnx_state_attr(param)}[{t!r}] holds a {type(state).__name__}, not a "
+          "jaxquant.flax.RoleState; a checkpoint restored without a target gives plain "
+          "dicts. Restore it with the model's state as the target (nnx.state(model) of "
+          "the model as it was saved)"
+        )
+    want = () if num_groups is None else (num_groups,)
+    if set(held) != set(stateful) or any(
+      held[t].quantizer != q or held[t].scaling.scale.shape != want for t, q in stateful.items()
+    ):
+      held = _fresh_states(roles, quantizers, num_groups)
+      self._set(attr, held, what)
+    return {t: held[t].scaling for t in stateful}
 
   def write_state(self, param, new_state) -> None:
-    raise AssertionError("routed NNX contractions hold no state")
+    variable = getattr(self.module, nnx_state_attr(param))
+    held = variable.get_value()
+    variable.set_value(
+      {t: dataclasses.replace(s, scaling=new_state.get(t, s.scaling)) for t, s in held.items()}
+    )
+
+  def _set(self, attr: str, states: dict, what: str) -> None:
+    try:
+      setattr(self.module, attr, QuantState(states))
+    except flax.errors.TraceContextError as error:
+      raise ValueError(
+        f"{what}: its delayed-scaling state is made at its first call, which runs here "
+        "inside a JAX transform that closes over the model (NNX cannot add the state "
+        "there). Call the model once outside it first (eagerly or under nnx.jit), or "
+        "pass the model to nnx.jit / nnx.grad as an argument"
+      ) from error
 
 
 @dataclasses.dataclass(frozen=True)
 class HookHost:
   """An NNX `dot_general` / `einsum_op` hook: a plain function, no state, no RNG."""
 
-  def key(self, quantizers, what: str) -> None:
+  def key(self, quantizers, what: str, optional: bool = False) -> None:
     if draws_key(quantizers):
       raise ValueError(
         f"{what}: an NNX dot_general / einsum_op hook cannot draw keys for "
@@ -121,7 +189,7 @@ class HookHost:
       )
     return None
 
-  def state(self, param, roles, quantizers, what: str) -> None:
+  def state(self, param, roles, quantizers, what: str, num_groups=None) -> None:
     if any(needs_state(q) for q in quantizers.values()):
       raise ValueError(
         f"{what}: an NNX dot_general / einsum_op hook holds no delayed-scaling "

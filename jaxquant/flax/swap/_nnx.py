@@ -15,9 +15,9 @@ reuses a trace made under another recipe or outside the model.
 
 NNX modules do not record which of them is running: the operand's owner is found among
 the `self` of the running methods on the Python stack (innermost first), as the module
-whose own `nnx.Param` the operand is (`_provenance.find`). Routed contractions of NNX
-models take no delayed-scaling recipe (their state would have to exist before the first
-trace). Stochastic rounding draws one key per model call from the `rngs` given to
+whose own `nnx.Param` the operand is (`_provenance.find`); that module holds the
+delayed-scaling state of the GEMM, made at its first call (`_hosts.NnxHost`). Stochastic
+rounding draws one key per model call from the `rngs` given to
 `quantize_model`, where the model lives; every GEMM inside (swapped layer or routed
 contraction) derives its own from it (`_rng.call_keys`), so no stream is mutated from
 inside `jax.checkpoint`, `nnx.remat` or `nnx.scan`, and no layer holds the stream (a
@@ -73,7 +73,7 @@ def _finder():
       params = own_params(module)
       name = provenance.find(operand, params)
       if name is not None:
-        return WeightRef(getattr(module, PATH_ATTR), name, NnxHost(None))
+        return WeightRef(getattr(module, PATH_ATTR), name, NnxHost(module))
     return None
 
   return find_weight

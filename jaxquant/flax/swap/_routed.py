@@ -18,7 +18,8 @@ active:
    those in high precision (the presets do); one whose shape a quantizer does not fit
    raises (`_contraction.unfit_error`), or with `on_unfit="high_precision"` runs as
    written; every other one runs through `ops.dense` / `ops.grouped_dense` in the dtype
-   the call would have produced.
+   the call would have produced; a delayed-scaling GEMM with the state its weight's host
+   keeps (`_hosts`: one per weight GEMM, one per expert for a grouped one).
 
 A ragged dot (`lax.ragged_dot`: rows in groups, one `[K, N]` of its `[G, K, N]` rhs per
 group) whose rhs is a param is a "grouped_linear" role, run by `ops.grouped_dense` on
@@ -36,7 +37,6 @@ from jaxquant.flax import _session as sessions
 from jaxquant.flax.swap import _calls as calls
 from jaxquant.flax.swap._calls import Call
 from jaxquant.ops._operands import is_high_precision
-from jaxquant.quantizers import needs_state
 from jaxquant.roles import GROUPED_LINEAR, LINEAR, gemm_roles
 
 
@@ -123,7 +123,9 @@ def _param_contraction(session, call: Call, found: calls.Contraction, shapes, re
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
   operand = x
   x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
-  key = ref.host.key(quantizers, what)
+  # ops.dense asks for a key where it rounds (a forward alone may not); grouped_dense
+  # asks for it up front.
+  key = ref.host.key(quantizers, what, optional=not grouped)
   if grouped:
     _check_shard_scaling(session, what)
     return _grouped(plan, x, w, quantizers, recipe, ref, key, what)
@@ -245,15 +247,11 @@ def _ragged_param(session, call, found, shapes, lhs_ref, ref):
 
 
 def _grouped_dense(x, w, group_sizes, quantizers, recipe, ref, key, what):
-  """`ops.grouped_dense` of a routed weight: current scaling only."""
-  delayed = sorted(t for t, q in quantizers.items() if needs_state(q))
-  if delayed:
-    raise ValueError(
-      f"{what}: roles {delayed} use delayed scaling, which batched (grouped) "
-      "contractions do not hold state for; use a current-scaling recipe for "
-      "this role"
-    )
-  return ops.grouped_dense(
+  """`ops.grouped_dense` of a routed weight [G, K, N]; its delayed-scaling state, if its
+  quantizers need one, holds one scale per group (its host's, made at the first call)."""
+  roles = gemm_roles(GROUPED_LINEAR, ref.role_name)
+  state = ref.host.state(ref.param, roles, quantizers, what, num_groups=np.shape(w)[0])
+  out = ops.grouped_dense(
     x,
     w,
     group_sizes,
@@ -261,4 +259,10 @@ def _grouped_dense(x, w, group_sizes, quantizers, recipe, ref, key, what):
     backward=recipe.backward,
     name=ref.role_name,
     key=key,
+    state=state,
   )
+  if state is None:
+    return out
+  y, new_state = out
+  ref.host.write_state(ref.param, new_state)
+  return y
