@@ -101,8 +101,10 @@ def test_expert_codes_are_the_references(usage):
   kernel[3, 0, :3] = [np.nan, 1e-40, -3e38]
   kernel = jnp.asarray(kernel, jnp.bfloat16)
   q = Float8Quantizer()
-  got, _ = operands.quantize_experts(kernel, q, usage)
-  values, outer, _ = ref.quantize_experts(jnp.swapaxes(fp32.widen(kernel), 1, 2), q, usage)
+  got, _ = jax.jit(lambda k: operands.quantize_experts(k, q, usage))(kernel)
+  values, outer, _ = jax.jit(
+    lambda k: ref.quantize_experts(jnp.swapaxes(fp32.widen(k), 1, 2), q, usage)
+  )(kernel)
   np.testing.assert_array_equal(
     np.asarray(got.values.astype(jnp.float32)).view(np.uint32), np.asarray(values).view(np.uint32)
   )
