@@ -13,9 +13,9 @@ GEMMs with at most 64 rows run 8 to a jitted call (distinct operands), so that J
 dispatch, longer than such a GEMM, stays out of their times. MXFP8 and NVFP4 are also
 compared with `jax.nn.scaled_matmul` directly (`speedup_vs_jax_scaled_matmul`).
 Also a transformer MLP block's training step (forward + backward) under bf16, fp8_current,
-fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel (and
-`jax.lax.ragged_dot` with --ragged-dot), each against the dense GEMM of the same FLOPs
-and format. The accumulation section times the per-tensor FP8 kernel with and without
+fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel, grouped
+by rows (fprop, dgrad; and `jax.lax.ragged_dot` with --ragged-dot) and by the contraction
+(`grouped_wgrad_*`), each against the dense GEMM of the same FLOPs and format. The accumulation section times the per-tensor FP8 kernel with and without
 fast accumulation (recipes.CustomRecipe) at the 8B decoder layer's GEMM shapes, and
 records each mode's normwise error against a float64 oracle as k grows, on signed and on
 all-positive codes (where truncated partial sums add up instead of cancelling).
@@ -40,6 +40,7 @@ from timing import Call, batched, interleaved_seconds, speedup
 import jaxquant
 from jaxquant import kernels, ops
 from jaxquant import quantizers as Q
+from jaxquant.kernels._grouped import aligned_columns
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (2048, 8192, 8192), (16, 8192, 8192))
 QUICK_SHAPES = ((1024, 1024, 1024), (16, 1024, 1024))
@@ -335,18 +336,33 @@ def grouped_records(shapes, records, with_ragged_dot=False):
         a, jnp.swapaxes(b, 1, 2), s, preferred_element_type=jnp.bfloat16
       )
     )
+    # wgrad: each group's [K, rows] x [rows, N], the operands transposed in the kernel's
+    # aligned columns; its dense GEMM of the same FLOPs is [K, M] x [M, N].
+    columns = aligned_columns(m, g)
+    xt = jax.random.normal(kx, (k, columns), jnp.bfloat16)
+    dyt = jax.random.normal(kw, (n, columns), jnp.bfloat16)
+    xtf, dytf = xt.astype(jnp.float8_e4m3fn), dyt.astype(jnp.float8_e5m2)
+    tn = lambda a, b: jax.lax.dot_general(
+      a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    calls["dense_bf16_wgrad"] = Call(jax.jit(tn), (xt[:, :m], dyt[:, :m]))
+    calls["dense_fp8_wgrad"] = Call(jax.jit(tn), (xtf[:, :m], dytf[:, :m]))
+    wgrad = jax.jit(lambda a, b, s, al: kernels.grouped_wgrad(a, b, s, al, jnp.float32))
     for tag, balanced in (("balanced", True), ("dirichlet", False)):
       sizes = _group_sizes(g, m, balanced)
       if kernels.available():
         calls[f"grouped_bf16_jaxquant_kernel,{tag}"] = Call(run, (x, w, sizes, alpha))
         calls[f"grouped_fp8_jaxquant_kernel,{tag}"] = Call(run, (xf, wf, sizes, alpha))
+        calls[f"grouped_wgrad_bf16_jaxquant_kernel,{tag}"] = Call(wgrad, (xt, dyt, sizes, alpha))
+        calls[f"grouped_wgrad_fp8_jaxquant_kernel,{tag}"] = Call(wgrad, (xtf, dytf, sizes, alpha))
       if with_ragged_dot:  # XLA's own grouped GEMM, the baseline to beat (slow to compile)
         calls[f"grouped_bf16_lax_ragged_dot,{tag}"] = Call(ragged, (x, w, sizes))
     samples = interleaved_seconds(calls)
     for name, times in samples.items():
       if name.startswith("grouped_"):
         op, tag = name.split(",")
-        base = samples["dense_fp8" if "_fp8_" in op else "dense_bf16"]
+        base = "dense_fp8" if "_fp8_" in op else "dense_bf16"
+        base = samples[base + ("_wgrad" if "_wgrad_" in op else "")]
         value, lowest = speedup(base, times)
         records.add(
           {"op": op, "shape": f"{shape},{tag}", "metric": "vs_dense_same_format", "value": value}
