@@ -41,6 +41,8 @@ OUT_DTYPES = validate.GEMM_OUT_DTYPES
 
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmConfig:
+  """Both groupings' config: the output dtype, all their handlers take."""
+
   out_dtype: str
 
   def ffi_attributes(self) -> dict:
@@ -111,14 +113,6 @@ def aligned_layout(group_sizes: jax.Array, columns: int) -> GroupLayout:
   return GroupLayout(ids, starts, sizes)
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupedWgradConfig:
-  out_dtype: str
-
-  def ffi_attributes(self) -> dict:
-    return {}  # the result buffer's dtype says the output type on the C++ side
-
-
 def _wgrad_abstract_eval(a, b, group_sizes, alpha, *, config):
   return [ShapedArray((alpha.shape[0], a.shape[0], b.shape[0]), jnp.dtype(config.out_dtype))]
 
@@ -161,7 +155,7 @@ def grouped_wgrad(
   reason = unsupported_reason(a.dtype, b.dtype, columns, q, out_dtype, columns_aligned=True)
   if reason:
     raise ValueError(f"grouped_wgrad: {reason}")
-  config = GroupedWgradConfig(out_dtype=jnp.dtype(out_dtype).name)
+  config = GroupedGemmConfig(out_dtype=jnp.dtype(out_dtype).name)
   return grouped_wgrad_p.bind(a, b, group_sizes, alpha, config=config)[0]
 
 

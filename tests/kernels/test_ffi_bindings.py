@@ -63,7 +63,7 @@ CONFIGS = {
   "jaxquant_nvfp4_decode_scale": _decode_scale.DecodeScaleConfig(),
   "jaxquant_delayed_scale": _delayed_scale.DelayedScaleConfig(448.0, 1.0),
   "jaxquant_grouped_gemm": _grouped.GroupedGemmConfig("bfloat16"),
-  "jaxquant_grouped_wgrad": _grouped.GroupedWgradConfig("float32"),
+  "jaxquant_grouped_wgrad": _grouped.GroupedGemmConfig("float32"),
   "jaxquant_block_fp8_gemm": _block_gemm.BlockGemmConfig(128, "bfloat16"),
   "jaxquant_dequant_gemm": _fused_dequant.DequantGemmConfig(_mxfp8, _nvfp4, "bfloat16"),
   "jaxquant_fp8_tensor_gemm": _tensor_gemm.Fp8GemmConfig("bfloat16"),
