@@ -26,6 +26,10 @@ own FP8 ops use it). So such a hook:
   step that differentiates the GEMM but not its state warns (its scales would not move).
 - draws stochastic-rounding keys from the bridge's "quant" stream, else from MaxText's
   "aqt" stream.
+- contracts at the calling layer's `matmul_precision` where it is handed no precision:
+  MaxText's layers give their quantization `precision=None` (AQT chooses its own) and
+  keep their setting for their plain `lax.dot_general`, so a GEMM the recipe leaves in
+  high precision compiles as the plain model's does.
 """
 
 from __future__ import annotations
@@ -83,6 +87,14 @@ def _calling_layer() -> tuple[Optional[nnx.Module], bool]:
         return None, True
     frame = frame.f_back
   return None, False
+
+
+def caller_precision() -> Optional[jax.lax.Precision]:
+  """The `matmul_precision` of the named NNX layer calling a bridged hook (MaxText's
+  setting, e.g. "highest"), as a `lax.Precision`; None where the layer has none."""
+  layer, _ = _calling_layer()
+  value = None if layer is None else getattr(layer, "matmul_precision", None)
+  return None if value is None else jax.lax.Precision(value)
 
 
 def _weight(layer: nnx.Module, rhs, host) -> WeightRef:
