@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from typing import Callable, Optional
 
 import flax.linen as nn
@@ -185,23 +184,25 @@ def _advanced(states: dict, written: dict, state_grads: dict) -> dict:
   return {n: new.get(n, state) for n, state in states.items()}
 
 
-_STATE_NOT_DIFFERENTIATED = (
-  "jaxquant: a delayed-scaling GEMM of a MaxText layer was differentiated but its state "
-  f"was not: its scales will not advance. Its state lives in the {OVERWRITE_WITH_GRADIENT!r} "
-  "collection, whose gradient is its next value: differentiate with respect to it too "
-  "and overwrite it with its gradient, as MaxText's train step does"
-)
+def _state_not_differentiated(role_name: str) -> str:
+  return (
+    f"jaxquant: the delayed-scaling GEMM of MaxText layer weight {role_name!r} was "
+    "differentiated but its state was not: its scales will not advance. Its state lives "
+    f"in the {OVERWRITE_WITH_GRADIENT!r} collection, whose gradient is its next value: "
+    "differentiate with respect to it too and overwrite it with its gradient, as "
+    "MaxText's train step does"
+  )
 
 
 def _primal(x):
   return x.value if isinstance(x, custom_derivatives.CustomVJPPrimal) else x
 
 
-def _overwrite_with_gradient(run, operands, states: dict) -> jax.Array:
+def _overwrite_with_gradient(run, operands, states: dict, role_name: str) -> jax.Array:
   """`run(operands, states)`'s output, whose gradient with respect to `states` is their
   next value (`_advanced`); `run` returns (output, the states its GEMM wrote). A step
-  that differentiates the operands but not the states warns (at trace time): the
-  scales would stay as they are, silently."""
+  that differentiates the operands but not the states warns (at trace time, once per
+  GEMM `role_name` of the model): the scales would stay as they are, silently."""
 
   @jax.custom_vjp
   def gemm(operands, states):
@@ -210,7 +211,8 @@ def _overwrite_with_gradient(run, operands, states: dict) -> jax.Array:
   def forward(operands, states):
     perturbed = lambda tree: [p.perturbed for p in jax.tree.leaves(tree, is_leaf=_is_primal)]
     if any(perturbed(operands)) and not any(perturbed(states)):
-      warnings.warn(_STATE_NOT_DIFFERENTIATED, UserWarning, stacklevel=2)
+      warning = _state_not_differentiated(role_name)
+      sessions.warn_once(f"state not differentiated: {role_name}", warning)
     operands, states = jax.tree.map(_primal, (operands, states), is_leaf=_is_primal)
     y, backward, written = jax.vjp(run, operands, states, has_aux=True)
     return y, (backward, states, written)
@@ -263,4 +265,4 @@ def contract(
   operands = (lhs, rhs, _draw_key(module))
   if not states:
     return run(operands, states)[0]
-  return _overwrite_with_gradient(run, operands, states)
+  return _overwrite_with_gradient(run, operands, states, found.role_name)

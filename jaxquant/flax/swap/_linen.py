@@ -251,6 +251,7 @@ class QuantizedModel(nn.Module):
       stack.why_unmatched,
       weight_gather=self.weight_gather,
       shard_scaling=self.shard_scaling,
+      log=self.first_call_log,
     )
     with sessions.active(session), routing(handle), _session_scopes(self.module, token):
       with nn.intercept_methods(_linen_interceptor(recipe, self.annotate, stack, session)):

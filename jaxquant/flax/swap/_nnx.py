@@ -214,7 +214,7 @@ def _routed_class(cls: type, recipe, on_unfit, require_gemm, annotate) -> type:
   calling = threading.RLock()
 
   def __call__(self, *args, **kwargs):
-    session = Session(recipe, on_unfit, _finder(), _why_unmatched)
+    session = Session(recipe, on_unfit, _finder(), _why_unmatched, log=first_call_log)
     with calling, _session_token(self, uuid.uuid4().hex):
       with active(session), routing(handle), call_keys(getattr(self, RNGS_ATTR, None)):
         y = cls.__call__(self, *args, **kwargs)
