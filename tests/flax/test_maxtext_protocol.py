@@ -263,27 +263,26 @@ def _owg_states(model):
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["unscanned", "scanned"])
 def test_fp8_delayed_state_advances_in_maxtexts_train_step(scanned):
-  # logits_dense is contracted by MaxText's own code (no quant=), routed by quantize_model:
-  # its state is a QuantState made at its first call, which MaxText's step (a copy merged
-  # inside jax.jit, only params and _overwrite_with_gradient kept) would drop each step.
-  recipe = recipes.CustomRecipe(
-    lambda role: (
-      recipes.fp8_current_factory(role)
-      if role.name == "decoder/logits_dense"
-      else recipes.fp8_delayed_factory(role)
-    )
-  )
+  recipe = recipes.fp8_delayed
   model = quantize(Transformer(jqf.MaxTextQuantization(recipe), scanned=scanned), recipe)
+  # logits_dense is contracted by MaxText's own code (no quant=), routed by quantize_model;
+  # its state sits beside the hooks' in _overwrite_with_gradient.
+  roles = set(hooked(scanned)) | {"decoder/logits_dense"}
   # Differentiating the params alone would leave the scales as they are: a warning says
   # so, once for each GEMM of the model, not again at the next trace.
-  for traces, expected in ((1, set(hooked(scanned))), (2, set())):
+  for traces, expected in ((1, roles), (2, set())):
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
       nnx.eval_shape(nnx.grad(loss_fn), model)
     named = [str(w.message).split("'")[1] for w in caught if "will not advance" in str(w.message)]
     assert sorted(named) == sorted(expected), traces
+  # The routed GEMM's state is made at its first call: one before MaxText's step, which
+  # keeps nothing the step adds to the model.
+  assert not hasattr(model.decoder.logits_dense, "kernel_quant_state")
+  nnx.jit(loss_fn)(model)
   before = _owg_states(model)
-  assert len(before) == 3 * len(hooked(scanned))
+  assert len(before) == 3 * len(roles)
+  assert {s.role.name for s in before} == {"", "decoder/logits_dense"}  # hooks': made unnamed
   assert all(np.all(s.scaling.scale == 1) for s in before)
   losses = train(model, steps=3)
   assert np.all(np.isfinite(losses))

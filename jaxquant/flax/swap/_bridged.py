@@ -30,6 +30,10 @@ own FP8 ops use it). So such a hook:
   MaxText's layers give their quantization `precision=None` (AQT chooses its own) and
   keep their setting for their plain `lax.dot_general`, so a GEMM the recipe leaves in
   high precision compiles as the plain model's does.
+
+In a model whose hooks keep state in `_overwrite_with_gradient`, the GEMMs its own code makes
+(MaxText's `logits_dense`, routed by `quantize_model`) keep theirs there too
+(`GradientStateHost`).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from jaxquant.flax import _session as sessions
 from jaxquant.flax._rng import QUANT_RNG, draws_key
 from jaxquant.flax._state import RoleState, init_role_states, update_quant_state
 from jaxquant.flax.swap import _provenance as provenance
-from jaxquant.flax.swap._hosts import KERNEL, WeightRef
+from jaxquant.flax.swap._hosts import KERNEL, NnxHost, WeightRef, WritesBack, nnx_state_attr
 from jaxquant.flax.swap._paths import is_linen_bridge, module_path, own_params
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR, gemm_roles
@@ -123,7 +127,7 @@ def _draw_key(module: nn.Module) -> Optional[jax.Array]:
 
 
 @dataclasses.dataclass
-class BridgedHost:
+class BridgedHost(WritesBack):
   """The host of a bridged hook's weight: the states and key its call was given (inputs
   of `_overwrite_with_gradient`), and the states its GEMM wrote."""
 
@@ -226,6 +230,38 @@ def _overwrite_with_gradient(run, operands, states: dict, role_name: str) -> jax
 
   gemm.defvjp(forward, backward, symbolic_zeros=True)
   return gemm(operands, states)
+
+
+def overwrite_with_gradient_type() -> type:
+  """The NNX Variable type of the `_overwrite_with_gradient` collection (MaxText's)."""
+  return nnx.variablelib.variable_type_from_name(OVERWRITE_WITH_GRADIENT, allow_register=True)
+
+
+def holds_overwrite_with_gradient(model: nnx.Module) -> bool:
+  """Whether `model` keeps state in `_overwrite_with_gradient` (MaxText's `quant=` hooks
+  under delayed scaling), which its train step advances: its routed GEMMs' state goes
+  there too (`GradientStateHost`)."""
+  return bool(jax.tree.leaves(nnx.state(model, overwrite_with_gradient_type())))
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientStateHost(NnxHost):
+  """The host of a routed weight in a model whose hooks keep their state in
+  `_overwrite_with_gradient` (MaxText's, built with `quant=`): its state is such a
+  variable too (`<module>.<param>_quant_state`, made at the GEMM's first call), whose
+  gradient is its next value, as the hooks' are: MaxText's train step differentiates the
+  params and that collection, keeps them, and drops every other change of the model."""
+
+  def variable(self, states: dict) -> nnx.Variable:
+    return overwrite_with_gradient_type()(states)
+
+  def run(self, param, gemm, operands, state):
+    if state is None:
+      return gemm(operands, None)[0]
+    states = getattr(self.module, nnx_state_attr(param)).get_value()  # {type: RoleState}
+    run = lambda operands, states: gemm(operands, {t: s.scaling for t, s in states.items()})
+    role_name = WeightRef(module_path(self.module) or "", param, self).role_name
+    return _overwrite_with_gradient(run, operands, states, role_name)
 
 
 def _is_primal(x) -> bool:

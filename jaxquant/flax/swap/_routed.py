@@ -131,23 +131,25 @@ def _param_contraction(session, call: Call, found: calls.Contraction, shapes, re
     return _grouped(plan, x, w, quantizers, recipe, ref, key, what)
   roles = gemm_roles(module_type, ref.role_name)
   state = ref.host.state(ref.param, roles, quantizers, what)
-  y, new_state = contraction.quantized_gemm(
-    plan,
-    x,
-    w,
-    quantizers=quantizers,
-    backward=recipe.backward,
-    name=ref.role_name,
-    what=what,
-    key=key,
-    state=state,
-    fast_accumulation=recipe.fast_accumulation,
-    shard_scaling=session.shard_scaling,
-    layer_input=operand,
-  )
-  if new_state is not None:
-    ref.host.write_state(ref.param, new_state)
-  return y
+
+  def gemm(operands, state):
+    x, w = operands
+    return contraction.quantized_gemm(
+      plan,
+      x,
+      w,
+      quantizers=quantizers,
+      backward=recipe.backward,
+      name=ref.role_name,
+      what=what,
+      key=key,
+      state=state,
+      fast_accumulation=recipe.fast_accumulation,
+      shard_scaling=session.shard_scaling,
+      layer_input=operand,
+    )
+
+  return ref.host.run(ref.param, gemm, (x, w), state)
 
 
 def _grouped(plan, x, w, quantizers, recipe, ref, key, what):
@@ -251,18 +253,19 @@ def _grouped_dense(x, w, group_sizes, quantizers, recipe, ref, key, what):
   quantizers need one, holds one scale per group (its host's, made at the first call)."""
   roles = gemm_roles(GROUPED_LINEAR, ref.role_name)
   state = ref.host.state(ref.param, roles, quantizers, what, num_groups=np.shape(w)[0])
-  out = ops.grouped_dense(
-    x,
-    w,
-    group_sizes,
-    quantizers=dict(quantizers),
-    backward=recipe.backward,
-    name=ref.role_name,
-    key=key,
-    state=state,
-  )
-  if state is None:
-    return out
-  y, new_state = out
-  ref.host.write_state(ref.param, new_state)
-  return y
+
+  def gemm(operands, state):
+    x, w = operands
+    out = ops.grouped_dense(
+      x,
+      w,
+      group_sizes,
+      quantizers=dict(quantizers),
+      backward=recipe.backward,
+      name=ref.role_name,
+      key=key,
+      state=state,
+    )
+    return (out, None) if state is None else out
+
+  return ref.host.run(ref.param, gemm, (x, w), state)
