@@ -150,7 +150,7 @@ class NnxRunner:
 
     def shapes_only(state, batch):
       with capture.tapping(taps):
-        return self._loss(nnx.merge(graphdef, state), batch)
+        return self._loss(_merged(graphdef, state), batch)
 
     jax.eval_shape(shapes_only, state, self.batch)
     return taps
@@ -164,7 +164,7 @@ class NnxRunner:
 
     def loss_with_probes(params, probes, rest, batch):
       with capture.tapping(capture.Taps(names.__contains__, probes)) as taps:
-        loss = self._loss(nnx.merge(graphdef, params, rest), batch)
+        loss = self._loss(_merged(graphdef, params, rest), batch)
       views.update(taps.views)
       return loss, taps.matrices
 
@@ -180,12 +180,23 @@ class NnxRunner:
     graphdef, params, rest = nnx.split(self._quantized_copy(recipe), nnx.Param, ...)
 
     def run(params, rest, batch, reference):
-      loss, grads = jax.value_and_grad(lambda p: self._loss(nnx.merge(graphdef, p, rest), batch))(
+      loss, grads = jax.value_and_grad(lambda p: self._loss(_merged(graphdef, p, rest), batch))(
         params
       )
       return _effect_outputs(loss, grads, reference)
 
     return jax.jit(run)(params, rest, self.batch, reference_grads)
+
+
+def _merged(graphdef, *states):
+  """The model inside a traced function, its Variables made there (`copy=True`): a model
+  that draws from its Rngs in the forward (an active `nnx.Dropout`) advances their counts,
+  which Flax allows only in the trace that made them; the states passed through a `jit`
+  into a `grad` were made outside it. Each run starts from the same counts, so every
+  recipe meets the same dropout masks."""
+  from flax import nnx
+
+  return nnx.merge(graphdef, *states, copy=True)
 
 
 def _captured(grad, *args):

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -34,9 +35,10 @@ from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import annotate_linen_weight, nnx_weight_metadata
 from jaxquant.flax._rng import draws_key, linen_key, nnx_key
 from jaxquant.ops import grouped_dense
-from jaxquant.ops._operands import is_high_precision
-from jaxquant.quantizers import needs_state
+from jaxquant.ops._operands import FORWARD_USAGES, check_key, is_high_precision
+from jaxquant.quantizers import for_usage, needs_key, needs_state
 from jaxquant.roles import GROUPED_LINEAR, QuantizerRole
+from jaxquant.tensor import USAGES
 
 default_kernel_init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
@@ -54,6 +56,38 @@ def _quantizers(recipe, model_recipe, name, what):
   return recipe, quantizers
 
 
+def _forward_rounds(quantizers) -> bool:
+  """Whether a forward pass alone rounds stochastically (a quantizer of a forward usage)."""
+  return any(
+    q is not None and needs_key(for_usage(q, u))
+    for t, q in quantizers.items()
+    for u in FORWARD_USAGES[t]
+  )
+
+
+def without_key(gemm, operands, quantizers, what: str):
+  """`gemm(operands, key)` given no stochastic-rounding key (no "quant" stream).
+
+  `ops.grouped_dense` asks for the key up front. Where only the backward pass rounds
+  stochastically (nvfp4's gradients), a forward alone (evaluation, generation) needs
+  none: it runs with a key that no quantizer of its forward reads, and differentiating it
+  raises, saying how to pass one. Otherwise `gemm(operands, None)`, which says what is
+  missing."""
+  if not draws_key(quantizers) or _forward_rounds(quantizers):
+    return gemm(operands, None)
+
+  @jax.custom_jvp
+  def forward_only(operands):
+    return gemm(operands, jax.random.key(0))  # read by the backward's quantizers alone
+
+  @forward_only.defjvp
+  def differentiated(primals, tangents):
+    t, q = next((t, q) for t, q in quantizers.items() if needs_key(q))
+    check_key(q, USAGES, key=None, what=f"{what} {t}", backward=True)  # raises: q rounds
+
+  return forward_only(operands)
+
+
 def _grouped_gemm(x, kernel, group_sizes, bias, **kwargs):
   """`_weight_gemm` in the scope of met contractions (`_session.param_contraction_scope`)."""
   with sessions.param_contraction_scope():
@@ -67,7 +101,8 @@ def _weight_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, path
   such GEMMs there (every preset does). A kernel whose K or N the quantizers' blocks do
   not tile (each group's M is padded to the blocks) raises `_contraction.unfit_error`, or
   runs in high precision under a session with `on_unfit="high_precision"`. `key()` draws
-  the stochastic-rounding key only for a GEMM that quantizes."""
+  the stochastic-rounding key only for a GEMM that quantizes (None without a stream:
+  `without_key`)."""
   session = sessions.current()
   record = lambda status: (
     session
@@ -94,7 +129,11 @@ def _weight_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, path
     record(sessions.unfit_status(reason))
     return high_precision()
   record(sessions.QUANTIZED)
-  return grouped_dense(x, kernel, group_sizes, bias, recipe=recipe, name=name, key=key())
+  run = lambda operands, key: grouped_dense(*operands, recipe=recipe, name=name, key=key)
+  drawn = key()
+  if drawn is None:
+    return without_key(run, (x, kernel, group_sizes, bias), quantizers, what)
+  return run((x, kernel, group_sizes, bias), drawn)
 
 
 class GroupedDense(nn.Module):
@@ -158,7 +197,7 @@ def linen_call(
     name=name,
     path=path,
     call=type(module).__name__,
-    key=lambda: linen_key(module, quantizers, what),
+    key=lambda: linen_key(module, quantizers, what, optional=True),
     what=what,
   )
 
@@ -209,6 +248,7 @@ class NnxGroupedDense(nnx.Module):
       quantizers,
       f"GroupedDense {self.name!r}",
       "rngs= to quantize_model (an nnx.Rngs with a 'quant' stream)",
+      optional=True,  # a forward alone may need none (`without_key`)
     )
 
   def __call__(self, x, group_sizes):

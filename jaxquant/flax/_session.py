@@ -84,6 +84,8 @@ class Row:
   call: str  # e.g. "Dense", "einsum '...F,NFH->...NH'"
   shapes: tuple  # operand shapes, the weight's last
   role: Optional[str]  # the role name, None for no weight GEMM
+  # The quantizers it runs with; None for a contraction in high precision (a tiny or
+  # unfit weight GEMM too, whatever the recipe gave its roles).
   quantizers: Optional[dict[str, Optional[Quantizer]]]
   status: str
 
@@ -125,6 +127,9 @@ class Session:
   # submodel did not run entirely in high precision.
   nested_weight_gemms: int = 0
   quantized_inputs: list[_QuantizedInput] = dataclasses.field(default_factory=list)
+  # The quantized model's log, which keeps what it told the user (`warn_once`); None for
+  # a session of no model (a hook's).
+  log: Optional[FirstCallLog] = None
 
   @property
   def met_weight_gemm(self) -> bool:
@@ -148,6 +153,8 @@ class Session:
     return state
 
   def record(self, row: Row) -> None:
+    if row.status != QUANTIZED:
+      row = dataclasses.replace(row, quantizers=None)
     self.rows.append(row)
     sink = _REPORT.get()
     if sink is not None:
@@ -219,6 +226,15 @@ def summary(session: Session, what: str) -> str:
   )
 
 
+def warn_once(key: str, message: str, stacklevel: int = 2) -> None:
+  """Warns with `message` once per quantized model and `key` (e.g. a GEMM's), not once per
+  trace: Python's own once-per-place rule forgets what it gave whenever a warning filter
+  changes, which tracing does. Outside a quantized model's call, every time."""
+  session = current()
+  if session is None or session.log is None or session.log.first_warning(key):
+    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
 def warn_unresolved(session: Session, what: str) -> None:
   """One warning per model call (per trace, under jit): how many contractions with a
   weight-like operand that no param was traced to ran in high precision, and why."""
@@ -234,13 +250,22 @@ def warn_unresolved(session: Session, what: str) -> None:
 
 
 class FirstCallLog:
-  """Logs `summary` at the first call of a quantized model under each recipe. A model
-  keeps its own (its copies share it), so nothing is global. A plain object, hashed by
-  identity: `nn.jit`'s key of a module holding the wrapper does not change as it logs."""
+  """Logs `summary` at the first call of a quantized model under each recipe, and gives
+  each warning of `warn_once` once. A model keeps its own (its copies share it), so
+  nothing is global. A plain object, hashed by identity: `nn.jit`'s key of a module
+  holding the wrapper does not change as it logs."""
 
   def __init__(self):
     self.logged: set[recipes.CustomRecipe] = set()
+    self.warned: set[str] = set()
     self.lock = threading.Lock()
+
+  def first_warning(self, key: str) -> bool:
+    """Whether the warning named `key` is given now for the first time."""
+    with self.lock:
+      first = key not in self.warned
+      self.warned.add(key)
+    return first
 
   def log(self, session: Session, what: str) -> None:
     if reporting():

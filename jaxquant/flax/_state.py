@@ -7,6 +7,11 @@ A quantized module keeps one `RoleState` per role whose quantizer needs state
   `quant_state/<module path>/<tensor_type>`;
 - NNX: in a `QuantState` Variable, at `<module path>/quant_state/<tensor_type>`.
 
+A weight GEMM that a model's own code makes (routed by the swap-in) keeps its states
+beside its param (`<param>_<tensor_type>` in Linen's collection, an NNX
+`<param>_quant_state` Variable made at its first call); a grouped GEMM's hold one state
+per group, a leading axis that `update_quant_state` treats like a stack of layers'.
+
 A `RoleState` is the `DelayedScalingState` arrays plus, as static pytree metadata, the
 role and its quantizer, so a train step can advance every state without knowing the
 recipe or the model. Per step (NUMERICS.md, "Delayed scaling"):

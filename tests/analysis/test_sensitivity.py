@@ -356,3 +356,36 @@ def test_layers_under_scan_are_refused_with_the_way_out():
       lambda call, batch: jnp.sum(call(batch)),
       model_runs=None,
     )
+
+
+class DropoutNet(nnx.Module):
+  """An NNX model that draws from its Rngs in the forward, as MaxText's decoder does: an
+  active `nnx.Dropout` between its GEMMs."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+    self.up = nnx.Linear(WIDTH, WIDTH, dtype=jnp.bfloat16, rngs=rngs)
+    self.dropout = nnx.Dropout(0.1, rngs=rngs)
+    self.head = nnx.Linear(WIDTH, WIDTH, dtype=jnp.bfloat16, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens).astype(jnp.bfloat16)
+    return self.head(self.dropout(nn.gelu(self.up(x)))).astype(jnp.float32)
+
+
+def test_nnx_model_with_active_dropout_is_analysed():
+  model = DropoutNet(nnx.Rngs(params=0, dropout=1))
+  before = nnx.state(model)
+  report = analysis.sensitivity(model, None, WINDOWS, recipes.fp8_current, next_token_loss)
+  assert sorted(m.name for m in report.modules) == ["head", "up"]
+  assert all(np.isfinite(m.model.loss_change) for m in report.modules)
+  suggested = analysis.suggest_recipe(report, recipes.fp8_current, keep_high_precision=1)
+  kept = report.modules[0].name
+  assert suggested.quantizer(QuantizerRole("linear", "weight", kept)) is None
+  # The caller's model, its dropout stream included, is as it was.
+  same = lambda a, b: np.testing.assert_array_equal(*map(_raw_key_data, (a, b)))
+  jax.tree.map(same, before, nnx.state(model))
+
+
+def _raw_key_data(x):
+  return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x

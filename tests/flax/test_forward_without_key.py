@@ -82,7 +82,7 @@ def test_a_backward_that_rounds_asks_for_the_key():
   variables = {"params": jax.jit(model.init)(jax.random.key(0), TOKEN_DATA)["params"]}
   loss = lambda variables, **kw: jnp.mean(model.apply(variables, TOKEN_DATA, **kw) ** 2)
   with pytest.raises(ValueError, match=r"grad_output: .* rounds stochastically in the backward"):
-    jax.grad(loss)(variables)
+    jax.jit(jax.grad(loss))(variables)
   grads = jax.jit(jax.grad(lambda v: loss(v, rngs={"quant": jax.random.key(1)})))(variables)
   assert np.all(np.isfinite(grads["params"]["lm_head"]))
 
@@ -90,3 +90,44 @@ def test_a_backward_that_rounds_asks_for_the_key():
   nnx_loss = lambda model: jnp.mean(model(TOKEN_DATA).astype(jnp.float32) ** 2)
   with pytest.raises(ValueError, match="rngs=nnx.Rngs"):
     nnx.grad(nnx_loss)(nnx_model)
+
+
+class RaggedExperts(nn.Module):
+  """gemma 4's MoE experts: tokens sorted by expert, `jax.lax.ragged_dot` per expert."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, D, name="embed")(tokens).reshape(-1, D).astype(jnp.bfloat16)
+    experts = self.param("experts", nn.initializers.normal(0.05), (4, D, F))
+    order = jnp.argsort(tokens.reshape(-1) % 4, stable=True)
+    sizes = jnp.bincount(tokens.reshape(-1) % 4, length=4).astype(jnp.int32)
+    return jax.lax.ragged_dot(x[order], experts.astype(jnp.bfloat16), sizes)
+
+
+class NnxGroupedLM(nnx.Module):
+  """jaxquant's own NnxGroupedDense in an NNX model."""
+
+  def __init__(self, *, rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.experts = jqf.NnxGroupedDense(D, F, 4, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens).reshape(-1, D).astype(jnp.bfloat16)
+    return self.experts(x, jnp.full((4,), x.shape[0] // 4, jnp.int32))
+
+
+def test_grouped_gemms_run_forward_without_a_key_with_the_keyed_bits():
+  model = jqf.quantize_model(RaggedExperts(), recipes.nvfp4)
+  variables = {"params": jax.jit(model.init)(jax.random.key(0), TOKEN_DATA)["params"]}
+  apply = jax.jit(model.apply)
+  keyed = apply(variables, TOKEN_DATA, rngs={"quant": jax.random.key(1)})
+  np.testing.assert_array_equal(apply(variables, TOKEN_DATA), keyed)
+  loss = lambda variables: jnp.mean(model.apply(variables, TOKEN_DATA).astype(jnp.float32) ** 2)
+  with pytest.raises(ValueError, match=r"'experts' grad_output: .* in the backward pass"):
+    jax.jit(jax.grad(loss))(variables)
+
+  nnx_model = jqf.quantize_model(NnxGroupedLM(rngs=nnx.Rngs(0)), recipes.nvfp4)
+  forward = nnx.jit(lambda model: model(TOKEN_DATA))
+  unkeyed = forward(nnx_model)
+  keyed = forward(jqf.quantize_model(nnx_model, recipes.nvfp4, rngs=nnx.Rngs(quant=1)))
+  np.testing.assert_array_equal(unkeyed, keyed)

@@ -8,6 +8,9 @@ Its train step differentiates the params and the `_overwrite_with_gradient` vari
 and overwrites the latter with their gradient.
 """
 
+import re
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -61,10 +64,11 @@ def in_serve_mode(quant):
 class DenseGeneral(nnx.Module):
   """MaxText 0.2.5's `linears.DenseGeneral`, one contracted axis."""
 
-  def __init__(self, d_in, d_out, quant=None, *, rngs):
+  def __init__(self, d_in, d_out, quant=None, *, rngs, matmul_precision="default"):
     self.kernel = nnx.Param(nn.initializers.lecun_normal()(rngs.params(), (d_in, d_out)))
     self.quant = quant
     self.dtype = jnp.bfloat16
+    self.matmul_precision = matmul_precision
     if quant:
       dot_general_linen = quant.dot_general_cls(mesh_axes=("embed", "mlp"))()
       quant_dot_general = ToNNX(dot_general_linen, rngs=rngs)
@@ -87,22 +91,26 @@ class DenseGeneral(nnx.Module):
       if _initializing:
         quant_dot_general.lazy_init(inputs, kernel, dims, precision=None)
       return quant_dot_general(inputs, kernel, dims, precision=None, mutable=["aqt"])
-    return jax.lax.dot_general(inputs, kernel, dims, precision=jax.lax.Precision("default"))
+    precision = jax.lax.Precision(self.matmul_precision)
+    return jax.lax.dot_general(inputs, kernel, dims, precision=precision)
 
 
 class Mlp(nnx.Module):
-  def __init__(self, quant, rngs):
-    self.wi_0 = DenseGeneral(D, FF, quant, rngs=rngs)
-    self.wi_1 = DenseGeneral(D, FF, quant, rngs=rngs)
-    self.wo = DenseGeneral(FF, D, quant, rngs=rngs)
+  def __init__(self, quant, rngs, precision="default"):
+    dense = lambda d_in, d_out: DenseGeneral(
+      d_in, d_out, quant, rngs=rngs, matmul_precision=precision
+    )
+    self.wi_0 = dense(D, FF)
+    self.wi_1 = dense(D, FF)
+    self.wo = dense(FF, D)
 
   def __call__(self, x):
     return self.wo(jax.nn.silu(self.wi_0(x)) * self.wi_1(x))
 
 
 class Layer(nnx.Module):
-  def __init__(self, quant, rngs):
-    self.mlp = Mlp(quant, rngs)
+  def __init__(self, quant, rngs, precision="default"):
+    self.mlp = Mlp(quant, rngs, precision)
 
   def __call__(self, x):
     return x + self.mlp(x)
@@ -142,13 +150,13 @@ class Decoder(nnx.Module):
   """MaxText's NNXDecoder: one unscanned layer `layers_0`, or two scanned `layers`, and
   `logits_dense` without `quant`."""
 
-  def __init__(self, quant, rngs, scanned):
+  def __init__(self, quant, rngs, scanned, precision="default"):
     self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
     if scanned:
       self.layers = scanned_layers(quant, rngs, 2)
     else:
-      self.layers_0 = Layer(quant, rngs)
-    self.logits_dense = DenseGeneral(D, VOCAB, rngs=rngs)
+      self.layers_0 = Layer(quant, rngs, precision)
+    self.logits_dense = DenseGeneral(D, VOCAB, rngs=rngs, matmul_precision=precision)
     self.scanned = scanned
 
   def __call__(self, tokens):
@@ -158,10 +166,10 @@ class Decoder(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  def __init__(self, quant=None, seed=0, scanned=False):
+  def __init__(self, quant=None, seed=0, scanned=False, matmul_precision="default"):
     # MaxText's training Rngs: "aqt" is the stream its quantizations draw from.
     rngs = nnx.Rngs(params=seed, dropout=seed + 1, aqt=seed + 2)
-    self.decoder = Decoder(quant, rngs, scanned)
+    self.decoder = Decoder(quant, rngs, scanned, matmul_precision)
 
   def __call__(self, tokens):
     return self.decoder(tokens)
@@ -255,22 +263,26 @@ def _owg_states(model):
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["unscanned", "scanned"])
 def test_fp8_delayed_state_advances_in_maxtexts_train_step(scanned):
-  # logits_dense is contracted by MaxText's own code (no quant=), routed by quantize_model:
-  # its state is a QuantState made at its first call, which MaxText's step (a copy merged
-  # inside jax.jit, only params and _overwrite_with_gradient kept) would drop each step.
-  recipe = recipes.CustomRecipe(
-    lambda role: (
-      recipes.fp8_current_factory(role)
-      if role.name == "decoder/logits_dense"
-      else recipes.fp8_delayed_factory(role)
-    )
-  )
+  recipe = recipes.fp8_delayed
   model = quantize(Transformer(jqf.MaxTextQuantization(recipe), scanned=scanned), recipe)
-  # Differentiating the params alone would leave the scales as they are: a warning says so.
-  with pytest.warns(UserWarning, match="scales will not advance"):
-    nnx.eval_shape(nnx.grad(loss_fn), model)
+  # logits_dense is contracted by MaxText's own code (no quant=), routed by quantize_model;
+  # its state sits beside the hooks' in _overwrite_with_gradient.
+  roles = set(hooked(scanned)) | {"decoder/logits_dense"}
+  # Differentiating the params alone would leave the scales as they are: a warning says
+  # so, once for each GEMM of the model, not again at the next trace.
+  for traces, expected in ((1, roles), (2, set())):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      nnx.eval_shape(nnx.grad(loss_fn), model)
+    named = [str(w.message).split("'")[1] for w in caught if "will not advance" in str(w.message)]
+    assert sorted(named) == sorted(expected), traces
+  # The routed GEMM's state is made at its first call: one before MaxText's step, which
+  # keeps nothing the step adds to the model.
+  assert not hasattr(model.decoder.logits_dense, "kernel_quant_state")
+  nnx.jit(loss_fn)(model)
   before = _owg_states(model)
-  assert len(before) == 3 * len(hooked(scanned))
+  assert len(before) == 3 * len(roles)
+  assert {s.role.name for s in before} == {"", "decoder/logits_dense"}  # hooks': made unnamed
   assert all(np.all(s.scaling.scale == 1) for s in before)
   losses = train(model, steps=3)
   assert np.all(np.isfinite(losses))
@@ -288,6 +300,26 @@ def test_bf16_is_the_plain_model(built):
   plain_value, plain_grads = nnx.value_and_grad(loss_fn)(plain)
   assert value == plain_value
   jax.tree.map(np.testing.assert_array_equal, grads, plain_grads)
+
+
+@pytest.mark.parametrize("precision", ["default", "high", "highest"])
+def test_bf16_keeps_the_layers_matmul_precision(precision):
+  """MaxText hands its quantization precision=None and keeps `matmul_precision` for its
+  plain dot_general: under bf16 every GEMM compiles as the plain model's does."""
+  plain = Transformer(matmul_precision=precision)
+  quant = jqf.MaxTextQuantization()
+  model = quantize(Transformer(quant, matmul_precision=precision), recipes.bf16)
+  nnx.update(model, nnx.state(plain, nnx.Param))
+  lowered = lambda model: nnx.jit(nnx.value_and_grad(loss_fn)).lower(model).as_text()
+  text = lowered(model)
+  # The same GEMMs: operand shapes, dimensions and precision, in the same order (the
+  # value names differ: the quantized model's graph holds the bridges' Rngs too).
+  gemms = lambda text: [
+    re.sub(r"%[\w#]+", "%", line) for line in text.splitlines() if "dot_general" in line
+  ]
+  assert len(gemms(text)) == 4 * 3  # 4 GEMMs, a forward and two backward each
+  assert all(f"precision = [{precision.upper()}, {precision.upper()}]" in g for g in gemms(text))
+  assert gemms(text) == gemms(lowered(plain))
 
 
 def test_unnamed_layer_is_an_error():

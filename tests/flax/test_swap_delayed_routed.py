@@ -2,8 +2,9 @@
 state per weight GEMM, one per expert for a grouped one, made at the GEMM's first traced
 call and advanced by `update_quant_state` like every layer's.
 
-Three models in their packages' styles: an NNX decoder whose head is contracted by its
-own code (EasyDeL's `ParallelLinear`, MaxText's `logits_dense`), a Linen MoE whose experts
+Models in their packages' styles: an NNX decoder whose head is contracted by its own
+code (EasyDeL's `ParallelLinear`, MaxText's `logits_dense`), its blocks scanned too, a
+Linen MoE whose experts
 are `jax.lax.ragged_dot` over tokens sorted by expert (gemma 4's), and an NNX MoE that
 dispatches tokens into padded expert slots and runs its experts as one batched einsum
 ('ecd,edf->ecf').
@@ -55,6 +56,37 @@ class NnxDecoder(nnx.Module):
     return self.lm_head(x)
 
 
+class ScannedNnxDecoder(nnx.Module):
+  """The same GEMMs, its blocks stacked by `nnx.vmap` and run by `nnx.scan` (EasyDeL's
+  `scan_layers`): each block's routed GEMMs get a state per layer."""
+
+  def __init__(self, *, rngs, layers=2):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return Block(rngs=rngs)
+
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.blocks = blocks(rngs)
+    self.lm_head = ParallelLinear(D, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def run(block, x):
+      return block(x)
+
+    return self.lm_head(run(self.blocks, self.embed(tokens).astype(jnp.bfloat16)))
+
+
+class Block(nnx.Module):
+  def __init__(self, *, rngs):
+    self.up = ParallelLinear(D, F, rngs=rngs)
+    self.down = ParallelLinear(F, D, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(jax.nn.gelu(self.up(x)))
+
+
 def nnx_train(model, steps, lr=0.05):
   """The README's NNX train step: grads of the params and the QuantState; the state
   advanced once per step. Returns the losses."""
@@ -86,6 +118,16 @@ def assert_advanced(state, groups=()):
   assert np.all(np.isfinite(state.scaling.scale)), state.role
   assert np.all(state.scaling.scale != 1), state.role
   assert np.all(np.any(state.scaling.amax_history != 0, axis=-1)), state.role
+
+
+def test_nnx_scanned_routed_gemms_get_a_state_per_layer():
+  model = jqf.quantize_model(ScannedNnxDecoder(rngs=nnx.Rngs(0)), recipes.fp8_delayed)
+  losses = nnx_train(model, steps=2)
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  states = _states(nnx.state(model.blocks, jqf.QuantState))
+  assert {r.name for r in states} == {"blocks/up", "blocks/down"} and len(states) == 6
+  for state in states.values():
+    assert_advanced(state, groups=(2,))  # one per layer
 
 
 def test_nnx_routed_head_trains_under_fp8_delayed_with_its_scales_advancing():

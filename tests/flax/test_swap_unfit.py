@@ -117,11 +117,21 @@ def test_linen_presets_train_with_a_tiny_router_in_high_precision(preset, variab
   model = jqf.quantize_model(LinenLM(), preset)
   losses = train_linen(model, variables)
   assert all(np.isfinite(losses)) and losses[1] < losses[0]
-  status = _status(jqf.swap_report(model, variables, X))
+  report = jqf.swap_report(model, variables, X)
+  status = _status(report)
   assert status["moe/router"] == (
     f"high precision: N={EXPERTS} is smaller than one block ({BLOCK[preset]}) of {preset}"
   )
   assert status["moe/experts"] == status["out"] == "quantized"
+  assert_no_quantizers_shown(report, "moe/router")
+
+
+def assert_no_quantizers_shown(report, role):
+  """A weight GEMM kept in high precision lists no quantizers, in its row or the table."""
+  (row,) = [r for r in report.rows if r.role == role]
+  assert row.quantizers is None
+  (line,) = [line for line in str(report).splitlines() if f" {role} " in line]
+  assert "Quantizer" not in line
 
 
 @pytest.mark.parametrize("preset", ["mxfp8", "nvfp4"])
@@ -129,9 +139,11 @@ def test_nnx_presets_train_with_a_tiny_router_in_high_precision(preset):
   model = jqf.quantize_model(NnxLM(nnx.Rngs(0)), preset, rngs=nnx.Rngs(quant=0))
   losses = train_nnx(model)
   assert all(np.isfinite(losses)) and losses[1] < losses[0]
-  status = _status(jqf.swap_report(model, X))
+  report = jqf.swap_report(model, X)
+  status = _status(report)
   assert status["moe/router"].startswith(f"high precision: N={EXPERTS} is smaller than one block")
   assert status["moe/experts"] == status["out"] == "quantized"
+  assert_no_quantizers_shown(report, "moe/router")
 
 
 def test_the_tiny_rule_keeps_every_gemm_that_fits_as_it_was(variables):

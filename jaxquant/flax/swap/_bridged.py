@@ -26,13 +26,20 @@ own FP8 ops use it). So such a hook:
   step that differentiates the GEMM but not its state warns (its scales would not move).
 - draws stochastic-rounding keys from the bridge's "quant" stream, else from MaxText's
   "aqt" stream.
+- contracts at the calling layer's `matmul_precision` where it is handed no precision:
+  MaxText's layers give their quantization `precision=None` (AQT chooses its own) and
+  keep their setting for their plain `lax.dot_general`, so a GEMM the recipe leaves in
+  high precision compiles as the plain model's does.
+
+In a model whose hooks keep state in `_overwrite_with_gradient`, the GEMMs its own code makes
+(MaxText's `logits_dense`, routed by `quantize_model`) keep theirs there too
+(`GradientStateHost`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from typing import Callable, Optional
 
 import flax.linen as nn
@@ -48,7 +55,7 @@ from jaxquant.flax import _session as sessions
 from jaxquant.flax._rng import QUANT_RNG, draws_key
 from jaxquant.flax._state import RoleState, init_role_states, update_quant_state
 from jaxquant.flax.swap import _provenance as provenance
-from jaxquant.flax.swap._hosts import KERNEL, WeightRef
+from jaxquant.flax.swap._hosts import KERNEL, NnxHost, WeightRef, WritesBack, nnx_state_attr
 from jaxquant.flax.swap._paths import is_linen_bridge, module_path, own_params
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR, gemm_roles
@@ -85,6 +92,14 @@ def _calling_layer() -> tuple[Optional[nnx.Module], bool]:
   return None, False
 
 
+def caller_precision() -> Optional[jax.lax.Precision]:
+  """The `matmul_precision` of the named NNX layer calling a bridged hook (MaxText's
+  setting, e.g. "highest"), as a `lax.Precision`; None where the layer has none."""
+  layer, _ = _calling_layer()
+  value = None if layer is None else getattr(layer, "matmul_precision", None)
+  return None if value is None else jax.lax.Precision(value)
+
+
 def _weight(layer: nnx.Module, rhs, host) -> WeightRef:
   """The layer's param that `rhs` is (or was cast / viewed from), as the swap-in names a
   routed weight: its `kernel` by the layer's path (DenseGeneral), another param by its own
@@ -112,7 +127,7 @@ def _draw_key(module: nn.Module) -> Optional[jax.Array]:
 
 
 @dataclasses.dataclass
-class BridgedHost:
+class BridgedHost(WritesBack):
   """The host of a bridged hook's weight: the states and key its call was given (inputs
   of `_overwrite_with_gradient`), and the states its GEMM wrote."""
 
@@ -173,23 +188,25 @@ def _advanced(states: dict, written: dict, state_grads: dict) -> dict:
   return {n: new.get(n, state) for n, state in states.items()}
 
 
-_STATE_NOT_DIFFERENTIATED = (
-  "jaxquant: a delayed-scaling GEMM of a MaxText layer was differentiated but its state "
-  f"was not: its scales will not advance. Its state lives in the {OVERWRITE_WITH_GRADIENT!r} "
-  "collection, whose gradient is its next value: differentiate with respect to it too "
-  "and overwrite it with its gradient, as MaxText's train step does"
-)
+def _state_not_differentiated(role_name: str) -> str:
+  return (
+    f"jaxquant: the delayed-scaling GEMM of MaxText layer weight {role_name!r} was "
+    "differentiated but its state was not: its scales will not advance. Its state lives "
+    f"in the {OVERWRITE_WITH_GRADIENT!r} collection, whose gradient is its next value: "
+    "differentiate with respect to it too and overwrite it with its gradient, as "
+    "MaxText's train step does"
+  )
 
 
 def _primal(x):
   return x.value if isinstance(x, custom_derivatives.CustomVJPPrimal) else x
 
 
-def _overwrite_with_gradient(run, operands, states: dict) -> jax.Array:
+def _overwrite_with_gradient(run, operands, states: dict, role_name: str) -> jax.Array:
   """`run(operands, states)`'s output, whose gradient with respect to `states` is their
   next value (`_advanced`); `run` returns (output, the states its GEMM wrote). A step
-  that differentiates the operands but not the states warns (at trace time): the
-  scales would stay as they are, silently."""
+  that differentiates the operands but not the states warns (at trace time, once per
+  GEMM `role_name` of the model): the scales would stay as they are, silently."""
 
   @jax.custom_vjp
   def gemm(operands, states):
@@ -198,7 +215,8 @@ def _overwrite_with_gradient(run, operands, states: dict) -> jax.Array:
   def forward(operands, states):
     perturbed = lambda tree: [p.perturbed for p in jax.tree.leaves(tree, is_leaf=_is_primal)]
     if any(perturbed(operands)) and not any(perturbed(states)):
-      warnings.warn(_STATE_NOT_DIFFERENTIATED, UserWarning, stacklevel=2)
+      warning = _state_not_differentiated(role_name)
+      sessions.warn_once(f"state not differentiated: {role_name}", warning)
     operands, states = jax.tree.map(_primal, (operands, states), is_leaf=_is_primal)
     y, backward, written = jax.vjp(run, operands, states, has_aux=True)
     return y, (backward, states, written)
@@ -212,6 +230,38 @@ def _overwrite_with_gradient(run, operands, states: dict) -> jax.Array:
 
   gemm.defvjp(forward, backward, symbolic_zeros=True)
   return gemm(operands, states)
+
+
+def overwrite_with_gradient_type() -> type:
+  """The NNX Variable type of the `_overwrite_with_gradient` collection (MaxText's)."""
+  return nnx.variablelib.variable_type_from_name(OVERWRITE_WITH_GRADIENT, allow_register=True)
+
+
+def holds_overwrite_with_gradient(model: nnx.Module) -> bool:
+  """Whether `model` keeps state in `_overwrite_with_gradient` (MaxText's `quant=` hooks
+  under delayed scaling), which its train step advances: its routed GEMMs' state goes
+  there too (`GradientStateHost`)."""
+  return bool(jax.tree.leaves(nnx.state(model, overwrite_with_gradient_type())))
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientStateHost(NnxHost):
+  """The host of a routed weight in a model whose hooks keep their state in
+  `_overwrite_with_gradient` (MaxText's, built with `quant=`): its state is such a
+  variable too (`<module>.<param>_quant_state`, made at the GEMM's first call), whose
+  gradient is its next value, as the hooks' are: MaxText's train step differentiates the
+  params and that collection, keeps them, and drops every other change of the model."""
+
+  def variable(self, states: dict) -> nnx.Variable:
+    return overwrite_with_gradient_type()(states)
+
+  def run(self, param, gemm, operands, state):
+    if state is None:
+      return gemm(operands, None)[0]
+    states = getattr(self.module, nnx_state_attr(param)).get_value()  # {type: RoleState}
+    run = lambda operands, states: gemm(operands, {t: s.scaling for t, s in states.items()})
+    role_name = WeightRef(module_path(self.module) or "", param, self).role_name
+    return _overwrite_with_gradient(run, operands, states, role_name)
 
 
 def _is_primal(x) -> bool:
@@ -251,4 +301,4 @@ def contract(
   operands = (lhs, rhs, _draw_key(module))
   if not states:
     return run(operands, states)[0]
-  return _overwrite_with_gradient(run, operands, states)
+  return _overwrite_with_gradient(run, operands, states, found.role_name)

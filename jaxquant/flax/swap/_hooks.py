@@ -74,6 +74,8 @@ class JaxquantDotGeneral(nn.Module):
   def __call__(
     self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
   ):
+    if precision is None and not self.path:  # bridged alone: MaxText keeps it on the layer
+      precision = bridged.caller_precision()
     kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs)
 
     def contract(weight, lhs, rhs):
@@ -94,6 +96,9 @@ class JaxquantEinsum(nn.Module):
   def __call__(self, equation, lhs, rhs, **kwargs):
     if self.dtype is not None:
       rhs = jnp.asarray(rhs, self.dtype)
+    if kwargs.get("precision") is None and not self.path:  # as JaxquantDotGeneral
+      precision = bridged.caller_precision()
+      kwargs = kwargs if precision is None else dict(kwargs, precision=precision)
     return _hooked(
       self,
       lambda weight, lhs, rhs: _contract(

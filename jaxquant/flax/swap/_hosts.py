@@ -12,13 +12,15 @@ ragged dot, or a batched einsum run as one grouped GEMM) one per group, with a l
 state is made at the GEMM's first traced call: at `init` in Linen; in NNX, by the call
 that first meets it (the model exists before any trace, its routed contractions are
 found only by running it), a `QuantState` added to the owner module, which `nnx.jit`
-and `nnx.grad` hand back to the model like any change of its state.
+and `nnx.grad` hand back to the model like any change of its state (in a model built
+with MaxText's `quant=` hooks, an `_overwrite_with_gradient` variable:
+`_bridged.GradientStateHost`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import flax.errors
 import flax.linen as nn
@@ -39,6 +41,10 @@ from jaxquant.roles import QuantizerRole
 
 Quantizers = dict[str, Optional[Quantizer]]
 KERNEL = "kernel"  # the param name Flax's layers give their one weight
+# `gemm(operands, state) -> (y, new_state)`: a weight GEMM of `operands` under its
+# delayed-scaling `state` ({tensor_type: DelayedScalingState}, None: none), returning the
+# state it recorded (None: none).
+StatefulGemm = Callable[[tuple, Optional[dict]], tuple[jax.Array, Optional[dict]]]
 
 
 class Host(Protocol):
@@ -63,6 +69,20 @@ class Host(Protocol):
   def write_state(self, param: str, new_state: dict) -> None:
     """Stores the state the GEMM returned (called only when `state` gave one)."""
 
+  def run(self, param: str, gemm: StatefulGemm, operands: tuple, state: Optional[dict]):
+    """The output of `gemm(operands, state)` (`state` as this host's `state` gave it);
+    the state it returns kept as the host keeps it."""
+
+
+class WritesBack:
+  """`Host.run` of a host that stores the state the GEMM returned (`write_state`)."""
+
+  def run(self, param: str, gemm: StatefulGemm, operands: tuple, state: Optional[dict]):
+    y, new_state = gemm(operands, state)
+    if new_state is not None:
+      self.write_state(param, new_state)
+    return y
+
 
 @dataclasses.dataclass(frozen=True)
 class WeightRef:
@@ -84,7 +104,7 @@ class WeightRef:
 
 
 @dataclasses.dataclass
-class LinenHost:
+class LinenHost(WritesBack):
   """A Linen module: state in its "quant_state" collection at `<param>_<tensor_type>`;
   keys from its "quant" RNG stream."""
 
@@ -122,7 +142,7 @@ def nnx_state_attr(param: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class NnxHost:
+class NnxHost(WritesBack):
   """The NNX module owning the weight, in a quantized NNX model: its state a `QuantState`
   at `<module path>/<param>_quant_state` ({tensor_type: RoleState}), made at the GEMM's
   first call (and made anew for a recipe that changed its quantizers, as a fresh process
@@ -130,6 +150,10 @@ class NnxHost:
 
   module: Optional[nnx.Module] = None
   rngs: Optional[nnx.Rngs] = None
+
+  def variable(self, states: dict) -> nnx.Variable:
+    """The Variable that holds a GEMM's states ({tensor_type: RoleState})."""
+    return QuantState(states)
 
   def key(self, quantizers, what: str, optional: bool = False) -> Optional[jax.Array]:
     how_to_pass = "rngs=nnx.Rngs(quant=seed) to quantize_model"
@@ -167,7 +191,7 @@ class NnxHost:
 
   def _set(self, attr: str, states: dict, what: str) -> None:
     try:
-      setattr(self.module, attr, QuantState(states))
+      setattr(self.module, attr, self.variable(states))
     except flax.errors.TraceContextError as error:
       raise ValueError(
         f"{what}: its delayed-scaling state is made at its first call, which runs here "
@@ -178,7 +202,7 @@ class NnxHost:
 
 
 @dataclasses.dataclass(frozen=True)
-class HookHost:
+class HookHost(WritesBack):
   """An NNX `dot_general` / `einsum_op` hook: a plain function, no state, no RNG."""
 
   def key(self, quantizers, what: str, optional: bool = False) -> None:

@@ -74,9 +74,22 @@ def descendant_params(module: nn.Module) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class ModuleStack:
-  """The Linen modules whose methods are running, innermost last."""
+  """The Linen modules whose methods are running, innermost last, and the session token
+  that the scopes of the quantized model carry (`_session_scopes`).
 
+  A module whose scope lacks the token is not the model's: the root of a nested
+  `Module.apply` inside it (a tied head, `lm_head.apply({"params": {"kernel": wte.T}},
+  x)` as transformers' FlaxGPT2 writes it), whose variables are what the model's code
+  handed it. Its own params are no weights of the model: an operand is traced through
+  them to the model's param (the embedding), which names the role and holds the state,
+  and whose module draws the keys."""
+
+  token: Optional[str] = None
   modules: list = dataclasses.field(default_factory=list)
+
+  def owns(self, module: nn.Module) -> bool:
+    """Whether `module` is the quantized model's (not a nested apply's root or child)."""
+    return module.scope is not None and module.scope.flags.get(SESSION_FLAG) == self.token
 
   @contextlib.contextmanager
   def running(self, module: nn.Module):
@@ -90,7 +103,7 @@ class ModuleStack:
     """The running module whose own param the operand is, innermost first; else the
     running module one of whose children's params it is (named by its path from that
     module, its state kept in that module's scope)."""
-    running = [m for m in reversed(self.modules) if m.scope is not None]
+    running = [m for m in reversed(self.modules) if self.owns(m)]
     for params_of in (own_params, descendant_params):
       for module in running:
         name = provenance.find(operand, params_of(module))
@@ -101,7 +114,7 @@ class ModuleStack:
   def why_unmatched(self, operand) -> Optional[str]:
     """Why an operand no module's param matched looks like a weight, if it does."""
     for module in reversed(self.modules):
-      if module.scope is not None:
+      if self.owns(module):
         why = provenance.trace_operand(operand, own_params(module)).unresolved
         if why is not None:
           return f"{'/'.join(module.path)}: {why}" if module.path else why
@@ -131,6 +144,10 @@ def _linen_interceptor(
       (layer for layer in LINEN_LAYERS if layer.matches(module)), None
     )
     if not layer or sessions.current() is not session:
+      return next_fun(*args, **kwargs)
+    if stack is not None and not stack.owns(module):
+      # A nested apply's layer (module docstring of ModuleStack): run as written, its
+      # contraction routed, its weight traced to the model's param.
       return next_fun(*args, **kwargs)
     with routing_pause.paused():
       return layer.route(module, next_fun, args, kwargs, recipe=recipe, annotate=annotate)
@@ -225,7 +242,8 @@ class QuantizedModel(nn.Module):
         with _session_scopes(self.module, None):
           self.module(*args, **kwargs)
     recipe = None if self.recipe is None else recipes.resolve(self.recipe)
-    stack = ModuleStack()
+    token = uuid.uuid4().hex
+    stack = ModuleStack(token)
     session = Session(
       recipe,
       self.on_unfit,
@@ -233,8 +251,9 @@ class QuantizedModel(nn.Module):
       stack.why_unmatched,
       weight_gather=self.weight_gather,
       shard_scaling=self.shard_scaling,
+      log=self.first_call_log,
     )
-    with sessions.active(session), routing(handle), _session_scopes(self.module, uuid.uuid4().hex):
+    with sessions.active(session), routing(handle), _session_scopes(self.module, token):
       with nn.intercept_methods(_linen_interceptor(recipe, self.annotate, stack, session)):
         y = self.module(*args, **kwargs)
     what = f"quantize_model({type(self.module).__name__})"

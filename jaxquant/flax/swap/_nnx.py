@@ -16,7 +16,9 @@ reuses a trace made under another recipe or outside the model.
 NNX modules do not record which of them is running: the operand's owner is found among
 the `self` of the running methods on the Python stack (innermost first), as the module
 whose own `nnx.Param` the operand is (`_provenance.find`); that module holds the
-delayed-scaling state of the GEMM, made at its first call (`_hosts.NnxHost`). Stochastic
+delayed-scaling state of the GEMM, made at its first call (`_hosts.NnxHost`; in a model
+whose MaxText hooks keep theirs in `_overwrite_with_gradient`, there too:
+`_bridged.GradientStateHost`). Stochastic
 rounding draws one key per model call from the `rngs` given to
 `quantize_model`, where the model lives; every GEMM inside (swapped layer or routed
 contraction) derives its own from it (`_rng.call_keys`), so no stream is mutated from
@@ -40,6 +42,7 @@ from jaxquant.flax._nnx_graph import path_str, replace_submodules
 from jaxquant.flax._rng import call_keys
 from jaxquant.flax._session import FirstCallLog, Session, active, reporting, warn_unresolved
 from jaxquant.flax.swap import _provenance as provenance
+from jaxquant.flax.swap._bridged import GradientStateHost, holds_overwrite_with_gradient
 from jaxquant.flax.swap._found_gemms import check_found_gemms
 from jaxquant.flax.swap._hosts import NnxHost, WeightRef
 from jaxquant.flax.swap._interception import routing
@@ -67,13 +70,13 @@ def _running_modules():
     frame = frame.f_back
 
 
-def _finder():
+def _finder(host: type[NnxHost]):
   def find_weight(operand) -> Optional[WeightRef]:
     for module in _running_modules():
       params = own_params(module)
       name = provenance.find(operand, params)
       if name is not None:
-        return WeightRef(getattr(module, PATH_ATTR), name, NnxHost(module))
+        return WeightRef(getattr(module, PATH_ATTR), name, host(module))
     return None
 
   return find_weight
@@ -205,8 +208,9 @@ def swap_modules(
   return model
 
 
-def _routed_class(cls: type, recipe, on_unfit, require_gemm, annotate) -> type:
-  """`cls` whose `__call__` runs the model with its contractions routed."""
+def _routed_class(cls: type, recipe, on_unfit, require_gemm, annotate, host) -> type:
+  """`cls` whose `__call__` runs the model with its contractions routed, their weights'
+  state kept by `host` (an `NnxHost` type)."""
 
   first_call_log = FirstCallLog()  # this quantized model's: one line per recipe
   # One call at a time (re-entrant for a nested call in the same thread): the session
@@ -214,7 +218,7 @@ def _routed_class(cls: type, recipe, on_unfit, require_gemm, annotate) -> type:
   calling = threading.RLock()
 
   def __call__(self, *args, **kwargs):
-    session = Session(recipe, on_unfit, _finder(), _why_unmatched)
+    session = Session(recipe, on_unfit, _finder(host), _why_unmatched, log=first_call_log)
     with calling, _session_token(self, uuid.uuid4().hex):
       with active(session), routing(handle), call_keys(getattr(self, RNGS_ATTR, None)):
         y = cls.__call__(self, *args, **kwargs)
@@ -261,5 +265,8 @@ def quantize_nnx_model(
   if rngs is not None:
     setattr(model, RNGS_ATTR, nnx.data(rngs))
   base = getattr(type(model), _BASE_ATTR, type(model))  # quantized again: the plain class
-  model.__class__ = _routed_class(base, recipe, on_unfit, require_gemm, annotate)
+  # MaxText's train step keeps the params and `_overwrite_with_gradient` alone: where the
+  # model's hooks keep their state there, so do its routed GEMMs.
+  host = GradientStateHost if holds_overwrite_with_gradient(model) else NnxHost
+  model.__class__ = _routed_class(base, recipe, on_unfit, require_gemm, annotate, host)
   return model

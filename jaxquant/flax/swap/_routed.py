@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxquant import ops, recipes
 from jaxquant.flax import _contraction as contraction
+from jaxquant.flax import _grouped as grouped_layers
 from jaxquant.flax import _session as sessions
 from jaxquant.flax.swap import _calls as calls
 from jaxquant.flax.swap._calls import Call
@@ -123,31 +124,33 @@ def _param_contraction(session, call: Call, found: calls.Contraction, shapes, re
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
   operand = x
   x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
-  # ops.dense asks for a key where it rounds (a forward alone may not); grouped_dense
-  # asks for it up front.
-  key = ref.host.key(quantizers, what, optional=not grouped)
+  # None without a stream: a forward alone may need none (ops.dense asks where it rounds;
+  # a grouped GEMM, `_grouped.without_key`).
+  key = ref.host.key(quantizers, what, optional=True)
   if grouped:
     _check_shard_scaling(session, what)
     return _grouped(plan, x, w, quantizers, recipe, ref, key, what)
   roles = gemm_roles(module_type, ref.role_name)
   state = ref.host.state(ref.param, roles, quantizers, what)
-  y, new_state = contraction.quantized_gemm(
-    plan,
-    x,
-    w,
-    quantizers=quantizers,
-    backward=recipe.backward,
-    name=ref.role_name,
-    what=what,
-    key=key,
-    state=state,
-    fast_accumulation=recipe.fast_accumulation,
-    shard_scaling=session.shard_scaling,
-    layer_input=operand,
-  )
-  if new_state is not None:
-    ref.host.write_state(ref.param, new_state)
-  return y
+
+  def gemm(operands, state):
+    x, w = operands
+    return contraction.quantized_gemm(
+      plan,
+      x,
+      w,
+      quantizers=quantizers,
+      backward=recipe.backward,
+      name=ref.role_name,
+      what=what,
+      key=key,
+      state=state,
+      fast_accumulation=recipe.fast_accumulation,
+      shard_scaling=session.shard_scaling,
+      layer_input=operand,
+    )
+
+  return ref.host.run(ref.param, gemm, (x, w), state)
 
 
 def _grouped(plan, x, w, quantizers, recipe, ref, key, what):
@@ -242,7 +245,7 @@ def _ragged_param(session, call, found, shapes, lhs_ref, ref):
   recipe, quantizers = admitted
   dtype = found.preferred_element_type or jnp.result_type(found.lhs, found.rhs)
   x, w = jnp.asarray(found.lhs, dtype), jnp.asarray(found.rhs, dtype)
-  key = ref.host.key(quantizers, what)
+  key = ref.host.key(quantizers, what, optional=True)  # None: `_grouped.without_key`
   return _grouped_dense(x, w, found.group_sizes, quantizers, recipe, ref, key, what)
 
 
@@ -251,18 +254,25 @@ def _grouped_dense(x, w, group_sizes, quantizers, recipe, ref, key, what):
   quantizers need one, holds one scale per group (its host's, made at the first call)."""
   roles = gemm_roles(GROUPED_LINEAR, ref.role_name)
   state = ref.host.state(ref.param, roles, quantizers, what, num_groups=np.shape(w)[0])
-  out = ops.grouped_dense(
-    x,
-    w,
-    group_sizes,
-    quantizers=dict(quantizers),
-    backward=recipe.backward,
-    name=ref.role_name,
-    key=key,
-    state=state,
-  )
-  if state is None:
-    return out
-  y, new_state = out
-  ref.host.write_state(ref.param, new_state)
-  return y
+
+  def run(operands, key):
+    x, w, group_sizes, state = operands
+    out = ops.grouped_dense(
+      x,
+      w,
+      group_sizes,
+      quantizers=dict(quantizers),
+      backward=recipe.backward,
+      name=ref.role_name,
+      key=key,
+      state=state,
+    )
+    return (out, None) if state is None else out
+
+  def gemm(operands, state):
+    operands = (*operands, group_sizes, state)
+    if key is None:
+      return grouped_layers.without_key(run, operands, quantizers, what)
+    return run(operands, key)
+
+  return ref.host.run(ref.param, gemm, (x, w), state)
