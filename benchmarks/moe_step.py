@@ -59,16 +59,19 @@ from jaxquant import kernels, ops, recipes
 QUANTIZED_PRESETS = tuple(p for p in recipes.PRESETS if p != "bf16")
 BF16_VARIANTS = ("bf16_ragged", "bf16_padded")
 PEER = "qwix_fp8_tensor"
-# Compiled and timed in this order: the baselines, the headline recipes and the peer first,
-# so that a run cut short by its deadline keeps the comparisons that matter most.
+# Compiled and timed in this order: the baseline, the headline recipes and the peer first,
+# so that a run cut short by its deadline keeps the comparisons that matter most; XLA's
+# ragged_dot after them, its compile the longest of the bf16 variants (its autotuning
+# has asked for more memory than an H100 holds at the fine shape).
 ORDER = (
-  *BF16_VARIANTS,
+  "bf16_padded",
   "jaxquant_grouped_bf16",
   "ragged/fp8_current",
   PEER,
   "ragged/fp8_delayed",
   "padded/fp8_current",
   "padded/fp8_delayed",
+  "bf16_ragged",
   "ragged/fp8_block",
   "ragged/mxfp8",
   "moe_module/fp8_current",
