@@ -16,8 +16,10 @@ Also a transformer MLP block's training step (forward + backward) under bf16, fp
 fp8_block and mxfp8, and grouped GEMMs (bf16, FP8) through jaxquant's grouped kernel, grouped
 by rows (fprop, dgrad; and `jax.lax.ragged_dot` with --ragged-dot) and by the contraction
 (`grouped_wgrad_*`), each against the dense GEMM of the same FLOPs and format. The
-accumulation section times the per-tensor FP8 kernel with and without (recipes.CustomRecipe) at the 8B decoder layer's GEMM shapes, and records each mode's normwise error against a float64 oracle as k grows, on signed and on
-all-positive codes (where truncated partial sums add up instead of cancelling).
+accumulation section times the per-tensor FP8 kernel with and without fast accumulation
+(recipes.CustomRecipe) at the 8B decoder layer's GEMM shapes, and records each mode's
+normwise error against a float64 oracle as k grows, on signed and on all-positive codes
+(where truncated partial sums add up instead of cancelling).
 Times are device times of back-to-back calls, each figure's baseline and
 contenders timed in turns over several rounds (timing.py); a ratio is that of the median
 times, and its `_lowest_round` record the lowest ratio within one round. Records are merged
