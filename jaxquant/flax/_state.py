@@ -149,12 +149,36 @@ def _advance_all(states: list, grads: list, finite) -> list:
   return new
 
 
-def _role_states_and_grads(quant_state: Any, state_grads: Any):
+# A checkpoint of RoleStates restored without a target: plain dicts whose keys are the
+# dataclasses' field names.
+_UNTYPED_STATE_KEYS = ("amax_history", "scaling")
+
+
+def _refuse_untyped_state(tree: Any, what: str) -> None:
+  """Raises where `tree` holds a delayed-scaling state as plain dicts (a checkpoint restored
+  without a target) instead of RoleStates: the helpers would see no state to advance or
+  check in it, and silently do nothing."""
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_role_state)[0]:
+    keys = [getattr(k, "key", None) for k in path]
+    if any(key in _UNTYPED_STATE_KEYS for key in keys):
+      raise TypeError(
+        f"{what}: {jax.tree_util.keystr(path)} is a plain array in a dict, not inside a "
+        "RoleState: a delayed-scaling state restored without a target (orbax's restore "
+        "with no target, msgpack_restore) loses its types. Restore with the model's state "
+        "as the target: orbax `checkpointer.restore(path, target)`, the target the state "
+        "as initialized (`jax.eval_shape` of the init gives it without memory), or "
+        "`flax.serialization.from_state_dict(target, restored)`"
+      )
+
+
+def _role_states_and_grads(quant_state: Any, state_grads: Any, what: str):
   """(treedef, leaves, grad leaves or Nones, the leaves' indices that are RoleStates)."""
+  _refuse_untyped_state(quant_state, what)
   leaves, treedef = jax.tree.flatten(quant_state, is_leaf=is_role_state)
   if state_grads is None:
     grad_leaves = [None] * len(leaves)
   else:
+    _refuse_untyped_state(state_grads, what + " (its state_grads)")
     grad_leaves = treedef.flatten_up_to(state_grads)
   at = [i for i, leaf in enumerate(leaves) if is_role_state(leaf)]  # e.g. params beside it
   return treedef, leaves, grad_leaves, at
@@ -196,7 +220,9 @@ def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True
     new_state = update_quant_state(*_nnx_quant_states(model, state_grads), finite=finite)
     nnx.update(model, new_state)
     return new_state
-  treedef, leaves, grad_leaves, at = _role_states_and_grads(quant_state, state_grads)
+  treedef, leaves, grad_leaves, at = _role_states_and_grads(
+    quant_state, state_grads, "update_quant_state"
+  )
   advanced = _advance_all([leaves[i] for i in at], [grad_leaves[i] for i in at], finite)
   for i, state in zip(at, advanced, strict=False):
     leaves[i] = state
@@ -214,7 +240,9 @@ def recorded_amaxes_finite(quant_state: Any, state_grads: Any = None) -> jax.Arr
   """
   if isinstance(quant_state, nnx.Module):
     return recorded_amaxes_finite(*_nnx_quant_states(quant_state, state_grads))
-  _, leaves, grad_leaves, at = _role_states_and_grads(quant_state, state_grads)
+  _, leaves, grad_leaves, at = _role_states_and_grads(
+    quant_state, state_grads, "recorded_amaxes_finite"
+  )
   checks = [scaling.recorded_amaxes_finite(leaves[i].scaling) for i in at]
   checks += [
     scaling.recorded_amaxes_finite(grad_leaves[i].scaling)
@@ -226,6 +254,8 @@ def recorded_amaxes_finite(quant_state: Any, state_grads: Any = None) -> jax.Arr
 
 def combine_quant_state(a: Any, b: Any) -> Any:
   """Merges two records of one step (micro-batches, or their state gradients) by max."""
+  _refuse_untyped_state(a, "combine_quant_state")
+  _refuse_untyped_state(b, "combine_quant_state")
   return jax.tree.map(
     lambda x, y: dataclasses.replace(x, scaling=scaling.combine(x.scaling, y.scaling)),
     a,
