@@ -29,11 +29,13 @@ gradients with `combine_quant_state` (max) before step 3. States stacked by
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxquant import scaling
@@ -42,6 +44,7 @@ from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, ne
 from jaxquant.roles import QuantizerRole
 
 QUANT_STATE = "quant_state"
+_log = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -96,7 +99,7 @@ def _per_layer(fn, *states: scaling.DelayedScalingState):
   return fn(*states)
 
 
-def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, finite):
+def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, options):
   """One step of `len(states)` states of one quantizer and shape. Where the update's exact
   fp32 division is the kernel's, each state on its own. Where it is the reference's
   integer emulation, one vectorized computation for the group: a copy of the emulation
@@ -109,7 +112,7 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, finite):
   def advance(state, grad):
     if grad is not None:
       state = scaling.record_grad_amax(state, grad)
-    return delayed_state.update(state, quantizer, finite=finite)
+    return delayed_state.update(state, quantizer, **options)
 
   if delayed_state.divides_in_kernel():
     # Layers stacked by scan go to the kernel as one vector (update's leading axes), not
@@ -122,13 +125,13 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, finite):
         for state, grad in zip(states, grads, strict=False)
       ]
     )
-    return [delayed_state.update(state, quantizer, finite=finite) for state in recorded]
+    return [delayed_state.update(state, quantizer, **options) for state in recorded]
   stacked = stack(states)
   new = _per_layer(advance, stacked, None if grads is None else stack(grads))
   return [jax.tree.map(operator.itemgetter(i), new) for i in range(len(states))]
 
 
-def _advance_all(states: list, grads: list, finite) -> list:
+def _advance_all(states: list, grads: list, options: dict) -> list:
   """`update_quant_state` on flat lists of RoleStates and their gradients (or Nones),
   grouped by what can share one computation."""
   groups: dict[Any, list[int]] = {}
@@ -142,7 +145,7 @@ def _advance_all(states: list, grads: list, finite) -> list:
       quantizer,
       [states[i].scaling for i in members],
       [grads[i].scaling for i in members] if records_grad else None,
-      finite,
+      options,
     )
     for i, scaled in zip(members, advanced, strict=False):
       new[i] = dataclasses.replace(states[i], scaling=scaled)
@@ -189,7 +192,9 @@ def _nnx_quant_states(model: nnx.Module, state_grads: Any):
   return nnx.state(model, QuantState), grads
 
 
-def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True) -> Any:
+def update_quant_state(
+  quant_state: Any, state_grads: Any = None, *, finite=True, outlier_factor=None
+) -> Any:
   """Advances every `RoleState` in `quant_state` by one training step.
 
   For an NNX model, pass the model itself and the grads of the step (an `nnx.State`
@@ -207,6 +212,11 @@ def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True
       `optax.apply_if_finite`, `opt_state.last_finite`). Where False, every state comes
       back as the step found it: this step's records dropped, scale and history
       unchanged, nothing rolled (`scaling.update`).
+    outlier_factor: None (off), or a number > 1: an amax recorded this step that is finite
+      and more than this many times its history's max is not recorded, for one step
+      (`scaling.update`, `scaling.outlier_skipped`), and a warning names its role. It
+      guards against a batch whose values are far out of range but whose loss stays
+      finite, which no finiteness check skips. README's train step uses 2**10.
 
   Returns:
     The state for the next step: the new scales, the histories rolled.
@@ -215,18 +225,53 @@ def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True
   recorded (the state cannot tell the two apart): each scale is recomputed from the same
   history and the history rolls once more, so this step's amaxes leave it one step sooner.
   """
+  options = dict(finite=finite, outlier_factor=outlier_factor)
   if isinstance(quant_state, nnx.Module):
     model = quant_state
-    new_state = update_quant_state(*_nnx_quant_states(model, state_grads), finite=finite)
+    new_state = update_quant_state(*_nnx_quant_states(model, state_grads), **options)
     nnx.update(model, new_state)
     return new_state
   treedef, leaves, grad_leaves, at = _role_states_and_grads(
     quant_state, state_grads, "update_quant_state"
   )
-  advanced = _advance_all([leaves[i] for i in at], [grad_leaves[i] for i in at], finite)
+  states, grads = [leaves[i] for i in at], [grad_leaves[i] for i in at]
+  if outlier_factor is not None and finite is not False and states:
+    _warn_of_skipped_outliers(states, grads, finite, outlier_factor)
+  advanced = _advance_all(states, grads, options)
   for i, state in zip(at, advanced, strict=False):
     leaves[i] = state
   return jax.tree.unflatten(treedef, leaves)
+
+
+def _warn_of_skipped_outliers(states: list, grads: list, finite, factor) -> None:
+  """Logs, from the host, each role whose amax `update` skips this step as an outlier; the
+  host is called only on a step that skips one."""
+  recorded = [
+    _per_layer(scaling.record_grad_amax, s.scaling, g.scaling)
+    if g is not None and s.role.tensor_type == "grad_output"
+    else s.scaling
+    for s, g in zip(states, grads, strict=True)
+  ]
+  skipped = [scaling.outlier_skipped(r, factor) & finite for r in recorded]
+  amaxes = [r.amax_history[..., 0] for r in recorded]
+  names = [f"{s.role.name} ({s.role.tensor_type})" for s in states]
+
+  def log(skipped, amaxes):
+    for name, flags, values in zip(names, skipped, amaxes, strict=True):
+      flags = np.asarray(flags)
+      for index in filter(lambda index: flags[index], np.ndindex(flags.shape)):
+        where = f" of layer {index}" if index else ""  # scanned layers: one state each
+        _log.warning(
+          "jaxquant: delayed scaling skipped an outlier amax of %s%s: %g, more than %g "
+          "times its history's max; not recorded this step",
+          name,
+          where,
+          float(np.asarray(values)[index]),
+          factor,
+        )
+
+  any_skipped = jnp.any(jnp.stack([jnp.any(flags) for flags in skipped]))
+  jax.lax.cond(any_skipped, lambda: jax.debug.callback(log, skipped, amaxes), lambda: None)
 
 
 def recorded_amaxes_finite(quant_state: Any, state_grads: Any = None) -> jax.Array:
