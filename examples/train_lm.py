@@ -8,7 +8,7 @@ number formats alone. With --seeds N each recipe trains from N seeds (each sets 
 parameters and the data order, the same for every recipe); the results give the mean and
 spread over seeds and each recipe's gap to bf16 with a 95% paired t-interval.
 
-  python examples/train_lm.py                         # all recipes, the cpu preset: 3-8 min
+  python examples/train_lm.py                         # all recipes, the cpu preset: ~3 min
   python examples/train_lm.py --preset gpu            # ~58M parameters, for one H100
   python examples/train_lm.py --recipes bf16,mxfp8 --steps 100
   python examples/train_lm.py --noise-floor           # + bf16 again from a perturbed start

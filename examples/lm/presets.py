@@ -1,6 +1,6 @@
 """Model and training sizes by name.
 
-tiny: seconds, for CI. cpu (the default): all eight recipes in under 10 minutes on a
+tiny: seconds, for CI. cpu (the default): all eight recipes in about 3 minutes on an idle
 2-core CPU; there, quantized recipes run through jaxquant's exact pure-JAX emulation,
 whose compile time (one quantized GEMM site per Dense layer) and per-step cost are several
 times bf16's, so the model is small and the run short. gpu: a 58M-parameter model for one
