@@ -8,7 +8,7 @@ number formats alone. With --seeds N each recipe trains from N seeds (each sets 
 parameters and the data order, the same for every recipe); the results give the mean and
 spread over seeds and each recipe's gap to bf16 with a 95% paired t-interval.
 
-  python examples/train_lm.py                         # all recipes, the cpu preset
+  python examples/train_lm.py                         # all recipes, the cpu preset: ~3 min
   python examples/train_lm.py --preset gpu            # ~58M parameters, for one H100
   python examples/train_lm.py --recipes bf16,mxfp8 --steps 100
   python examples/train_lm.py --noise-floor           # + bf16 again from a perturbed start
@@ -19,7 +19,9 @@ spread over seeds and each recipe's gap to bf16 with a 95% paired t-interval.
   python examples/launch_local.py --processes 2 --cpu-devices-per-process 4 -- \\
       python examples/train_lm.py --mesh fsdp=8   # over 2 processes (jax.distributed)
 
-Outputs (in --out): val_loss.png (the validation curves of all recipes, bands over seeds),
+Outputs (in --out, by default train_lm_runs/<preset>-<start time>, a folder of its own for
+every command; an --out holding an earlier run's outputs is refused without --overwrite):
+val_loss.png (the validation curves of all recipes, bands over seeds),
 results.md (final validation loss, spread, gap to bf16 with its interval, step time) and
 curves.json (everything, for replotting); with suggested_nvfp4 also sensitivity.md and
 sensitivity.png (the analysis that chose its policy).
@@ -51,7 +53,9 @@ from jaxquant import analysis
 # The host waits for the device once every SYNC_EVERY steps (and at each eval), not every
 # step: in between it queues the next steps while the device computes.
 SYNC_EVERY = 10
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
+# The default --out: a folder of its own for every command, under the working directory
+# (not the package), named by the preset and the start time: no run overwrites another's.
+DEFAULT_RUNS = pathlib.Path("train_lm_runs")
 # Relative size of the noise-floor run's perturbation: far below any format's rounding error.
 NOISE_FLOOR_SCALE = 1e-3
 # suggested_nvfp4's sensitivity report, next to the other outputs.
@@ -76,7 +80,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--moe", action="store_true", help="replace each MLP with jaxquant's MoE block"
   )
-  parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output folder")
+  parser.add_argument(
+    "--out",
+    type=pathlib.Path,
+    help=f"output folder (default: {DEFAULT_RUNS}/<preset>-<start time>, one per command)",
+  )
+  parser.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace the outputs of an earlier run in --out (without it, such a folder is refused "
+    "before anything runs)",
+  )
   parser.add_argument(
     "--seed",
     type=int,
@@ -175,7 +189,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     help="stop training once the run has taken this many seconds; the outputs "
     "mark the recipe that was cut short and those not run",
   )
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.out is None:
+    args.out = DEFAULT_RUNS / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+  return args
 
 
 def with_steps(train: presets.TrainConfig, steps: int | None) -> presets.TrainConfig:
@@ -215,6 +232,9 @@ def with_overrides(train: presets.TrainConfig, assignments: list[str]) -> preset
         changes[name] = kind(text)
       except ValueError:
         raise ValueError(f"--set {assignment!r}: {name} takes a {kind.__name__}") from None
+    error = presets.field_error(name, changes[name])
+    if error:
+      raise ValueError(f"--set {assignment!r}: {error}")
   return dataclasses.replace(train, **changes)
 
 
@@ -374,6 +394,7 @@ def run_info(
     },
     "unigram_entropy_nats": entropy,
     "unigram_entropy_bits": data.nats_to_bits(entropy),
+    "platform": jax.default_backend(),
     "device": str(jax.devices()[0]),
     "device_kind": jax.devices()[0].device_kind,
     "jax": jax.__version__,
@@ -441,7 +462,7 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
   if writes:
     out.mkdir(parents=True, exist_ok=True)
   if args.suggested_policy is not None:
-    policy = suggested.read_policy(args.suggested_policy)
+    policy = suggested.read_policy(args.suggested_policy, model_config)
     suggestion = suggested.from_policy(model_config, policy)
     text = (
       f"{recipes.SUGGESTED_RECIPE}: NVFP4 with the head and these {len(suggestion.kept)} GEMM "
@@ -496,21 +517,76 @@ def suggested_run(args, model_config, train_config, shared_params: dict, corpus,
   return model, relaid, text, list(suggestion.kept)
 
 
+# Every file a run writes into --out.
+OUTPUT_FILES = (
+  report.CURVES_JSON,
+  report.RESULTS_TABLE,
+  report.CURVES_PNG,
+  suggested.POLICY_FILE,
+  SENSITIVITY_TABLE,
+  SENSITIVITY_PNG,
+)
+
+
+def check_arguments(args: argparse.Namespace) -> presets.TrainConfig:
+  """Every flag, `--set` value, policy file and process option, checked before anything
+  runs or is written (an error names the flag, the value and the rule); the training
+  config they give."""
+  distributed.check_flags(args)
+  train_config = with_overrides(
+    with_steps(presets.PRESETS[args.preset].train, args.steps), args.set
+  )
+  train_config.tail_steps()  # fits the run, or says why not
+  seeds_of(args)
+  if args.noise_band is not None and args.noise_band < 0:
+    raise ValueError(f"--noise-band {args.noise_band}: a number of runs, >= 0")
+  noise_band_runs_of(args)
+  budget = args.time_budget_s
+  if budget is not None and not (math.isfinite(budget) and budget > 0):
+    raise ValueError(f"--time-budget-s {budget}: a finite number of seconds > 0")
+  if args.repeat_index < 0:
+    raise ValueError(f"--repeat-index {args.repeat_index}: 0 (the seed's run) or a repeat > 0")
+  recipe_names = recipes.parse_recipe_names(args.recipes)
+  if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
+    raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")
+  if args.sensitivity_rank == "loss_change" and args.sensitivity_model_runs != "module":
+    raise ValueError(
+      "--sensitivity-rank loss_change ranks by each module's model-level effect: "
+      "it needs --sensitivity-model-runs module"
+    )
+  if args.suggested_policy is not None:  # read whether or not its recipe runs
+    suggested.read_policy(args.suggested_policy, presets.PRESETS[args.preset].model)
+  if args.mesh is not None:
+    sharding.parse_mesh(args.mesh)
+  elif args.quantized_gather:
+    raise ValueError(
+      "--quantized-gather gathers FSDP-sharded weights: it needs --mesh with fsdp > 1"
+    )
+  earlier = [name for name in OUTPUT_FILES if (args.out / name).exists()]
+  if earlier and not args.overwrite:
+    raise ValueError(
+      f"--out {args.out}: holds an earlier run's {', '.join(earlier)}; give another --out, or "
+      "--overwrite to replace them"
+    )
+  return train_config
+
+
 def main(argv: list[str] | None = None) -> list[report.RecipeResult]:
   start = time.perf_counter()
   args = parse_args(argv)
+  train_config = check_arguments(args)
   distributed.initialize(args)
   with distributed.primary_output():
-    return train_recipes(args, start)
+    return train_recipes(args, train_config, start)
 
 
-def train_recipes(args: argparse.Namespace, start: float) -> list[report.RecipeResult]:
-  """Every run of the command line; in a job of several processes each runs all of it (the
-  same steps on the same data), process 0 alone writing the outputs."""
-  preset = presets.PRESETS[args.preset]
-  model_config = preset.model
-  train_config = with_overrides(with_steps(preset.train, args.steps), args.set)
-  train_config.tail_steps()  # fits the run, or says why not
+def train_recipes(
+  args: argparse.Namespace, train_config: presets.TrainConfig, start: float
+) -> list[report.RecipeResult]:
+  """Every run of the command line (`check_arguments` has checked it and given
+  train_config); in a job of several processes each runs all of it (the same steps on the
+  same data), process 0 alone writing the outputs."""
+  model_config = presets.PRESETS[args.preset].model
   if train_config.deterministic:
     training.check_deterministic_options()
   noise_band_runs = noise_band_runs_of(args)
@@ -523,8 +599,6 @@ def train_recipes(args: argparse.Namespace, start: float) -> list[report.RecipeR
   ):
     model_config = dataclasses.replace(model_config, attention_implementation="cudnn")
   recipe_names = recipes.parse_recipe_names(args.recipes)
-  if args.moe and recipes.SUGGESTED_RECIPE in recipe_names:
-    raise ValueError(f"--moe: {recipes.SUGGESTED_RECIPE} is not available with the MoE block")
   if (
     recipes.SUGGESTED_RECIPE in recipe_names
     and args.suggested_policy is None
@@ -533,11 +607,6 @@ def train_recipes(args: argparse.Namespace, start: float) -> list[report.RecipeR
     raise ValueError(
       f"{recipes.SUGGESTED_RECIPE} in {jax.process_count()} processes: give the policy "
       "with --suggested-policy (processes analysing apart could choose apart)"
-    )
-  if args.sensitivity_rank == "loss_change" and args.sensitivity_model_runs != "module":
-    raise ValueError(
-      "--sensitivity-rank loss_change ranks by each module's model-level effect: "
-      "it needs --sensitivity-model-runs module"
     )
   mesh = mesh_of(args)
   if args.quantized_gather and (mesh is None or mesh.shape[sharding.FSDP] == 1):
@@ -581,6 +650,9 @@ def train_recipes(args: argparse.Namespace, start: float) -> list[report.RecipeR
     f"{train_config.batch_size}x{seq_len} tokens, seeds {seeds}, on {where(mesh)}, "
     f"attention: {model_config.attention_implementation or 'xla'}"
   )
+  if jax.default_backend() == "cpu":
+    print(report.CPU_EMULATION_NOTE)
+  print(f"outputs to {args.out}")
   delayed = [n for n in recipe_names if recipes.preset_of(n) == "fp8_delayed"]
   if args.moe and delayed:
     print(

@@ -188,6 +188,7 @@ def _command(job: Job, args, train_lm_args: list[str], policy: Optional[pathlib.
     str(job.repeat),
     "--out",
     str(job.folder(args.out)),
+    "--overwrite",  # the job's own folder (a job run again replaces its outputs)
   ]
   return command + (["--suggested-policy", str(policy)] if policy is not None else [])
 

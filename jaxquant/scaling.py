@@ -7,7 +7,8 @@ with this project's two rules beside NUMERICS.md's (docs/numerics.md, "Delayed s
 the history's max ignores non-finite entries, and no scale is ever inf, NaN or zero.
 `update(..., finite=False)` hands back the state as a skipped step found it;
 `recorded_amaxes_finite` tells a train step's finiteness check about an inf or NaN input
-that the FP8 casts saturated.
+that the FP8 casts saturated; `update(..., outlier_factor=)` skips a finite outlier amax
+(`outlier_skipped`).
 """
 
 from jaxquant.reference._scaling import (
@@ -20,6 +21,7 @@ from jaxquant.reference._scaling import (
   init_state,
   max_amax,
   next_scale,
+  outlier_skipped,
   record_amax,
   record_grad_amax,
   recorded_amaxes_finite,
@@ -38,6 +40,7 @@ __all__ = [
   "init_state",
   "max_amax",
   "next_scale",
+  "outlier_skipped",
   "record_amax",
   "record_grad_amax",
   "recorded_amaxes_finite",

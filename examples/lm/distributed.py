@@ -40,6 +40,18 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
   group.add_argument("--process-id", type=int, metavar="I", help="this one's, 0..N-1")
 
 
+def check_flags(args: argparse.Namespace) -> None:
+  """Raises, naming the flag, where the process flags cannot describe a job (before JAX
+  is asked to join one, whose own error names neither)."""
+  n, i = args.num_processes, args.process_id
+  if n is not None and n < 1:
+    raise ValueError(f"--num-processes {n}: a job has at least 1 process")
+  if i is not None and i < 0:
+    raise ValueError(f"--process-id {i}: process ids are 0..N-1")
+  if n is not None and i is not None and i >= n:
+    raise ValueError(f"--process-id {i} --num-processes {n}: process ids are 0..{n - 1}")
+
+
 def initialize(args: argparse.Namespace) -> None:
   """Joins the job's other processes (a no-op with one process). Call it before anything
   uses JAX's devices: the backends start once, with the devices they see then."""

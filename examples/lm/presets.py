@@ -1,6 +1,6 @@
 """Model and training sizes by name.
 
-tiny: seconds, for CI. cpu (the default): all eight recipes in under 10 minutes on a
+tiny: seconds, for CI. cpu (the default): all eight recipes in about 3 minutes on an idle
 2-core CPU; there, quantized recipes run through jaxquant's exact pure-JAX emulation,
 whose compile time (one quantized GEMM site per Dense layer) and per-step cost are several
 times bf16's, so the model is small and the run short. gpu: a 58M-parameter model for one
@@ -19,7 +19,8 @@ NVFP4's 16, block FP8's 128) tile the weights and the token dimension exactly.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import math
+from typing import Callable, Optional
 
 from lm.model import ModelConfig
 
@@ -62,6 +63,33 @@ class TrainConfig:
         f"{self.steps} steps"
       )
     return [self.steps - i * every for i in reversed(range(self.tail_evals))]
+
+
+_FINITE = math.isfinite
+# Each numeric TrainConfig field's rule, checked on every value `--set` gives (a preset's
+# own values keep them): (holds, the rule in words).
+FIELD_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+  "batch_size": (lambda v: v >= 1, "an integer >= 1"),
+  "steps": (lambda v: v >= 1, "an integer >= 1"),
+  "warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
+  "peak_learning_rate": (lambda v: _FINITE(v) and v > 0, "a finite number > 0"),
+  "final_learning_rate_fraction": (lambda v: _FINITE(v) and 0 <= v <= 1, "a number in [0, 1]"),
+  "weight_decay": (lambda v: _FINITE(v) and v >= 0, "a finite number >= 0"),
+  "grad_clip_norm": (lambda v: _FINITE(v) and v > 0, "a finite number > 0"),
+  "eval_every": (lambda v: v >= 1, "an integer >= 1"),
+  "eval_batches": (lambda v: v is None or v >= 1, "an integer >= 1, or all"),
+  "tail_evals": (lambda v: v >= 1, "an integer >= 1"),
+  "tail_eval_every": (lambda v: v >= 0, "an integer >= 0 (0: eval_every)"),
+  "sensitivity_steps": (lambda v: v >= 0, "an integer >= 0"),
+}
+
+
+def field_error(name: str, value) -> Optional[str]:
+  """Why `value` cannot be TrainConfig field `name`'s (FIELD_RULES), or None."""
+  if name not in FIELD_RULES:
+    return None
+  holds, rule = FIELD_RULES[name]
+  return None if holds(value) else f"{name} must be {rule}, got {value!r}"
 
 
 @dataclasses.dataclass(frozen=True)

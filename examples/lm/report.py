@@ -336,20 +336,36 @@ def read_curves_json(path: pathlib.Path) -> tuple[dict, list[RecipeResult]]:
   return payload["run"], results
 
 
-def title(preset: str, n_params: int) -> str:
-  return f"byte LM on the Python stdlib, preset {preset} ({n_params / 1e6:.1f}M parameters)"
+# On a CPU every format runs as jaxquant's exact pure-JAX emulation (no FP8 or FP4
+# arithmetic there): a step's time is the emulation's cost, not the format's speed.
+CPU_EMULATION_NOTE = (
+  "CPU: every format is emulated in pure JAX, so step times show the emulation's cost, "
+  "not the formats' speed (on GPUs: docs/benchmarks.md)"
+)
+
+
+def title(preset: str, n_params: int, platform: str | None = None) -> str:
+  heading = f"byte LM on the Python stdlib, preset {preset} ({n_params / 1e6:.1f}M parameters)"
+  return heading + (f"\n{CPU_EMULATION_NOTE}" if platform == "cpu" else "")
 
 
 def write_outputs(out: pathlib.Path, results: list[RecipeResult], info: dict) -> None:
   """val_loss.png, results.md and curves.json of a run; info is run_info with the recipes
   not run ("not_run") and the text results.md ends with ("notes")."""
   out.mkdir(parents=True, exist_ok=True)
-  heading = title(info["preset"], info["parameters"])
+  platform = info.get("platform")  # absent from runs recorded before it was
+  heading = title(info["preset"], info["parameters"], platform)
   entropy = info["unigram_entropy_nats"]
   write_curves_json(out / CURVES_JSON, results, info)
   plot_validation_curves(out / CURVES_PNG, results, entropy, heading)
+  notes = (f"{CPU_EMULATION_NOTE}.\n\n" if platform == "cpu" else "") + info["notes"]
   write_results_table(
-    out / RESULTS_TABLE, results, info["not_run"], entropy, heading, info["notes"]
+    out / RESULTS_TABLE,
+    results,
+    info["not_run"],
+    entropy,
+    title(info["preset"], info["parameters"]),
+    notes,
   )
 
 

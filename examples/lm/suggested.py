@@ -140,10 +140,44 @@ def write_policy(path: pathlib.Path, policy: dict) -> None:
   path.write_text(json.dumps(policy, indent=1) + "\n")
 
 
-def read_policy(path: pathlib.Path) -> dict:
-  policy = json.loads(pathlib.Path(path).read_text())
-  if not isinstance(policy.get("kept"), list) or not all(
-    isinstance(entry, list) and len(entry) == 2 for entry in policy["kept"]
+def read_policy(path: pathlib.Path, config: ModelConfig) -> dict:
+  """The policy in `path` (`--suggested-policy`), checked against the model of `config`:
+  an unreadable file, one that is not a policy, or one keeping a module the model does
+  not have is an error naming the file and the flag."""
+  where = f"--suggested-policy {path}"
+  try:
+    policy = json.loads(pathlib.Path(path).read_text())
+  except OSError as e:
+    raise ValueError(f"{where}: cannot be read ({e.strerror})") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{where}: not a {POLICY_FILE} (not JSON: {e})") from None
+  if (
+    not isinstance(policy, dict)
+    or not isinstance(policy.get("kept"), list)
+    or not all(
+      isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)
+      for entry in policy["kept"]
+    )
   ):
-    raise ValueError(f"{path}: not a {POLICY_FILE} ('kept': [[module type, module path], ...])")
+    raise ValueError(f"{where}: not a {POLICY_FILE} ('kept': [[module type, module path], ...])")
+  modules = gemm_modules(config)
+  unknown = [entry for entry in policy["kept"] if tuple(entry) not in modules]
+  if unknown:
+    raise ValueError(
+      f"{where}: keeps modules this model ({config.n_layers} layers) does not have: "
+      f"{unknown}; its GEMM modules are {sorted(list(m) for m in modules)}"
+    )
   return policy
+
+
+def gemm_modules(config: ModelConfig) -> set[tuple[str, str]]:
+  """(module type, module path) of every GEMM module of the unrolled model, as policies
+  name them: from its parameters' shapes (no compilation, no memory)."""
+  unrolled = dataclasses.replace(config, scanned_layers=0)
+  tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+  shapes = jax.eval_shape(TransformerLM(unrolled).init, jax.random.key(0), tokens)
+  names = [
+    [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]  # not the boxes'
+    for path, _ in jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
+  ]
+  return {("linear", "/".join(keys[:-1])) for keys in names if keys[-1] == "kernel"}

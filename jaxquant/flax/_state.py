@@ -34,11 +34,13 @@ gradients with `combine_quant_state` (max) before step 3. States stacked by
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxquant import scaling
@@ -48,6 +50,7 @@ from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, ne
 from jaxquant.roles import QuantizerRole
 
 QUANT_STATE = "quant_state"
+_log = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +116,7 @@ def _per_layer(fn, *states: scaling.DelayedScalingState):
   return fn(*states)
 
 
-def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, finite):
+def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, options):
   """One step of `len(states)` states of one quantizer and shape. Where the update's exact
   fp32 division is the kernel's, each state on its own. Where it is the reference's
   integer emulation, one vectorized computation for the group: a copy of the emulation
@@ -126,7 +129,7 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, finite):
   def advance(state, grad):
     if grad is not None:
       state = scaling.record_grad_amax(state, grad)
-    return delayed_state.update(state, quantizer, finite=finite)
+    return delayed_state.update(state, quantizer, **options)
 
   if delayed_state.divides_in_kernel():
     # Layers stacked by scan go to the kernel as one vector (update's leading axes), not
@@ -139,13 +142,13 @@ def _advance_group(quantizer: DelayedFloat8Quantizer, states, grads, finite):
         for state, grad in zip(states, grads, strict=False)
       ]
     )
-    return [delayed_state.update(state, quantizer, finite=finite) for state in recorded]
+    return [delayed_state.update(state, quantizer, **options) for state in recorded]
   stacked = stack(states)
   new = _per_layer(advance, stacked, None if grads is None else stack(grads))
   return [jax.tree.map(operator.itemgetter(i), new) for i in range(len(states))]
 
 
-def _advance_all(states: list, grads: list, finite) -> list:
+def _advance_all(states: list, grads: list, options: dict) -> list:
   """`update_quant_state` on flat lists of RoleStates and their gradients (or Nones),
   grouped by what can share one computation."""
   groups: dict[Any, list[int]] = {}
@@ -159,19 +162,43 @@ def _advance_all(states: list, grads: list, finite) -> list:
       quantizer,
       [states[i].scaling for i in members],
       [grads[i].scaling for i in members] if records_grad else None,
-      finite,
+      options,
     )
     for i, scaled in zip(members, advanced, strict=False):
       new[i] = dataclasses.replace(states[i], scaling=scaled)
   return new
 
 
-def _role_states_and_grads(quant_state: Any, state_grads: Any):
+# A checkpoint of RoleStates restored without a target: plain dicts whose keys are the
+# dataclasses' field names.
+_UNTYPED_STATE_KEYS = ("amax_history", "scaling")
+
+
+def _refuse_untyped_state(tree: Any, what: str) -> None:
+  """Raises where `tree` holds a delayed-scaling state as plain dicts (a checkpoint restored
+  without a target) instead of RoleStates: the helpers would see no state to advance or
+  check in it, and silently do nothing."""
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_role_state)[0]:
+    keys = [getattr(k, "key", None) for k in path]
+    if any(key in _UNTYPED_STATE_KEYS for key in keys):
+      raise TypeError(
+        f"{what}: {jax.tree_util.keystr(path)} is a plain array in a dict, not inside a "
+        "RoleState: a delayed-scaling state restored without a target (orbax's restore "
+        "with no target, msgpack_restore) loses its types. Restore with the model's state "
+        "as the target: orbax `checkpointer.restore(path, target)`, the target the state "
+        "as initialized (`jax.eval_shape` of the init gives it without memory), or "
+        "`flax.serialization.from_state_dict(target, restored)`"
+      )
+
+
+def _role_states_and_grads(quant_state: Any, state_grads: Any, what: str):
   """(treedef, leaves, grad leaves or Nones, the leaves' indices that are RoleStates)."""
+  _refuse_untyped_state(quant_state, what)
   leaves, treedef = jax.tree.flatten(quant_state, is_leaf=is_role_state)
   if state_grads is None:
     grad_leaves = [None] * len(leaves)
   else:
+    _refuse_untyped_state(state_grads, what + " (its state_grads)")
     grad_leaves = treedef.flatten_up_to(state_grads)
   at = [i for i, leaf in enumerate(leaves) if is_role_state(leaf)]  # e.g. params beside it
   return treedef, leaves, grad_leaves, at
@@ -193,7 +220,9 @@ def _nnx_quant_states(model: nnx.Module, state_grads: Any):
   )
 
 
-def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True) -> Any:
+def update_quant_state(
+  quant_state: Any, state_grads: Any = None, *, finite=True, outlier_factor=None
+) -> Any:
   """Advances every `RoleState` in `quant_state` by one training step.
 
   For an NNX model, pass the model itself and the grads of the step (an `nnx.State`
@@ -211,6 +240,11 @@ def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True
       `optax.apply_if_finite`, `opt_state.last_finite`). Where False, every state comes
       back as the step found it: this step's records dropped, scale and history
       unchanged, nothing rolled (`scaling.update`).
+    outlier_factor: None (off), or a number > 1: an amax recorded this step that is finite
+      and more than this many times its history's max is not recorded, for one step
+      (`scaling.update`, `scaling.outlier_skipped`), and a warning names its role. It
+      guards against a batch whose values are far out of range but whose loss stays
+      finite, which no finiteness check skips. README's train step uses 2**10.
 
   Returns:
     The state for the next step: the new scales, the histories rolled.
@@ -219,16 +253,53 @@ def update_quant_state(quant_state: Any, state_grads: Any = None, *, finite=True
   recorded (the state cannot tell the two apart): each scale is recomputed from the same
   history and the history rolls once more, so this step's amaxes leave it one step sooner.
   """
+  options = dict(finite=finite, outlier_factor=outlier_factor)
   if isinstance(quant_state, nnx.Module):
     model = quant_state
-    new_state = update_quant_state(*_nnx_quant_states(model, state_grads), finite=finite)
+    new_state = update_quant_state(*_nnx_quant_states(model, state_grads), **options)
     nnx.update(model, new_state)
     return new_state
-  treedef, leaves, grad_leaves, at = _role_states_and_grads(quant_state, state_grads)
-  advanced = _advance_all([leaves[i] for i in at], [grad_leaves[i] for i in at], finite)
+  treedef, leaves, grad_leaves, at = _role_states_and_grads(
+    quant_state, state_grads, "update_quant_state"
+  )
+  states, grads = [leaves[i] for i in at], [grad_leaves[i] for i in at]
+  if outlier_factor is not None and finite is not False and states:
+    _warn_of_skipped_outliers(states, grads, finite, outlier_factor)
+  advanced = _advance_all(states, grads, options)
   for i, state in zip(at, advanced, strict=False):
     leaves[i] = state
   return jax.tree.unflatten(treedef, leaves)
+
+
+def _warn_of_skipped_outliers(states: list, grads: list, finite, factor) -> None:
+  """Logs, from the host, each role whose amax `update` skips this step as an outlier; the
+  host is called only on a step that skips one."""
+  recorded = [
+    _per_layer(scaling.record_grad_amax, s.scaling, g.scaling)
+    if g is not None and s.role.tensor_type == "grad_output"
+    else s.scaling
+    for s, g in zip(states, grads, strict=True)
+  ]
+  skipped = [scaling.outlier_skipped(r, factor) & finite for r in recorded]
+  amaxes = [r.amax_history[..., 0] for r in recorded]
+  names = [f"{s.role.name} ({s.role.tensor_type})" for s in states]
+
+  def log(skipped, amaxes):
+    for name, flags, values in zip(names, skipped, amaxes, strict=True):
+      flags = np.asarray(flags)
+      for index in filter(lambda index: flags[index], np.ndindex(flags.shape)):
+        where = f" of layer {index}" if index else ""  # scanned layers: one state each
+        _log.warning(
+          "jaxquant: delayed scaling skipped an outlier amax of %s%s: %g, more than %g "
+          "times its history's max; not recorded this step",
+          name,
+          where,
+          float(np.asarray(values)[index]),
+          factor,
+        )
+
+  any_skipped = jnp.any(jnp.stack([jnp.any(flags) for flags in skipped]))
+  jax.lax.cond(any_skipped, lambda: jax.debug.callback(log, skipped, amaxes), lambda: None)
 
 
 def recorded_amaxes_finite(quant_state: Any, state_grads: Any = None) -> jax.Array:
@@ -242,7 +313,9 @@ def recorded_amaxes_finite(quant_state: Any, state_grads: Any = None) -> jax.Arr
   """
   if isinstance(quant_state, nnx.Module):
     return recorded_amaxes_finite(*_nnx_quant_states(quant_state, state_grads))
-  _, leaves, grad_leaves, at = _role_states_and_grads(quant_state, state_grads)
+  _, leaves, grad_leaves, at = _role_states_and_grads(
+    quant_state, state_grads, "recorded_amaxes_finite"
+  )
   checks = [scaling.recorded_amaxes_finite(leaves[i].scaling) for i in at]
   checks += [
     scaling.recorded_amaxes_finite(grad_leaves[i].scaling)
@@ -254,6 +327,8 @@ def recorded_amaxes_finite(quant_state: Any, state_grads: Any = None) -> jax.Arr
 
 def combine_quant_state(a: Any, b: Any) -> Any:
   """Merges two records of one step (micro-batches, or their state gradients) by max."""
+  _refuse_untyped_state(a, "combine_quant_state")
+  _refuse_untyped_state(b, "combine_quant_state")
   return jax.tree.map(
     lambda x, y: dataclasses.replace(x, scaling=scaling.combine(x.scaling, y.scaling)),
     a,

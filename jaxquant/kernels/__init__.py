@@ -2,12 +2,12 @@
 
 Each primitive lowers to its CUDA kernel on GPUs and to the pure-JAX reference elsewhere,
 batches under `vmap` and partitions under sharded `jit` (Shardy). Importing this package
-loads the CUDA library, when it was built, and registers the kernels' FFI targets.
+loads nothing: the CUDA library is loaded, and the kernels' FFI targets registered, once a
+GPU platform asks for them (`available()` on a supported GPU, or a lowering for CUDA).
 
 `available()` says whether the kernels can run here, `unavailable_reason()` why not.
 """
 
-from jaxquant.kernels import _targets
 from jaxquant.kernels._amax import amax
 from jaxquant.kernels._bf16_gemm import scaled_bf16_gemm
 from jaxquant.kernels._block_gemm import block_fp8_gemm
@@ -26,8 +26,6 @@ from jaxquant.kernels._quantize import (
 )
 from jaxquant.kernels._targets import available, unavailable_reason
 from jaxquant.kernels._tensor_gemm import fp8_tensor_gemm
-
-_targets.registration_error()  # register the FFI targets now, when the library exists
 
 __all__ = [
   "available",

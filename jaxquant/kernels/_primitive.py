@@ -90,7 +90,7 @@ def _lowered_device_count(ctx) -> Optional[int]:
 
 def _cuda_lowering(spec: KernelSpec):
   def lower(ctx, *args, config):
-    error = library.load_error()
+    error = library.register(spec.targets)
     if error:
       raise RuntimeError(f"{spec.name}: cannot lower to the CUDA kernel: {error}")
     ffi = jax.ffi.ffi_lowering(spec.target(config))

@@ -9,6 +9,7 @@ every spec of the package).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional
 
 from jaxquant.kernels import (
@@ -25,6 +26,8 @@ from jaxquant.kernels import (
   _tensor_gemm,
 )
 from jaxquant.kernels import _library as library
+
+_log = logging.getLogger(__name__)
 
 SPECS = (
   _amax.SPEC,
@@ -45,15 +48,18 @@ TARGETS = tuple(target for spec in SPECS for target in spec.targets)
 
 
 @functools.cache
-def registration_error() -> Optional[str]:
-  """Loads the library and registers every target once; returns why that failed, or None."""
-  return library.register(TARGETS)
-
-
-@functools.cache
 def unavailable_reason() -> Optional[str]:
-  """None when the kernels can run here; otherwise why not."""
-  return registration_error() or library.device_reason()
+  """None when the kernels can run here; otherwise why not: no GPU in use, a GPU they do
+  not run on, the library not built, or built but not loadable. The library is loaded (and
+  every target registered) only once a supported GPU is found."""
+  device_error = library.device_reason()
+  if device_error:
+    return device_error
+  error = library.register(TARGETS)
+  if error:
+    # A GPU machine silently running the reference would look slow for no visible reason.
+    _log.warning("jaxquant: the CUDA kernels cannot run on this GPU: %s", error)
+  return error
 
 
 def available() -> bool:

@@ -87,4 +87,6 @@ def read_backend(implementation: Optional[str] = None) -> Backend:
   if choice not in BACKENDS:
     source = "implementation=" if implementation else f"{BACKEND_VAR}="
     raise ValueError(f"{source}{choice!r}: must be one of {BACKENDS}")
-  return Backend(choice, _disabled_kernels(), kernels.available())
+  # The reference backend never asks: nothing of the CUDA library's is loaded for it.
+  available = choice != "reference" and kernels.available()
+  return Backend(choice, _disabled_kernels(), available)

@@ -31,9 +31,11 @@ def update(
   implementation: Optional[str] = None,
   *,
   finite=True,
+  outlier_factor=None,
 ) -> scaling.DelayedScalingState:
-  """`scaling.update(state, quantizer, finite=finite)`, bit for bit; leading axes are
-  groups of states."""
+  """`scaling.update(state, quantizer, finite=finite, outlier_factor=outlier_factor)`, bit
+  for bit; leading axes are groups of states."""
+  options = dict(finite=finite, outlier_factor=outlier_factor)
   if not divides_in_kernel(implementation):
-    return scaling.update(state, quantizer, finite=finite)
-  return scaling.update(state, quantizer, next_scale_of=_kernel_next_scale, finite=finite)
+    return scaling.update(state, quantizer, **options)
+  return scaling.update(state, quantizer, next_scale_of=_kernel_next_scale, **options)

@@ -23,6 +23,7 @@ from jaxquant.reference import _fp32 as fp32
 
 _MIN_NORMAL_BITS = np.uint32(0x00800000)
 _INF_BITS = np.uint32(0x7F800000)
+_SIGN_BIT = np.uint32(0x80000000)
 
 
 @jax.tree_util.register_dataclass
@@ -120,14 +121,42 @@ def next_scale(amax: jax.Array, scale: jax.Array, fmax: float, divisor: float) -
   return jnp.where(keep, scale, new_scale)
 
 
+def is_skipped_outlier(hist: jax.Array) -> jax.Array:
+  """Which history entries are outliers `update(..., outlier_factor=)` skipped: kept as
+  their negatives (every recorded amax is >= 0), which the history's max ignores."""
+  return (fp32.bits(hist) > _SIGN_BIT) & fp32.is_finite(hist)
+
+
 def finite_max(hist: jax.Array, axis=-1) -> jax.Array:
   """The max of the finite entries of an amax history (>= 0; 0 where none is finite),
-  exact on subnormals. A NaN or inf recorded on one faulty step would otherwise rule the
-  max, and so keep the old scale, for as many steps as the history is long
-  (TransformerEngine's fmaxf reduction ignores NaN too)."""
-  finite = fp32.is_finite(hist)
+  exact on subnormals, skipped outliers left out. A NaN or inf recorded on one faulty step
+  would otherwise rule the max, and so keep the old scale, for as many steps as the history
+  is long (TransformerEngine's fmaxf reduction ignores NaN too)."""
+  kept = fp32.is_finite(hist) & ~is_skipped_outlier(hist)
   # A select moves bits and flushes nothing; abs_max compares magnitude bits.
-  return fp32.abs_max(jnp.where(finite, hist, jnp.zeros_like(hist)), axis=axis)
+  return fp32.abs_max(jnp.where(kept, hist, jnp.zeros_like(hist)), axis=axis)
+
+
+def check_outlier_factor(factor) -> None:
+  if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1):
+    raise ValueError(f"outlier_factor must be a finite number > 1 (or None), got {factor!r}")
+
+
+def outlier_skipped(state: DelayedScalingState, factor: float) -> jax.Array:
+  """Whether `update(..., outlier_factor=factor)` skips the amax recorded this step
+  (`amax_history[..., 0]`; per group with leading axes): finite, more than `factor` times
+  the max of the history's earlier entries (compared in fp32; never while that max is 0,
+  nothing to compare with), and the step before not skipped itself: an amax that stays
+  that high for a second step is the tensor's new range, and is recorded."""
+  check_outlier_factor(factor)
+  hist = state.amax_history
+  current, earlier = hist[..., 0], finite_max(hist[..., 1:])
+  return (
+    fp32.is_finite(current)
+    & ~fp32.is_zero(earlier)
+    & (current > earlier * jnp.float32(factor))
+    & ~is_skipped_outlier(hist[..., -1])
+  )
 
 
 def history_amax(state: DelayedScalingState, quantizer: DelayedFloat8Quantizer) -> jax.Array:
@@ -170,6 +199,7 @@ def update(
   next_scale_of=next_scale,
   *,
   finite=True,
+  outlier_factor=None,
 ) -> DelayedScalingState:
   """The once-per-step update: new scale from the history, then roll and clear slot 0;
   with leading axes ([..., history_len], one history per group), per group.
@@ -182,15 +212,28 @@ def update(
   `finite` (a bool or a traced bool scalar) says whether the step is kept: where it is
   False (a step the optimizer skipped), the state comes back as the step found it: slot
   0's records dropped (cleared, as the previous update left it), the rest of the history
-  and the scale unchanged, nothing rolled."""
+  and the scale unchanged, nothing rolled.
+
+  `outlier_factor` (None: off; else a number > 1) guards against a finite outlier, such as
+  a batch scaled by 1e15 whose loss stays finite: an amax `outlier_skipped` flags is not
+  recorded for this step (the scale is computed as if slot 0 held nothing), and it rolls
+  into the history as its negative, which the history's max ignores and which lets the
+  next step record whatever comes. Unguarded, such an amax rules the history's max, and
+  shrinks the scale so that every ordinary value underflows, for `history_len` steps."""
+  hist = recorded = state.amax_history
+  if outlier_factor is not None:
+    skipped = outlier_skipped(state, outlier_factor)
+    current = hist[..., 0]
+    hist = with_current_slot(hist, jnp.where(skipped, jnp.float32(0.0), current))
+    recorded = with_current_slot(hist, jnp.where(skipped, fp32.neg(current), current))
   scale = next_scale_of(
-    history_amax(state, quantizer),
+    history_amax(DelayedScalingState(hist, state.scale), quantizer),
     state.scale,
     float(quantizer.format("rowwise").fmax),
     scale_divisor(quantizer),
   )
-  hist = with_current_slot(jnp.roll(state.amax_history, -1, axis=-1), 0.0)
-  new = DelayedScalingState(hist, clamp_scale(scale))
+  rolled = with_current_slot(jnp.roll(recorded, -1, axis=-1), 0.0)
+  new = DelayedScalingState(rolled, clamp_scale(scale))
   if finite is True:  # the common call: no selects in the step
     return new
   unchanged = DelayedScalingState(with_current_slot(state.amax_history, 0.0), state.scale)

@@ -314,10 +314,11 @@ def test_a_saved_policy_rebuilds_the_recipe_suggest_recipe_proposes(tmp_path):
     "sensitivity_steps": 10,
   }
   suggested.write_policy(tmp_path / suggested.POLICY_FILE, saved)
-  rebuilt = suggested.from_policy(config, suggested.read_policy(tmp_path / suggested.POLICY_FILE))
+  read = suggested.read_policy(tmp_path / suggested.POLICY_FILE, config)
+  rebuilt = suggested.from_policy(config, read)
   assert rebuilt.recipe.qfactory.kept == proposed.qfactory.kept
   assert rebuilt.kept == tuple(m.name for m in top)
   assert rebuilt.config.scanned_layers == min(config.scanned_layers, 0)  # layer 0 kept
   (tmp_path / "bad.json").write_text('{"kept": ["decoder/layer_0/mlp/wo"]}')
   with pytest.raises(ValueError, match="not a suggested_policy.json"):
-    suggested.read_policy(tmp_path / "bad.json")
+    suggested.read_policy(tmp_path / "bad.json", config)

@@ -89,10 +89,13 @@ def tiny_run(tmp_path_factory) -> tuple[pathlib.Path, str]:
 
 
 def test_writes_all_outputs(tiny_run):
-  out, _ = tiny_run
+  out, stdout = tiny_run
   for name in ("val_loss.png", "results.md", "curves.json"):
     assert (out / name).stat().st_size > 0, name
   assert "| bf16 |" in (out / "results.md").read_text()
+  on_cpu = json.loads((out / "curves.json").read_text())["run"]["platform"] == "cpu"
+  assert (report.CPU_EMULATION_NOTE in (out / "results.md").read_text()) == on_cpu
+  assert (report.CPU_EMULATION_NOTE in stdout) == on_cpu
 
 
 def test_noise_floor_starts_elsewhere_and_reports_a_gap(tiny_run):

@@ -226,3 +226,27 @@ def test_recorded_amaxes_finite_reads_forward_records_and_grad_output_amaxes():
       )
       # Only grad_output's gradient carries an amax; the others' are not records.
       assert bool(check(clean, g)) == (role != "grad_output"), (role, bad)
+
+
+def test_state_restored_without_a_target_is_refused_with_how_to_restore(tmp_path):
+  """A checkpoint restored with no target gives plain dicts: the helpers found no RoleState
+  in them and did nothing (an inf amax read as finite, no update). They refuse it, saying
+  how to restore with a target; restored with one, the state works again."""
+  tree, grads = _mixed_states()  # forward records with inf and NaN amaxes among them
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", tree)
+    checkpointer.wait_until_finished()
+    untyped = checkpointer.restore(tmp_path / "ckpt")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    typed = checkpointer.restore(tmp_path / "ckpt", abstract)
+  assert isinstance(untyped["m0_0_input"], dict)  # what a restore without a target gives
+  how = r"\['m0_0_\w+'\]\['scaling'\]\['amax_history'\] .*restored without a target.*target"
+  with pytest.raises(TypeError, match="recorded_amaxes_finite: " + how):
+    jqf.recorded_amaxes_finite(untyped)
+  with pytest.raises(TypeError, match="update_quant_state: " + how):
+    jqf.update_quant_state(untyped)
+  with pytest.raises(TypeError, match=r"update_quant_state \(its state_grads\): "):
+    jqf.update_quant_state(tree, {**untyped, "not_a_state": grads["not_a_state"]})
+  with pytest.raises(TypeError, match="combine_quant_state: " + how):
+    jqf.combine_quant_state(untyped, untyped)
+  assert not bool(jqf.recorded_amaxes_finite(typed))

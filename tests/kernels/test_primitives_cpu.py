@@ -475,7 +475,7 @@ def test_cuda_lowering_adds_the_workspace_result(monkeypatch):
   from jaxquant.kernels import _library as library
 
   queries = []
-  monkeypatch.setattr(library, "load_error", lambda: None)
+  monkeypatch.setattr(library, "register", lambda targets: None)
   monkeypatch.setattr(
     library,
     "workspace_bytes",
@@ -506,7 +506,7 @@ def test_cublaslt_gemms_take_cublaslt_s_workspace_across_devices(
   from jaxquant.kernels import _tensor_gemm as tensor_gemm
 
   queries = []
-  monkeypatch.setattr(library, "load_error", lambda: None)
+  monkeypatch.setattr(library, "register", lambda targets: None)
   monkeypatch.setattr(
     library, "workspace_bytes", lambda target, *dims: queries.append((target, dims)) or 777
   )

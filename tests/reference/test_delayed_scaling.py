@@ -213,3 +213,44 @@ def test_recorded_amaxes_finite_reads_the_current_slot():
   for bad in (np.inf, np.nan):
     hist[1, 0] = bad
     assert not bool(check(scaling.DelayedScalingState(jnp.asarray(hist), jnp.ones(2))))
+
+
+OUTLIER_FACTOR = 2.0**10
+
+
+@pytest.mark.parametrize("q", [E4M3, dataclasses.replace(E4M3, amax_algo="most_recent")])
+def test_an_outlier_is_skipped_for_one_step_then_a_lasting_one_recorded(q):
+  """`outlier_factor`: an amax more than the factor above the history's max is not recorded
+  (the scale as if slot 0 were empty), and rolls in as its negative, which the max ignores;
+  the next step records whatever comes, so an amax that stays high is the new range."""
+  update = jax.jit(lambda s: scaling.update(s, q, outlier_factor=OUTLIER_FACTOR))
+  state = scaling.DelayedScalingState(jnp.asarray([1e15, 3.0, 2.0, 0.0], F32), F32(149.0))
+  assert bool(scaling.outlier_skipped(state, OUTLIER_FACTOR))
+  skipped = update(state)
+  want_hist, want_scale = oracle_update([0.0, 3.0, 2.0, 0.0], 149.0, q)
+  want_hist[-1] = -1e15
+  assert np.array_equal(bits(skipped.amax_history), bits(want_hist)), skipped.amax_history
+  assert np.array_equal(bits(skipped.scale), bits(want_scale))
+  again = dataclasses.replace(skipped, amax_history=skipped.amax_history.at[0].set(1e15))
+  assert not bool(scaling.outlier_skipped(again, OUTLIER_FACTOR))
+  recorded = update(again)
+  assert float(recorded.scale) == np.float32(448.0) / np.float32(1e15)
+  assert float(recorded.amax_history[-1]) == np.float32(1e15)
+
+
+def test_no_outlier_leaves_the_update_s_bits_unchanged():
+  """Within the factor (and with nothing yet to compare with) the guarded update is the
+  plain one, bit for bit."""
+  for hist in ([1000.0, 3.0, 2.0, 0.0], [5.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]):
+    state = scaling.DelayedScalingState(jnp.asarray(hist, F32), F32(2.0))
+    guarded = scaling.update(state, E4M3, outlier_factor=OUTLIER_FACTOR)
+    plain = scaling.update(state, E4M3)
+    for a, b in zip(jax.tree.leaves(guarded), jax.tree.leaves(plain), strict=True):
+      assert np.array_equal(bits(a), bits(b)), hist
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, float("inf"), float("nan"), "10"])
+def test_the_outlier_factor_must_be_a_number_above_one(factor):
+  state = scaling.init_state(E4M3)
+  with pytest.raises(ValueError, match=f"outlier_factor must be a finite number > 1.*{factor}"):
+    scaling.update(state, E4M3, outlier_factor=factor)
