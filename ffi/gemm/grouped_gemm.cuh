@@ -12,8 +12,9 @@
 // S_g = the sum over h < g of sizes[h] rounded up to kColumnAlign, the layout whose every
 // group starts on a 16-byte boundary for TMA (columns past a group's size, up to the next
 // start, are never read; groups are clipped at L); an empty group's D[g] is zeros. This is
-// the wgrad of each expert, its K the expert's rows: the "K-grouped" problem list. One CUTLASS Hopper pointer-array kernel (TMA, warp-specialized,
-// persistent) runs every group: a setup kernel turns the sizes into the per-group problem
+// the wgrad of each expert, its K the expert's rows: the "K-grouped" problem list.
+// One CUTLASS Hopper pointer-array kernel (TMA, warp-specialized, persistent) runs every
+// group: a setup kernel turns the sizes into the per-group problem
 // shapes and pointers in the call's workspace, so nothing waits on the host and the call
 // is the same work under a CUDA graph. The workspace is a result buffer that XLA allocates
 // with the call (`workspace_bytes` says how large), not scratch memory, so XLA may capture
@@ -26,7 +27,7 @@
 // FP8 MMA adds each instruction's products with about 14 bits of alignment, so FP8 results
 // are within about 1e-4 (relative, normwise) of the reference: docs/numerics.md.
 //
-// This header holds the kernel templates; grouped_gemm.cu the FFI handler, and each
+// This header holds the kernel templates; grouped_gemm.cu the FFI handlers, and each
 // grouped_gemm_<pair>.cu compiles the instantiations of one operand pair, so that the
 // CUTLASS kernels build in parallel.
 #pragma once
