@@ -14,9 +14,9 @@
 // start, are never read; groups are clipped at L); an empty group's D[g] is zeros. This is
 // the wgrad of each expert, its K the expert's rows: the "K-grouped" problem list.
 // One CUTLASS Hopper pointer-array kernel (TMA, warp-specialized, persistent) runs every
-// group: a setup kernel turns the sizes into the per-group problem
-// shapes and pointers in the call's workspace, so nothing waits on the host and the call
-// is the same work under a CUDA graph. The workspace is a result buffer that XLA allocates
+// group: a setup kernel turns the sizes into the per-group problem shapes and pointers in
+// the call's workspace, so nothing waits on the host and the call is the same work under
+// a CUDA graph. The workspace is a result buffer that XLA allocates
 // with the call (`workspace_bytes` says how large), not scratch memory, so XLA may capture
 // the call into its command buffers.
 //
