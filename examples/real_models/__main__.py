@@ -1,4 +1,4 @@
-"""jaxquant's swap-in on the models of real packages: gemma, MaxText, EasyDeL.
+"""jaxquant's swap-in on the models of real packages: gemma, MaxText, EasyDeL, transformers.
 
 Where a package is installed, this builds tiny randomly initialised models with the
 package's own model classes and config classes (no weights are downloaded) and, per
@@ -8,18 +8,21 @@ model:
    many weight GEMMs run quantized, how many stay in high precision and why, and how
    many contractions have no param operand;
 2. checks that the bf16 recipe gives the plain model's logits, bit for bit;
-3. trains a few optimizer steps on one fixed batch under fp8_current, mxfp8 and nvfp4
-   and under the plain model, and checks that the losses are finite and fall (or end
-   near the plain run's).
+3. trains a few optimizer steps on one fixed batch under fp8_current, fp8_delayed, mxfp8
+   and nvfp4 and under the plain model, and checks that the losses are finite and fall
+   (or end near the plain run's); under fp8_delayed, that every delayed-scaling state
+   (`jaxquant.flax.RoleState`) records amaxes and moves its scales over the steps.
 
 Models: gemma (Gemma 3 dense; Gemma 4 dense, with per-layer inputs, and MoE), MaxText
 (llama2 through `quantize_model`, and through MaxText's own `quant=` protocol with
-`jaxquant.flax.MaxTextQuantization`), EasyDeL (Llama with gradient checkpointing). A
+`jaxquant.flax.MaxTextQuantization`), EasyDeL (Llama with gradient checkpointing),
+transformers' Flax models (Llama; GPT-2 with its head tied and untied). A
 package that is not installed is reported as skipped, with the pip command that installs
 it. A step that fails is recorded with its error's first line; the run goes on.
 
   python examples/real_models --packages gemma,maxtext   # Python 3.12, JAX 0.12
   python examples/real_models --packages easydel         # Python 3.11, JAX 0.10
+  python examples/real_models --packages transformers    # transformers 4.57.6 with Flax
   python examples/real_models --packages gemma --only MoE --traceback
 
 The packages need different JAX versions, so each runs in its own environment:
@@ -56,6 +59,7 @@ PIP = {
   "gemma": "pip install gemma==4.0.1 (Python 3.12, JAX 0.12; examples/README.md, Real packages)",
   "maxtext": "pip install --no-deps maxtext==0.2.5 (JAX 0.12; examples/README.md, Real packages)",
   "easydel": "pip install easydel==0.3.0 (Python 3.11, JAX 0.10; examples/README.md)",
+  "transformers": "pip install transformers==4.57.6 flax (examples/README.md, Real packages)",
 }
 
 
@@ -65,6 +69,7 @@ PACKAGES = {
   "gemma": ("gemma", "gemma_models", run_linen),
   "maxtext": ("maxtext", "maxtext_models", run_nnx),
   "easydel": ("easydel", "easydel_models", run_nnx),
+  "transformers": ("transformers", "transformers_models", run_linen),
 }
 
 
@@ -117,7 +122,15 @@ def model_rows(model: dict) -> list[list[str]]:
     losses = " ".join(f"{x:.3f}" for x in run["losses"]) if run else "failed"
     gap = f"{run['last_loss_gap_to_plain']:+.1%}" if run and recipe != "plain" else "-"
     summary = model.get("swap_report", {}).get(recipe)
-    rows.append([recipe, *report_cells(summary), losses, gap, run["verdict"] if run else "-"])
+    verdict = run["verdict"] if run else "-"
+    if run and "delayed_scaling" in run:
+      scales = run["delayed_scaling"]
+      verdict += (
+        f"; {scales['verdict']} ({scales['scales_off_initial_at_end']} of {scales['scales']}"
+        f" scales in {scales['states']} states moved; changed per step:"
+        f" {' '.join(map(str, scales['scales_changed_per_step']))})"
+      )
+    rows.append([recipe, *report_cells(summary), losses, gap, verdict])
   rows += [[f"FAILED {f['step']}", f["error"], "", "", "", "", ""] for f in model["failures"]]
   return rows
 
@@ -141,7 +154,9 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--packages", default="gemma,maxtext,easydel", help="comma-separated")
+  parser.add_argument(
+    "--packages", default="gemma,maxtext,easydel,transformers", help="comma-separated"
+  )
   parser.add_argument("--out", default=None, help="JSON of the findings (and the table as .md)")
   parser.add_argument("--only", default="", help="run only the models whose name holds this")
   parser.add_argument("--traceback", action="store_true", help="print each failure's traceback")

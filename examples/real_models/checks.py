@@ -1,5 +1,6 @@
 """The checks each real model goes through: its swap report, bf16 against the plain model
-bit for bit, and a few training steps per recipe against the plain model's.
+bit for bit, and a few training steps per recipe against the plain model's; under
+fp8_delayed, whether the delayed-scaling state advances over those steps.
 
 Linen models (gemma) are quantized by wrapping (`quantize_model` returns a new module
 over the same parameters); NNX models (MaxText, EasyDeL) in place, so each NNX run builds
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 import traceback
@@ -23,7 +25,7 @@ from flax import nnx
 
 import jaxquant.flax as jqf
 
-TRAINED_RECIPES = ("fp8_current", "mxfp8", "nvfp4")
+TRAINED_RECIPES = ("fp8_current", "fp8_delayed", "mxfp8", "nvfp4")
 STEPS = 4
 LEARNING_RATE = 1e-2
 # Tiny shapes that every format tiles (MXFP8's 32-element blocks, NVFP4's 16x16 weight
@@ -34,6 +36,8 @@ NEAR_PLAIN = 0.05
 # GEMMs whose shape a format cannot tile (a 4-expert router) run in high precision and
 # are listed with the reason, instead of stopping the model.
 ON_UNFIT = "high_precision"
+# Flax's collection of variables that a train step overwrites with their gradient.
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
 def first_line(error: BaseException) -> str:
@@ -67,6 +71,51 @@ def report_summary(report: jqf.SwapReport) -> dict:
       }
       for r in report.rows
     ],
+  }
+
+
+def role_states(tree: Any) -> list[jqf.RoleState]:
+  """Every delayed-scaling state (`jqf.RoleState`) in a pytree of collections or NNX state."""
+  return [
+    leaf for leaf in jax.tree.leaves(tree, is_leaf=jqf.is_role_state) if jqf.is_role_state(leaf)
+  ]
+
+
+def scales_of(states: list[jqf.RoleState]) -> dict[str, Any]:
+  """Each state's scales by its role and tensor type (a grouped or scanned state holds one
+  scale per expert or layer)."""
+  return {f"{s.role.name} ({s.role.tensor_type})": jax.device_get(s.scaling.scale) for s in states}
+
+
+def scale_progress(snapshots: list[list[jqf.RoleState]]) -> dict:
+  """How the delayed-scaling states moved over the steps, from the states after each step.
+
+  A fresh state's scale is 1 and its amax history empty; a state that advances records
+  amaxes and moves its scales. NNX models make a routed GEMM's state at its first call,
+  so a state missing before a step counts as fresh there.
+  """
+  final = snapshots[-1]
+  scales = [scales_of(states) for states in snapshots]
+  per_step, previous = [], {}
+  for now in scales:
+    changed = sum(
+      int(jnp.sum(value != previous.get(name, jnp.ones_like(value)))) for name, value in now.items()
+    )
+    per_step.append(changed)
+    previous = now
+  total = sum(int(s.scaling.scale.size) for s in final)
+  off_initial = sum(int(jnp.sum(s.scaling.scale != 1)) for s in final)
+  recorded = sum(int(jnp.sum(jnp.any(s.scaling.amax_history != 0, axis=-1))) for s in final)
+  finite = all(bool(jnp.all(jnp.isfinite(s.scaling.scale))) for s in final)
+  advanced = bool(final) and off_initial == total and recorded == total and finite
+  return {
+    "states": len(final),
+    "scales": total,
+    "scales_changed_per_step": per_step,
+    "scales_off_initial_at_end": off_initial,
+    "scales_with_amax_records_at_end": recorded,
+    "all_finite": finite,
+    "verdict": "scales advance" if advanced else "scales do not all advance",
   }
 
 
@@ -106,35 +155,68 @@ class LinenModel:
   name: str
   module: Any  # an unbound Linen module
   logits_of: Callable[[Any], jax.Array]  # the module's output -> logits
+  # tokens -> the module's call arguments (most models take the tokens alone)
+  call_args: Callable[[jax.Array], tuple[tuple, dict]] = lambda tokens: ((tokens,), {})
 
 
 def linen_logits(model: LinenModel, module, params, tokens, key):
-  out = module.apply({"params": params}, tokens, rngs={jqf.QUANT_RNG: key})
+  args, kwargs = model.call_args(tokens)
+  out = module.apply({"params": params}, *args, rngs={jqf.QUANT_RNG: key}, **kwargs)
   return model.logits_of(out)
 
 
-def linen_train(model: LinenModel, module, params, tokens) -> list[float]:
+def linen_train(model: LinenModel, module, params, tokens, collections=None):
+  """STEPS Adam steps: the losses, and the delayed-scaling states after each step.
+
+  `collections` (the `"quant_state"` collection of a delayed-scaling recipe, from the
+  quantized module's `init`) are threaded as README's Linen train step does: mutable in the
+  forward, differentiated, and advanced once a step by `update_quant_state`.
+  """
   optimizer = optax.adam(LEARNING_RATE)
+  collections = dict(collections or {})
+  mutable = list(collections)
+
+  args, kwargs = model.call_args(tokens)
+
+  def loss_fn(params, collections, key):
+    variables = {"params": params, **collections}
+    kwargs_rngs = dict(kwargs, rngs={jqf.QUANT_RNG: key})
+    if mutable:
+      out, updated = module.apply(variables, *args, mutable=mutable, **kwargs_rngs)
+    else:
+      out, updated = module.apply(variables, *args, **kwargs_rngs), {}
+    return next_token_loss(model.logits_of(out), tokens), updated
 
   @jax.jit
-  def step(params, opt_state, key):
-    loss_fn = lambda p: next_token_loss(linen_logits(model, module, p, tokens, key), tokens)
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+  def step(params, opt_state, collections, key):
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    (loss, updated), (grads, state_grads) = grad_fn(params, collections, key)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    collections = jqf.update_quant_state(updated, state_grads)
+    return optax.apply_updates(params, updates), opt_state, collections, loss
 
-  opt_state, losses = optimizer.init(params), []
+  opt_state, losses, states = optimizer.init(params), [], []
   for i in range(STEPS):
-    params, opt_state, loss = step(params, opt_state, jax.random.key(i))
+    params, opt_state, collections, loss = step(params, opt_state, collections, jax.random.key(i))
     losses.append(float(loss))
-  return losses
+    states.append(role_states(collections))
+  return losses, states
+
+
+def train_record(losses: list[float], states: list[list[jqf.RoleState]]) -> dict:
+  """A training run's losses, and how its delayed-scaling states moved where it has any."""
+  record: dict[str, Any] = {"losses": losses}
+  if states[-1]:
+    record["delayed_scaling"] = scale_progress(states)
+  return record
 
 
 def run_linen(package: str, model: LinenModel, tokens, show_traceback: bool = False) -> dict:
   start = time.perf_counter()
   findings = Findings(package, model.name, show_traceback)
   record = findings.record
-  params = model.module.init(jax.random.key(0), tokens)["params"]
+  args, kwargs = model.call_args(tokens)
+  params = model.module.init(jax.random.key(0), *args, **kwargs)["params"]
 
   def logits(module, params):
     return jax.jit(lambda p: linen_logits(model, module, p, tokens, jax.random.key(0)))(params)
@@ -144,15 +226,24 @@ def run_linen(package: str, model: LinenModel, tokens, show_traceback: bool = Fa
     quantized = logits(jqf.quantize_model(model.module, "bf16"), params)
     record["bf16_bit_identical"] = bool(jnp.array_equal(quantized, plain_logits))
   with findings.attempt("train plain"):
-    record["train"] = {"plain": {"losses": linen_train(model, model.module, params, tokens)}}
+    losses, _ = linen_train(model, model.module, params, tokens)
+    record["train"] = {"plain": {"losses": losses}}
   for recipe in TRAINED_RECIPES:
     qmodule = jqf.quantize_model(model.module, recipe, on_unfit=ON_UNFIT)
+    collections: dict = {}
+    with findings.attempt(f"init {recipe}"):
+      # The quantized module's own collections (delayed scaling's "quant_state"), made by
+      # its init where its shapes say it has any; its params are the plain model's.
+      init = functools.partial(qmodule.init, **kwargs)
+      if set(jax.eval_shape(init, jax.random.key(0), *args)) - {"params"}:
+        variables = jax.jit(init)(jax.random.key(0), *args)
+        collections = {k: v for k, v in variables.items() if k != "params"}
     with findings.attempt(f"swap_report {recipe}"):
-      report = jqf.swap_report(qmodule, {"params": params}, tokens)
+      report = jqf.swap_report(qmodule, {"params": params, **collections}, *args, **kwargs)
       record.setdefault("swap_report", {})[recipe] = report_summary(report)
     with findings.attempt(f"train {recipe}"):
-      losses = linen_train(model, qmodule, params, tokens)
-      record.setdefault("train", {})[recipe] = {"losses": losses}
+      losses, states = linen_train(model, qmodule, params, tokens, collections)
+      record.setdefault("train", {})[recipe] = train_record(losses, states)
   return finish(record, time.perf_counter() - start)
 
 
@@ -191,18 +282,48 @@ def nnx_quantized(model: NnxModel, recipe: Optional[str], params: Any):
   return jqf.quantize_model(module, recipe, on_unfit=ON_UNFIT, rngs=nnx.Rngs(quant=0))
 
 
-def nnx_train(model: NnxModel, module, tokens) -> list[float]:
+def overwrite_with_gradient() -> type:
+  """The NNX Variable type of Flax's `_overwrite_with_gradient` collection, where MaxText's
+  `quant=` hooks keep their delayed-scaling state (its gradient is its next value)."""
+  return nnx.variablelib.variable_type_from_name(OVERWRITE_WITH_GRADIENT, allow_register=True)
+
+
+def nnx_train(model: NnxModel, module, tokens):
+  """STEPS Adam steps: the losses, and the delayed-scaling states after each step.
+
+  The step is README's NNX train step, with MaxText's handling of
+  `_overwrite_with_gradient` besides: the params, the `QuantState`s and those variables
+  differentiated; the params updated by Adam, the `QuantState`s advanced by
+  `update_quant_state`, the `_overwrite_with_gradient` variables set to their gradient.
+  A model without delayed scaling has neither kind of state, and the step is a plain one.
+  """
   optimizer = nnx.Optimizer(module, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+  owg = overwrite_with_gradient()
 
   @nnx.jit
   def step(module, optimizer):
     loss_fn = lambda m: next_token_loss(nnx_logits(model, m, tokens), tokens)
-    loss, grads = nnx.value_and_grad(loss_fn)(module)
-    optimizer.update(module, grads)
+    diff = nnx.DiffState(0, (nnx.Param, jqf.QuantState, owg))
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(module)
+    optimizer.update(module, nnx.filter_state(grads, nnx.Param))
+    jqf.update_quant_state(module, grads)
+    nnx.update(module, nnx.filter_state(grads, owg))
     return loss
 
+  def states():
+    return role_states(nnx.state(module, (jqf.QuantState, owg)))
+
+  losses, snapshots = [], []
   with model.context(module):
-    return [float(step(module, optimizer)) for _ in range(STEPS)]
+    if states():
+      # A model with delayed-scaling state (its swapped layers', its hooks') gets one call
+      # before the steps: the GEMMs its own code contracts make theirs at their first
+      # call, and a state made inside a step has no gradient there (docs/flax.md, "State").
+      nnx.jit(lambda m: nnx_logits(model, m, tokens))(module)
+    for _ in range(STEPS):
+      losses.append(float(step(module, optimizer)))
+      snapshots.append(states())
+  return losses, snapshots
 
 
 def run_nnx(package: str, model: NnxModel, tokens, show_traceback: bool = False) -> dict:
@@ -219,7 +340,8 @@ def run_nnx(package: str, model: NnxModel, tokens, show_traceback: bool = False)
     with model.context(bf16):
       record["bf16_bit_identical"] = bool(jnp.array_equal(logits(bf16), plain_logits))
   with findings.attempt("train plain"):
-    record["train"] = {"plain": {"losses": nnx_train(model, plain, tokens)}}
+    losses, _ = nnx_train(model, plain, tokens)
+    record["train"] = {"plain": {"losses": losses}}
   for recipe in TRAINED_RECIPES:
     with findings.attempt(f"swap_report {recipe}"):
       module = nnx_quantized(model, recipe, params)
@@ -228,8 +350,8 @@ def run_nnx(package: str, model: NnxModel, tokens, show_traceback: bool = False)
         report = jqf.swap_report(module, *args, **kwargs)
       record.setdefault("swap_report", {})[recipe] = report_summary(report)
     with findings.attempt(f"train {recipe}"):
-      losses = nnx_train(model, nnx_quantized(model, recipe, params), tokens)
-      record.setdefault("train", {})[recipe] = {"losses": losses}
+      losses, states = nnx_train(model, nnx_quantized(model, recipe, params), tokens)
+      record.setdefault("train", {})[recipe] = train_record(losses, states)
   return finish(record, time.perf_counter() - start)
 
 
