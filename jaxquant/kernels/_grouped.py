@@ -142,14 +142,7 @@ def grouped_wgrad(
   a: jax.Array, b: jax.Array, group_sizes: jax.Array, alpha: jax.Array, out_dtype=jnp.float32
 ) -> jax.Array:
   """D[g] = alpha[g] * A[:, cols of g] . B[:, cols of g]^T; A [P, L], B [Q, L] -> [G, P, Q]."""
-  if jnp.ndim(a) != 2 or jnp.ndim(b) != 2:
-    raise ValueError(
-      f"grouped_wgrad: expects A [P, L] and B [Q, L], got shapes "
-      f"{tuple(jnp.shape(a))} and {tuple(jnp.shape(b))}"
-    )
-  (_, columns), (q, columns_b) = a.shape, b.shape
-  if columns_b != columns:
-    raise ValueError(f"grouped_wgrad: A has L={columns} columns, B has {columns_b}")
+  _, q, columns = validate.check_gemm_operands(a, b, "grouped_wgrad")  # L is their K
   g = jnp.shape(alpha)[0] if jnp.ndim(alpha) == 1 else -1
   _check_group_args(group_sizes, alpha, g, "grouped_wgrad")
   reason = unsupported_reason(a.dtype, b.dtype, columns, q, out_dtype, columns_aligned=True)

@@ -96,14 +96,13 @@ def grouped_matmul(
   return y.astype(out_dtype)
 
 
-def _aligned_transpose(values: jax.Array, layout: GroupLayout, columns: int) -> jax.Array:
-  """values [rows, C] -> [C, columns] with group g's rows as columns from
-  kernel.column_starts(sizes)[g] (the other columns hold rows that are never read)."""
+def _aligned_sources(layout: GroupLayout, columns: int) -> jax.Array:
+  """The row of a [rows, C] operand that each of the wgrad kernel's `columns` reads: group
+  g's rows from kernel.column_starts(sizes)[g] (the gap columns take rows never read)."""
   aligned = kernel.aligned_layout(layout.sizes, columns)
   group = aligned.row_gather_ids()
   local = jnp.arange(columns, dtype=jnp.int32) - aligned.starts[group]
-  source = jnp.clip(layout.starts[group] + local, 0, values.shape[0] - 1)
-  return jnp.take(values, source, axis=0).T
+  return jnp.clip(layout.starts[group] + local, 0, layout.rows - 1)
 
 
 def grouped_contract(
@@ -127,8 +126,11 @@ def grouped_contract(
   kernel_out = _kernel_out_dtype(out_dtype)
   pair = kernel_dtypes(a.exact, b.exact, columns, q, kernel_out, columns_aligned=True)
   if runs and pair is not None:
-    a_t = _aligned_transpose(a.values.astype(pair[0]), layout, columns)
-    b_t = _aligned_transpose(b.values.astype(pair[1]), layout, columns)
+    # Both operands' columns from one gather of their shared rows, transposed.
+    sources = _aligned_sources(layout, columns)
+    a_t, b_t = (
+      jnp.take(op.values.astype(t), sources, axis=0).T for op, t in zip((a, b), pair, strict=True)
+    )
     out = kernel.grouped_wgrad(a_t, b_t, layout.sizes, alpha, out_dtype=kernel_out)
     return out.astype(out_dtype)
   f32 = lambda op: op.values.astype(jnp.float32)

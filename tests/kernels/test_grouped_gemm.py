@@ -269,8 +269,8 @@ def test_wgrad_layout_starts_every_group_on_16_columns():
   "ashape,bshape,sizes,match",
   [
     ((8, 24), (8, 24), 2, "L = 24 must be a multiple of 16"),
-    ((8, 32), (8, 16), 2, "A has L=32 columns, B has 16"),
-    ((8, 32), (8, 32, 1), 2, r"expects A \[P, L\] and B \[Q, L\]"),
+    ((8, 32), (8, 16), 2, "contraction dims differ: A has K=32, B has K=16"),
+    ((8, 32), (8, 32, 1), 2, r"expects A \[M, K\] and B \[N, K\]"),
   ],
 )
 def test_wgrad_rejects_bad_input(ashape, bshape, sizes, match):
