@@ -8,10 +8,15 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The documents whose Python blocks are complete programs, cheap enough for CI: not
-# docs/sensitivity.md's quick start (about a minute of CPU: the analysis compiles every
-# role of its model quantized alone), nor docs/sharding.md's excerpts of a sharded setup.
-DOCUMENTS = ["README.md"]
+# The documents whose Python blocks are complete programs. docs/sensitivity.md's quick
+# start costs about a minute of CPU (the analysis compiles every role of its model
+# quantized alone). docs/sharding.md's blocks run on whatever devices there are (the
+# suite's 8 fake CPU devices here).
+DOCUMENTS = [
+  "README.md",
+  "docs/sharding.md",
+  pytest.param("docs/sensitivity.md", marks=pytest.mark.slow),
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
