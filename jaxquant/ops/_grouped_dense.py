@@ -44,6 +44,7 @@ from jaxquant.ops._operands import (
   check_placement,
   check_role_args,
   check_state,
+  is_high_precision,
   resolve_quantizers,
   role_key,
   usages_to_quantize,
@@ -310,6 +311,8 @@ def grouped_dense(
       after those of groups < g. Rows at or past `sum(group_sizes)` give zero outputs
       and zero gradients. The output has x's dtype.
     kernel: [G, K, N], one Flax-layout [K, N] weight per group; its gradient is [G, K, N].
+      With no quantized usage (the bf16 recipe) the GEMMs take it in x's dtype, as
+      `ops.dense` does.
       Any of G, M, K, N may be 0 (G = 0: no row is in a group, so every output is zero).
     group_sizes: [G] integer device array (may be traced; never read on the host under
       jit), or host values (a list, a numpy array). Empty groups are allowed. Values
@@ -366,6 +369,11 @@ def grouped_dense(
     # bias and state hold no group, so there is nothing else to compute or record).
     y = jnp.zeros((x.shape[0], n), x.dtype)
     return y if state is None else (y, dict(state))
+  if is_high_precision(quantizers):
+    # As ops.dense: with no quantized usage the GEMMs run in x's dtype (a bf16 x meets the
+    # kernel's bf16 copy on the bf16 tensor cores, not an fp32 kernel off them); the
+    # kernel's gradient comes back in its own dtype through the cast.
+    kernel = kernel.astype(x.dtype)
   cfg = GroupedDenseConfig(
     tuple(quantizers.items()),
     backward,

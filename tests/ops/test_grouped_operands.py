@@ -126,7 +126,7 @@ def _gpu_program(monkeypatch, recipe, state=None):
     return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
   x = jnp.ones((M, K), jnp.bfloat16)
-  kernel = jnp.ones((G, K, N), jnp.bfloat16)
+  kernel = jnp.ones((G, K, N), jnp.float32)  # fp32 params, as Flax models keep them
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2) if state else (0, 1))
   return jax.jit(grad).trace(x, kernel, state).lower(lowering_platforms=("cuda",)).as_text()
 
