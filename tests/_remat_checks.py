@@ -6,7 +6,8 @@ recomputed forward where a policy recomputes one, so a policy that recomputes no
 quantization and no GEMM leaves exactly the casts and GEMMs of the backward pass without
 remat (the output gradient's casts, dgrad and wgrad), and one that recomputes them leaves
 more. A cast is an operation whose output has an 8- or 4-bit float dtype or is uint8
-(NVFP4's packed pairs); a GEMM, on the CPU's reference, a `dot_general`.
+(NVFP4's packed pairs), or a cast kernel's primitive (the GEMM-values casts output bf16);
+a GEMM a `dot_general` (the reference's) or a GEMM kernel's primitive.
 """
 
 import collections
@@ -34,6 +35,29 @@ def _is_narrow(aval) -> bool:
   return dtype.name in _NARROW_FLOATS or dtype == np.uint8
 
 
+# jaxquant's kernel primitives (kernels/), each also bound as "<name>_shard" inside a
+# partitioned call.
+_CAST_KERNELS = ("jaxquant_cast", "jaxquant_mxfp8_values", "jaxquant_nvfp4_values")
+_GEMM_KERNEL_SUFFIXES = ("_gemm", "_grouped_wgrad")
+
+
+def _kernel(name: str) -> str:
+  return name.removesuffix("_shard")
+
+
+def _is_cast(eqn) -> bool:
+  return _kernel(eqn.primitive.name) in _CAST_KERNELS or any(
+    _is_narrow(v.aval) for v in eqn.outvars
+  )
+
+
+def _is_gemm(eqn) -> bool:
+  name = _kernel(eqn.primitive.name)
+  return name == "dot_general" or (
+    name.startswith("jaxquant_") and name.endswith(_GEMM_KERNEL_SUFFIXES)
+  )
+
+
 def _sub_jaxprs(eqn):
   for param in eqn.params.values():
     for value in param if isinstance(param, (list, tuple)) else (param,):
@@ -50,10 +74,8 @@ def _count(jaxpr, counts):
       for sub in inner:
         _count(sub, counts)
       continue
-    if eqn.primitive.name == "dot_general":
-      counts["gemms"] += 1
-    if any(_is_narrow(v.aval) for v in eqn.outvars):
-      counts["casts"] += 1
+    counts["gemms"] += _is_gemm(eqn)
+    counts["casts"] += _is_cast(eqn)
   return counts
 
 

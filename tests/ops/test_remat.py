@@ -12,7 +12,9 @@ import pytest
 from _remat_checks import backward_work, kept_bytes, saved_residuals
 
 import jaxquant as jq
-from jaxquant import recipes, scaling
+from jaxquant import kernels, recipes, scaling
+from jaxquant.ops import _gemm as gemm_ops
+from jaxquant.ops import _operands as operands
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR
 
@@ -98,6 +100,11 @@ def test_the_backward_recomputes_no_cast_and_no_gemm(recipe):
 
 @pytest.mark.parametrize("recipe", QUANTIZED)
 def test_the_policy_keeps_codes_not_bf16_and_fewer_bytes_than_bf16(recipe):
+  if any(
+    operands.takes_gemm_values(recipes.get(recipe).quantizers(LINEAR, layer), "quantized", *dims)
+    for layer, dims in (("up", (M, K, F)), ("down", (M, F, K)))
+  ):  # a GPU without this format's tensor cores: test_gemm_values_are_kept_as_values
+    pytest.skip(f"{recipe}'s layers keep the bf16 values their GEMMs multiply here")
   loss = jax.checkpoint(_mlp(recipe), policy=jq.remat_policy())
   kept = saved_residuals(loss, *_inputs(recipe))
   # Both layers' inputs (x, silu(h)) and weights as codes, with their scales ...
@@ -114,6 +121,32 @@ def test_the_policy_keeps_codes_not_bf16_and_fewer_bytes_than_bf16(recipe):
   ]
   bf16 = kept_bytes(saved_residuals(_mlp("bf16"), *_inputs("bf16")))
   assert kept_bytes(kept) < bf16
+
+
+@pytest.fixture
+def gpu_routes(monkeypatch, cuda_library_stand_in):
+  """The kernels' availability and the GPU's GEMM routes, on this machine (as
+  tests/ops/test_dense_gemm_values.py stands them in): MXFP8 and NVFP4 layers then cast
+  straight to GEMM values."""
+  monkeypatch.setattr(kernels, "available", lambda: True)
+  select = gemm_ops.select
+  monkeypatch.setattr(
+    gemm_ops, "select", lambda problem, _, backend: select(problem, "gpu", backend)
+  )
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_gemm_values_are_kept_as_values(gpu_routes, recipe):
+  """Where the GEMMs dequantize first, the layers keep the bf16 values they multiply
+  (NVFP4: and the global amaxes), as many bytes as bf16's, and cast nothing again."""
+  loss = _mlp(recipe)
+  args = _inputs(recipe)
+  remat = jax.checkpoint(loss, policy=jq.remat_policy())
+  kept = saved_residuals(remat, *args)
+  for role in ("input", "weight"):
+    assert [r.dtype for r in kept if r.name == f"jaxquant.{role}_values"] == ["bf16"] * 2
+    assert not [r for r in kept if r.name == f"jaxquant.{role}_codes"]
+  assert backward_work(remat, *args) == backward_work(loss, *args)
 
 
 def test_options_drop_the_weights_or_the_outputs():
