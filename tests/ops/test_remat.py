@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _remat_checks import backward_work, kept_bytes, saved_residuals
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxquant as jq
 from jaxquant import kernels, recipes, scaling
@@ -38,7 +39,8 @@ def _inputs(recipe: str):
 
 
 def _layer(name, x, params, state, recipe):
-  key = jax.random.fold_in(jax.random.key(7), len(name))  # the presets that round stochastically
+  # A key of its own per layer, for the presets that round stochastically.
+  key = jax.random.fold_in(jax.random.key(7), ("up", "down").index(name))
   out = jq.dense(x, params[name], recipe=recipe, name=name, key=key, state=state[name] or None)
   return out[0] if state[name] else out
 
@@ -70,8 +72,8 @@ def _grad(fn):
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _grads_without_and_with_remat(recipe, params, x, state):
-  """One program, so the quantizations compile once (they dominate compile time); the
-  recomputation, were there one, is kept apart by jax.checkpoint's barrier."""
+  """Both in one program: XLA shares their forward casts, which dominate compile time; a
+  recomputation, were there one, would be kept apart by jax.checkpoint's barrier."""
   loss = _layer_loss(recipe)
   return _grad(loss)(params, x, state), _grad(jax.checkpoint(loss, policy=jq.remat_policy()))(
     params, x, state
@@ -172,7 +174,7 @@ def test_also_adds_a_policy_and_must_be_one():
   args = _inputs("fp8_current")
 
   def with_a_named_value(params, x, state):  # sin's backward reads the model's named value
-    return loss(params, jnp.sin(jax.ad_checkpoint.checkpoint_name(x * 2, "model.doubled")), state)
+    return loss(params, jnp.sin(checkpoint_name(x * 2, "model.doubled")), state)
 
   for also, kept in (
     (None, False),
