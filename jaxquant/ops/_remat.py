@@ -18,8 +18,8 @@ exists in the backward pass alone).
 `remat_policy()` keeps those residuals and the outputs: the backward GEMMs read the codes
 the forward cast, and a value the backward of a non-GEMM op needs (an activation
 function's input) is the saved output or recomputed from saved outputs, so no cast and no
-GEMM of these layers runs again in the backward pass, and the activations are kept as
-codes, not as bf16.
+GEMM of these layers runs again in the backward pass, and their inputs are kept as codes
+(where the layer keeps codes, not values), not as bf16.
 """
 
 from __future__ import annotations
