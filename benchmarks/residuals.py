@@ -9,8 +9,8 @@ and the model's other collections; the input x is not differentiated) is traced,
 on abstract inputs (`jax.eval_shape`, `jax.ShapeDtypeStruct`), so an 8B shape costs no
 memory. Its residuals, the arrays the forward pass leaves for the backward pass, are read
 with `jax.ad_checkpoint.print_saved_residuals` and grouped by source: the checkpoint name
-where one was given (jaxquant's dense tags each GEMM operand's residual
-`jaxquant_dense_input` / `jaxquant_dense_weight`), else the primitive that made it and its
+where one was given (jaxquant's layers name each GEMM operand's residual by role and kind,
+`jaxquant.input_codes`, `jaxquant.weight_scales`, ...), else the primitive that made it and its
 source line, or the argument it is; then by dtype and shape, with the bytes summed (types
 narrower than a byte at their bit width). A table per variant, each group beside the
 same group's bytes under bf16, then the totals against bf16's, and the step's training

@@ -2,7 +2,7 @@
 
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/step.py \
         [--shapes 8b,1b] [--layers 2] [--batch 4 --seq 4096] [--only NAMES | --skip NAMES] \
-        [--deadline-s S] [--profile DIR] [--quick] [--out FILE]
+        [--deadline-s S] [--profile DIR] [--remat MODE] [--quick] [--out FILE]
 
 One full training step (forward, backward, AdamW) of `--layers` decoder layers built from
 stock Flax layers (step_model.py: RMSNorm, grouped-query attention through
@@ -52,6 +52,13 @@ would end past the deadline.
 Triton GEMM autotuning should be off on the GPU (XLA_FLAGS above; scripts/gpu.sh sets it):
 it took minutes to compile quantized steps, and cuBLAS(Lt) takes those dots instead.
 
+`--remat`: each decoder layer rematerialized (`nn.remat`) under a policy (REMAT_POLICIES):
+`full` keeps nothing, `dots` JAX's dots without batch dims (the usual policy of a bf16
+model; jaxquant's GEMMs, custom calls on the GPU, are not dots), `quantized`
+`jaxquant.remat_policy()` (the quantized layers' codes, scales and the outputs a backward
+reads; a model without jaxquant's layers keeps nothing under it). Its records are those
+of the variant with `_remat_<mode>` appended.
+
 `--profile DIR`: after timing the first shape, profiles a few steps of `--profile-variants`
 (default bf16 and fp8_current) under `jax.profiler.trace` and writes DIR/profile.md and
 DIR/profile.json (trace_summary.py: device time by category, host gaps, top kernels), plus
@@ -78,11 +85,20 @@ from records import ResultFile, results_path
 from step_model import SHAPES, DecoderStack
 from timing import Call, interleaved_seconds, speedup
 
+import jaxquant
 from jaxquant import kernels
 
 # Init runs the forward pass once; params and the collections' shapes do not depend on
 # the token count, so it runs on this many (a multiple of every scaling block).
 INIT_TOKENS = 128
+
+# --remat: the jax.checkpoint policy of each layer (None: no remat).
+REMAT_POLICIES = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "quantized": jaxquant.remat_policy(),
+}
 
 
 class Clock:
@@ -241,7 +257,9 @@ def warm_backend(args):
 
 def prepare_shape(shape_name, names, args, clock, compile_history) -> dict[str, Prepared]:
   shape = SHAPES[shape_name]
-  stock = DecoderStack(shape, args.layers, attention=args.attention)
+  stock = DecoderStack(
+    shape, args.layers, attention=args.attention, remat_policy=REMAT_POLICIES[args.remat]
+  )
   params = init_variables(stock, shape.d_model)["params"]
   tx = optax.adamw(1e-4)
   opt_state = jax.jit(tx.init)(params)
@@ -303,9 +321,11 @@ def record_shape(results, shape_name, prepared, args, clock):
   if best_peer:
     print(f"best peer at {shape_name}: {best_peer}")
 
+  remat = "" if args.remat == "none" else f"_remat_{args.remat}"
+
   def add(name, metric, value):
-    print(f"step_{name:<20} {shape_name:<5} {metric:<36} {value:9.3f}", flush=True)
-    results.add(f"step_{name}", shape_name, metric, value)
+    print(f"step_{name + remat:<20} {shape_name:<5} {metric:<36} {value:9.3f}", flush=True)
+    results.add(f"step_{name}{remat}", shape_name, metric, value)
 
   for name, times in samples.items():
     p = prepared[name]
@@ -406,6 +426,12 @@ def parse_args(argv=None):
     type=pathlib.Path,
     metavar="DIR",
     help="profile --profile-variants at the first shape into DIR",
+  )
+  parser.add_argument(
+    "--remat",
+    choices=tuple(REMAT_POLICIES),
+    default="none",
+    help="rematerialize each layer under this policy (see the module's docstring)",
   )
   parser.add_argument("--profile-variants", default="bf16,fp8_current")
   parser.add_argument("--profile-steps", type=int, default=3)

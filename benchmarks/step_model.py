@@ -9,13 +9,14 @@ be kept in bf16 by the usual recipes anyway). Parameters fp32, compute bf16, nor
 the rotary angles in fp32.
 
 `dot_general_cls` is Flax's own hook for an FP8 dot (`flax.linen.fp8_ops`); it is passed
-to every projection and nothing else.
+to every projection and nothing else. `remat_policy` rematerializes each layer (`nn.remat`)
+under that `jax.checkpoint` policy; the param tree is the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -69,6 +70,8 @@ class DecoderStack(nn.Module):
   # None (XLA's, scores materialized).
   attention: Optional[str] = "cudnn"
   dot_general_cls: Any = None
+  # A jax.checkpoint policy each layer is rematerialized under (nn.remat), or None: no remat.
+  remat_policy: Optional[Callable] = None
 
   def _dense(self, features: int, name: str) -> nn.Dense:
     return nn.Dense(
@@ -103,12 +106,18 @@ class DecoderStack(nn.Module):
     up = self._dense(self.shape.d_ff, f"{prefix}up_proj")(x)
     return self._dense(self.shape.d_model, f"{prefix}down_proj")(nn.silu(gate) * up)
 
+  def _layer(self, x: jax.Array, prefix: str) -> jax.Array:
+    x = x + self._attention(self._norm(f"{prefix}attention_norm")(x), prefix)
+    return x + self._mlp(self._norm(f"{prefix}mlp_norm")(x), prefix)
+
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     for i in range(self.layers):
       # Flat module names (layer_0_q_proj, ...): one level, so role names, Qwix's
-      # module paths and the param tree read alike.
+      # module paths and the param tree read alike, rematerialized or not.
       prefix = f"layer_{i}_"
-      x = x + self._attention(self._norm(f"{prefix}attention_norm")(x), prefix)
-      x = x + self._mlp(self._norm(f"{prefix}mlp_norm")(x), prefix)
+      layer = lambda module, x, prefix=prefix: module._layer(x, prefix)
+      if self.remat_policy is not None:
+        layer = nn.remat(layer, policy=self.remat_policy)
+      x = layer(self, x)
     return x

@@ -3,7 +3,7 @@
 Importing `jaxquant` loads the vocabulary alone (formats, quantizers, roles, recipes,
 tensors). Everything else loads on first use, so that a program that needs only the
 reference never loads the kernels or the CUDA library: the reference and the delayed-
-scaling state, the ops (`dense`, `grouped_dense`) and the packages above them.
+scaling state, the ops (`dense`, `grouped_dense`, `remat_policy`) and the packages above them.
 """
 
 import importlib
@@ -32,6 +32,8 @@ _LAZY_ATTRIBUTES = {
   "ops": ("jaxquant.ops", None),
   "dense": ("jaxquant.ops", "dense"),
   "grouped_dense": ("jaxquant.ops", "grouped_dense"),
+  "remat_policy": ("jaxquant.ops", "remat_policy"),
+  "CHECKPOINT_NAMES": ("jaxquant.ops", "CHECKPOINT_NAMES"),
   "kernels": ("jaxquant.kernels", None),
   "flax": ("jaxquant.flax", None),
   "analysis": ("jaxquant.analysis", None),

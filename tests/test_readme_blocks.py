@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # suite's 8 fake CPU devices here).
 DOCUMENTS = [
   "README.md",
+  "docs/flax.md",
   "docs/sharding.md",
   pytest.param("docs/sensitivity.md", marks=pytest.mark.slow),
 ]

@@ -8,16 +8,20 @@
 - `WeightGather`: an FSDP weight all-gathered in its quantized form.
 - `ShardScaling`: the input and output gradient scaled per row shard (current scaling
   without the amax all-reduce).
+- `remat_policy`, `CHECKPOINT_NAMES`: the `jax.checkpoint` policy that keeps the layers'
+  quantized residuals (codes and scales, not bf16) and outputs, and the names it reads.
 """
 
 from jaxquant.ops._dense import dense
 from jaxquant.ops._gemm import gemm
 from jaxquant.ops._grouped_dense import grouped_dense
 from jaxquant.ops._quantize import dequantize, quantize
+from jaxquant.ops._remat import CHECKPOINT_NAMES, remat_policy
 from jaxquant.ops._shard_scaling import ShardScaling
 from jaxquant.ops._weight_gather import WeightGather
 
 __all__ = [
+  "CHECKPOINT_NAMES",
   "ShardScaling",
   "WeightGather",
   "dense",
@@ -25,4 +29,5 @@ __all__ = [
   "gemm",
   "grouped_dense",
   "quantize",
+  "remat_policy",
 ]

@@ -4,7 +4,7 @@ This module resolves the quantizers (recipe or explicit), validates every argume
 trace time with errors that name the module and role, splits the caller's PRNG key per
 role, and hands 2-D matrices to the custom_vjp in `dense_vjp`. With no quantized usage
 at all (e.g. the bf16 recipe) it is a plain `jnp.dot` in x's dtype, so its values and
-gradients are exactly jnp's.
+gradients are exactly jnp's. Its output is named `jaxquant.output` either way (remat.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Iterable, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import recipes
 from jaxquant.formats import INPUT_DTYPES
@@ -32,6 +33,7 @@ from jaxquant.ops._operands import (
   takes_gemm_values,
   usages_to_quantize,
 )
+from jaxquant.ops._remat import OUTPUT_NAME
 from jaxquant.ops._shard_scaling import ShardScaling, check_shard_scaling
 from jaxquant.quantizers import Quantizer, needs_key
 from jaxquant.roles import LINEAR, TENSOR_TYPES
@@ -135,6 +137,7 @@ def dense(
     y = jnp.dot(x, kernel.astype(x.dtype))
     if bias is not None:
       y = y + bias.astype(x.dtype)
+    y = checkpoint_name(y, OUTPUT_NAME)
     return y if state is None else (y, dict(state))
 
   k, n = kernel.shape
@@ -171,5 +174,8 @@ def dense(
     shard_scaling,
   )
   y, new_state = dense_2d(cfg, x.reshape(m, k), kernel, bias, keys, dict(state or {}))
-  y = y.reshape(*x.shape[:-1], n)
+  # Named as the [M, N] matrix the backward's bias gradient sums: named after the reshape,
+  # a saved y reaches that sum as [..., N], and XLA folds the reshape into it, a sum over
+  # several dims in another order than without remat (other bits).
+  y = checkpoint_name(y, OUTPUT_NAME).reshape(*x.shape[:-1], n)
   return y if state is None else (y, new_state)

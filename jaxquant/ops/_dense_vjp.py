@@ -6,8 +6,9 @@
 
 x is [M, K], the kernel [K, N] (Flax layout, so w = kernelᵀ is [N, K]), dy [M, N].
 The forward pass saves each operand's columnwise residual (`operands.backward_residual`),
-tagged with `jax.ad_checkpoint.checkpoint_name` (`RESIDUAL_NAMES`) so `jax.checkpoint`
-policies can keep or drop it. Validation and argument handling live in `dense.py`.
+its arrays named by role and kind (`remat.tag_residual`: `jaxquant.input_codes`, ...) so
+`jax.checkpoint` policies can keep or drop them. Validation and argument handling live in
+`dense.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant import scaling
 from jaxquant.ops._gemm import gemm
@@ -35,6 +35,7 @@ from jaxquant.ops._operands import (
   stored,
   usages_to_quantize,
 )
+from jaxquant.ops._remat import tag_residual
 from jaxquant.ops._shard_scaling import ShardScaling, gemm_rows, gemm_split_rows, quantize_rows
 from jaxquant.ops._weight_gather import (
   WeightGather,
@@ -45,9 +46,6 @@ from jaxquant.ops._weight_gather import (
 )
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensor import USAGES
-
-# checkpoint_name of the residual each role's tensor leaves for the backward pass.
-RESIDUAL_NAMES = {"input": "jaxquant_dense_input", "weight": "jaxquant_dense_weight"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +68,6 @@ class DenseConfig:
 
   def quantizer(self, tensor_type: str) -> Optional[Quantizer]:
     return dict(self.quantizers)[tensor_type]
-
-
-def _tag(tree, name: str):
-  return jax.tree_util.tree_map(lambda leaf: checkpoint_name(leaf, name), tree)
 
 
 def _weight_gathered_in_forward(cfg: DenseConfig, usages) -> bool:
@@ -150,7 +144,7 @@ def _forward(cfg: DenseConfig, x, kernel, bias, keys, state, *, for_backward: bo
   residuals = None
   if for_backward:
     residuals = {
-      t: _tag(backward_residual(operands[t], m, cfg.backward), RESIDUAL_NAMES[t])
+      t: tag_residual(backward_residual(operands[t], m, cfg.backward), t)
       for t, m in matrices.items()
     }
   return y.astype(x.dtype), new_state, residuals

@@ -49,12 +49,11 @@ from jaxquant.ops._operands import (
   role_key,
   usages_to_quantize,
 )
+from jaxquant.ops._remat import OUTPUT_NAME, tag_grouped_residual
 from jaxquant.quantizers import DelayedFloat8Quantizer, Quantizer, for_usage, needs_key
 from jaxquant.reference import _fp32 as fp32
 from jaxquant.reference import _grouped as ref
 from jaxquant.roles import GROUPED_LINEAR, TENSOR_TYPES
-
-RESIDUAL_NAMES = {"input": "jaxquant_grouped_dense_input"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +146,7 @@ def _forward(cfg, x, kernel, group_sizes, bias, keys, state):
     x_res, _ = operands.quantize_rows(x, layout, None, "columnwise", what="input")
   else:  # dequantized: the forward's rowwise values with their scales applied
     x_res = operands.scaled_values(x_row)
-  x_res = jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAMES["input"]), x_res)
+  x_res = tag_grouped_residual(x_res, "input")
   return y, new_state, x_res
 
 
@@ -384,4 +383,5 @@ def grouped_dense(
   y, new_state = grouped_dense_2d(
     cfg, x, kernel, jnp.asarray(group_sizes, jnp.int32), bias, keys, dict(state or {})
   )
+  y = checkpoint_name(y, OUTPUT_NAME)
   return y if state is None else (y, new_state)

@@ -22,10 +22,11 @@ kernel measured at half its speed, kernels.md). A step then gathers 1 byte a par
 half of bf16 FSDP's single gather of the weight. The backward's residual is the gathered
 columnwise codes, which dgrad takes as they are: like bf16 FSDP, which keeps its gathered
 weight for the backward, the saved weight costs the whole weight per device (1 byte a
-parameter, half of bf16's), not a shard. A `jax.checkpoint` policy that drops
-`RESIDUAL_NAMES["weight"]` (ops/_dense_vjp.py) saves nothing of the weight, and the
-recomputed forward gathers it again. (With only the rowwise usage quantized, backward
-"dequantized", the rowwise shard is the residual and is gathered again, as above.)
+parameter, half of bf16's), not a shard. A `jax.checkpoint` policy that drops the
+weight's residual (`remat_policy(weights=False)`, ops/_remat.py) saves nothing of the
+weight, and the recomputed forward gathers it again. (With only the rowwise usage
+quantized, backward "dequantized", the rowwise shard is the residual and is gathered
+again, as above.)
 
 A shard is quantized alone only if it holds whole scaling blocks (MXFP8 32, NVFP4 16 or
 16x16, block FP8 1x128 or 128x128, along the dims each usage blocks) and no usage rounds

@@ -53,7 +53,7 @@ def test_fp8_current_keeps_gemm_inputs_only_as_their_e4m3_codes(analyses):
   # columnwise codes (one byte a value, transposed) and one fp32 scale.
   assert _bytes(fp8, _norm_output_bf16) == 0
   assert _bytes(fp8, _swiglu_product_bf16) == 0
-  inputs = [r for r in fp8.residuals if r.source == "jaxquant_dense_input"]
+  inputs = [r for r in fp8.residuals if r.source.startswith("jaxquant.input_")]
   codes = [r for r in inputs if r.shape]
   assert {r.dtype for r in codes} == {"f8_e4m3fn"}
   assert sorted(r.shape for r in codes) == sorted(
@@ -68,7 +68,9 @@ def test_weights_are_kept_as_bf16_casts_or_e4m3_codes(analyses):
     lambda r: r.dtype == "bf16" and r.source.startswith("convert_element_type from flax/linen"),
   )
   assert bf16_casts == 2 * KERNEL_PARAMS + _bytes(analyses["bf16"], _norm_output_bf16)
-  weights = [r for r in analyses["fp8_current"].residuals if r.source == "jaxquant_dense_weight"]
+  weights = [
+    r for r in analyses["fp8_current"].residuals if r.source.startswith("jaxquant.weight_")
+  ]
   assert sum(r.bytes for r in weights) == KERNEL_PARAMS + 4 * PROJECTIONS
 
 
@@ -117,5 +119,5 @@ def test_the_script_prints_a_table_per_variant_and_the_totals(capsys):
   )
   out = capsys.readouterr().out
   assert "### mxfp8" in out and "### bf16" not in out
-  assert "| jaxquant_dense_input | f8_e8m0fnu[" in out  # the block scales
+  assert "| jaxquant.input_scales | f8_e8m0fnu[" in out  # the block scales
   assert "| mxfp8 |" in out

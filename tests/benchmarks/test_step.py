@@ -247,3 +247,24 @@ def test_a_real_trace_reads_alike_from_xplane_and_json(tmp_path):
   events, source = ts.load_events(tmp_path)
   assert source == xplane.name and len(events) == len(from_xplane)
   assert ts.summarize(events, steps=2)["device_busy_ms"] > 0
+
+
+def test_remat_quantized_keeps_each_layers_codes_and_its_param_tree(stock_and_params):
+  from _remat_checks import saved_residuals
+
+  stock, params = stock_and_params
+  args = step.parse_args(["--quick", "--remat", "quantized"])
+  remat = DecoderStack(
+    SHAPES["tiny"], LAYERS, attention="xla", remat_policy=step.REMAT_POLICIES[args.remat]
+  )
+  variant = step_variants.build("fp8_current", remat)
+  assert step.variant_collections(variant, params, stock.shape.d_model) == {}  # same params
+  x = jnp.ones((1, 128, stock.shape.d_model), jnp.bfloat16)
+  loss = lambda p, x: step.loss_function(variant)(p, {}, x, jax.random.key(0))[0]
+  kept = [r for r in saved_residuals(loss, params, x) if not r.argument]
+  codes = [r for r in kept if r.name == "jaxquant.input_codes"]
+  assert len(codes) == PROJECTIONS * LAYERS and {r.dtype for r in codes} == {"f8_e4m3fn"}
+  # Unnamed, the loss's own (2 y for its square) alone: no norm output, no SwiGLU product.
+  assert [(r.dtype, r.shape) for r in kept if r.name is None] == [
+    ("f32", (1, 128, stock.shape.d_model))
+  ]
