@@ -653,12 +653,6 @@ def train_recipes(
   if jax.default_backend() == "cpu":
     print(report.CPU_EMULATION_NOTE)
   print(f"outputs to {args.out}")
-  delayed = [n for n in recipe_names if recipes.preset_of(n) == "fp8_delayed"]
-  if args.moe and delayed:
-    print(
-      f"--moe: under {', '.join(delayed)} the experts' grouped GEMMs use current scaling "
-      "(jaxquant's GroupedDense keeps no delayed-scaling state yet)"
-    )
   validation_windows = validation_set(corpus, train_config, seq_len, validation_seed_of(args))
   if mesh is None:
     validation_batches = jnp.asarray(validation_windows)

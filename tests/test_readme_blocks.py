@@ -1,6 +1,8 @@
 """Every Python block of README.md, and the docs' quick starts, runs as written: the blocks
 of one file in order, in one namespace (a later block uses what an earlier one defined),
-as a reader pastes them into one session."""
+as a reader pastes them into one session. A block fenced ```python is a complete program;
+an excerpt of another package's code to change (MaxText's train step in docs/flax.md) is
+fenced ```py and not run."""
 
 import pathlib
 import re

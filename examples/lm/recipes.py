@@ -25,8 +25,8 @@ from jaxquant.flax import (
   quantize_model,
   update_quant_state,
 )
-from jaxquant.quantizers import Quantizer, needs_state
-from jaxquant.roles import GROUPED_LINEAR, QuantizerRole
+from jaxquant.quantizers import Quantizer
+from jaxquant.roles import QuantizerRole
 from lm.model import SCANNED_LAYERS, ModelConfig
 
 PLAIN_RECIPE = "bf16"
@@ -155,23 +155,15 @@ def preset_of(name: str) -> str:
 
 
 def for_moe_block(recipe: jq_recipes.CustomRecipe) -> jq_recipes.CustomRecipe:
-  """The recipe adapted to the MoE block (lm/moe.py).
-
-  - The router (a [d_model, experts] nn.Dense) stays in high precision: its few logits
-    decide where every token goes, and its tiny output dimension does not tile into
-    quantization blocks.
-  - The grouped expert projections hold no delayed-scaling state yet (jaxquant's
-    GroupedDense raises for it), so where the recipe says delayed scaling they use the same
-    FP8 formats with current scaling.
-  """
+  """The recipe adapted to the MoE block (lm/moe.py): the router (a [d_model, experts]
+  nn.Dense) stays in high precision, as its few logits decide where every token goes and
+  its tiny output dimension does not tile into quantization blocks. The grouped expert
+  projections follow the recipe (under delayed scaling, one state per expert)."""
 
   def qfactory(role):
     if role.name.rsplit("/", 1)[-1] == "router":
       return None
-    quantizer = recipe.quantizer(role)
-    if role.module_type == GROUPED_LINEAR and needs_state(quantizer):
-      return jq_recipes.fp8_current_factory(role)
-    return quantizer
+    return recipe.quantizer(role)
 
   return dataclasses.replace(recipe, qfactory=qfactory)
 

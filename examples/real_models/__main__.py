@@ -130,6 +130,8 @@ def model_rows(model: dict) -> list[list[str]]:
         f" scales in {scales['states']} states moved; changed per step:"
         f" {' '.join(map(str, scales['scales_changed_per_step']))})"
       )
+      if scales["not_advanced"]:
+        verdict += f"; not advanced: {', '.join(scales['not_advanced'])}"
     rows.append([recipe, *report_cells(summary), losses, gap, verdict])
   rows += [[f"FAILED {f['step']}", f["error"], "", "", "", "", ""] for f in model["failures"]]
   return rows

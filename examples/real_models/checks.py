@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -115,8 +116,24 @@ def scale_progress(snapshots: list[list[jqf.RoleState]]) -> dict:
     "scales_off_initial_at_end": off_initial,
     "scales_with_amax_records_at_end": recorded,
     "all_finite": finite,
+    "not_advanced": not_advanced(final),
     "verdict": "scales advance" if advanced else "scales do not all advance",
   }
+
+
+def not_advanced(states: list[jqf.RoleState]) -> list[str]:
+  """The states whose scale is still its initial 1, without amax records, or not finite:
+  "<role name> (<tensor type>)", with the indices of the experts or layers that did not
+  advance for a grouped or scanned state."""
+  stuck = []
+  for s in states:
+    moved = (s.scaling.scale != 1) & jnp.any(s.scaling.amax_history != 0, axis=-1)
+    moved = jax.device_get(moved & jnp.isfinite(s.scaling.scale))
+    if moved.all():
+      continue
+    where = "" if moved.ndim == 0 else f" at {np.argwhere(~moved).tolist()}"
+    stuck.append(f"{s.role.name} ({s.role.tensor_type}){where}")
+  return stuck
 
 
 def training_verdict(losses: list[float], plain: Optional[list[float]]) -> str:

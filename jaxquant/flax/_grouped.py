@@ -12,14 +12,18 @@ row of its report; as for the dense layers, a tiny GEMM runs in high precision w
 recipe keeps those there (the presets do), and a kernel whose K or N the quantizers do
 not tile raises, or runs in high precision with `on_unfit="high_precision"`.
 
-Seam: these modules take recipes without delayed scaling (per-group `RoleState`s in the
-"quant_state" collection are the next step; `ops.grouped_dense` already takes
-per-group state, see `init_grouped_state`); a delayed recipe raises. Stochastic rounding
-draws its key from the "quant" RNG stream, like the dense layers.
+Delayed scaling keeps one state per expert (`ops.grouped_dense`'s: a leading [G] axis),
+where a dense layer keeps its one: in Linen at `quant_state/<module path>/<tensor_type>`,
+made at `init`; in NNX a `QuantState` at `<module>.quant_state`, made when the module learns
+its recipe and name (construction, `quantize_model`). A GEMM the recipe keeps in high
+precision (tiny, or unfit) holds none. `update_quant_state` advances them per expert, like
+stacked layers'. Stochastic rounding draws its key from the "quant" RNG stream, like the
+dense layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import flax.linen as nn
@@ -34,26 +38,31 @@ from jaxquant.flax import _routing_pause as routing_pause
 from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import annotate_linen_weight, nnx_weight_metadata
 from jaxquant.flax._rng import draws_key, linen_key, nnx_key
+from jaxquant.flax._state import QUANT_STATE, QuantState, init_grouped_role_states
+from jaxquant.flax.linen import checked_states, write_states
+from jaxquant.flax.nnx import held_states, write_held_states
 from jaxquant.ops import grouped_dense
 from jaxquant.ops._operands import FORWARD_USAGES, check_key, is_high_precision
 from jaxquant.quantizers import for_usage, needs_key, needs_state
-from jaxquant.roles import GROUPED_LINEAR, QuantizerRole
+from jaxquant.roles import GROUPED_LINEAR, gemm_roles
 from jaxquant.tensor import USAGES
 
 default_kernel_init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
 
-def _quantizers(recipe, model_recipe, name, what):
+def _quantizers(recipe, model_recipe, name):
   recipe = recipes.resolve(recipe, model_recipe)
-  quantizers = recipe.quantizers(GROUPED_LINEAR, name)
-  delayed = sorted(t for t, q in quantizers.items() if needs_state(q))
-  if delayed:
-    raise ValueError(
-      f"{what}: roles {delayed} use delayed scaling, which GroupedDense does "
-      "not hold state for yet; call ops.grouped_dense with "
-      "state=init_grouped_state(...) or use a current-scaling recipe"
-    )
-  return recipe, quantizers
+  return recipe, recipe.quantizers(GROUPED_LINEAR, name)
+
+
+def _quantizes(recipe, quantizers, k: int, n: int) -> bool:
+  """Whether a [G, K, N] kernel's GEMM runs quantized: neither high precision by the
+  recipe, nor kept there as tiny, nor unfit (which raises or runs in high precision)."""
+  return not (
+    is_high_precision(quantizers)
+    or contraction.tiny_status(k, n, quantizers, recipe)
+    or contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
+  )
 
 
 def _forward_rounds(quantizers) -> bool:
@@ -94,7 +103,9 @@ def _grouped_gemm(x, kernel, group_sizes, bias, **kwargs):
     return _weight_gemm(x, kernel, group_sizes, bias, **kwargs)
 
 
-def _weight_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, path, call, key, what):
+def _weight_gemm(
+  x, kernel, group_sizes, bias, *, recipe, quantizers, name, path, call, key, state, what
+):
   """`ops.grouped_dense` per the quantizers, recorded in the swap-in's session if any.
 
   A tiny GEMM (`_contraction.tiny_reason`) runs in high precision when the recipe keeps
@@ -102,7 +113,8 @@ def _weight_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, path
   not tile (each group's M is padded to the blocks) raises `_contraction.unfit_error`, or
   runs in high precision under a session with `on_unfit="high_precision"`. `key()` draws
   the stochastic-rounding key only for a GEMM that quantizes (None without a stream:
-  `without_key`)."""
+  `without_key`); `state` holds its per-expert delayed-scaling state, read and written
+  only by a GEMM that quantizes (`_LinenStates`, `_NnxStates`)."""
   session = sessions.current()
   record = lambda status: (
     session
@@ -129,11 +141,42 @@ def _weight_gemm(x, kernel, group_sizes, bias, *, recipe, quantizers, name, path
     record(sessions.unfit_status(reason))
     return high_precision()
   record(sessions.QUANTIZED)
-  run = lambda operands, key: grouped_dense(*operands, recipe=recipe, name=name, key=key)
+
+  def run(operands, key):
+    *operands, held = operands
+    out = grouped_dense(*operands, recipe=recipe, name=name, key=key, state=held)
+    return (out, None) if held is None else out
+
+  operands = (x, kernel, group_sizes, bias, state.read())
   drawn = key()
   if drawn is None:
-    return without_key(run, (x, kernel, group_sizes, bias), quantizers, what)
-  return run((x, kernel, group_sizes, bias), drawn)
+    y, new_state = without_key(run, operands, quantizers, what)
+  else:
+    y, new_state = run(operands, drawn)
+  if new_state is not None:
+    state.write(new_state)
+  return y
+
+
+class _LinenStates:
+  """A Linen GroupedDense's per-expert states, in its "quant_state" collection at
+  `<tensor_type>` (a dense layer's place), made at `init`."""
+
+  def __init__(self, module: nn.Module, quantizers, name: str, num_groups: int, what: str):
+    self.module, self.quantizers, self.what = module, quantizers, what
+    self.roles, self.num_groups = gemm_roles(GROUPED_LINEAR, name), num_groups
+    self.variables = {}
+
+  def read(self) -> Optional[dict]:
+    stateful = {t: q for t, q in self.quantizers.items() if needs_state(q)}
+    if not stateful:
+      return None
+    fresh = lambda t: init_grouped_role_states(self.roles, self.quantizers, self.num_groups)[t]
+    self.variables = {t: self.module.variable(QUANT_STATE, t, fresh, t) for t in stateful}
+    return checked_states(self.variables, stateful, self.what)
+
+  def write(self, new_state: dict) -> None:
+    write_states(self.module, self.variables, new_state)
 
 
 class GroupedDense(nn.Module):
@@ -159,7 +202,7 @@ def linen_call(
   path = "/".join(module.path)
   name = path or "kernel"  # the root layer's roles by its weight's name
   what = f"GroupedDense {path!r}"
-  recipe, quantizers = _quantizers(module.recipe, model_recipe, name, what)
+  recipe, quantizers = _quantizers(module.recipe, model_recipe, name)
   session = sessions.current()
   if session is not None and session.weight_gather is not None and quantizers["weight"] is not None:
     raise ValueError(
@@ -180,7 +223,7 @@ def linen_call(
     module.param_dtype,
   )
   annotate_linen_weight(
-    module, "kernel", QuantizerRole(GROUPED_LINEAR, "weight", name), quantizers["weight"]
+    module, "kernel", gemm_roles(GROUPED_LINEAR, name)["weight"], quantizers["weight"]
   )
   bias = (
     module.param("bias", module.bias_init, (module.num_groups, module.features), module.param_dtype)
@@ -198,6 +241,7 @@ def linen_call(
     path=path,
     call=type(module).__name__,
     key=lambda: linen_key(module, quantizers, what, optional=True),
+    state=_LinenStates(module, quantizers, name, module.num_groups, what),
     what=what,
   )
 
@@ -233,14 +277,21 @@ class NnxGroupedDense(nnx.Module):
     self.bind_role(name, None)
 
   def bind_role(self, name: str, model_recipe: Optional[recipes.CustomRecipe]) -> None:
-    """Names the roles and records the model's recipe (the module's own still wins)."""
+    """Names the roles, records the model's recipe (the module's own still wins), and
+    creates the per-expert state its GEMM needs (none where it is not quantized)."""
     self.name, self.model_recipe = name, model_recipe
-    quantizers = self._resolve()[1]
-    role = QuantizerRole(GROUPED_LINEAR, "weight", name)
-    self.kernel.set_metadata(**nnx_weight_metadata(role, quantizers["weight"]))
+    recipe, quantizers = self._resolve()
+    roles = gemm_roles(GROUPED_LINEAR, name)
+    num_groups, k, n = self.kernel.shape
+    stateful = any(needs_state(q) for q in quantizers.values())
+    if stateful and _quantizes(recipe, quantizers, k, n):
+      self.quant_state = QuantState(init_grouped_role_states(roles, quantizers, num_groups))
+    elif hasattr(self, "quant_state"):
+      del self.quant_state
+    self.kernel.set_metadata(**nnx_weight_metadata(roles["weight"], quantizers["weight"]))
 
   def _resolve(self):
-    return _quantizers(self.recipe, self.model_recipe, self.name, f"GroupedDense {self.name!r}")
+    return _quantizers(self.recipe, self.model_recipe, self.name)
 
   def _key(self, quantizers):
     return nnx_key(
@@ -269,5 +320,20 @@ class NnxGroupedDense(nnx.Module):
       path=self.name,
       call=type(self).__name__,
       key=lambda: self._key(quantizers),
+      state=_NnxStates(self, quantizers),
       what=f"GroupedDense {self.name!r}",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _NnxStates:
+  """An NnxGroupedDense's per-expert states, in its `quant_state` (made by `bind_role`)."""
+
+  module: NnxGroupedDense
+  quantizers: dict
+
+  def read(self) -> Optional[dict]:
+    return held_states(self.module, self.quantizers, f"GroupedDense {self.module.name!r}")
+
+  def write(self, new_state: dict) -> None:
+    write_held_states(self.module, new_state)

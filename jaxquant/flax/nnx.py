@@ -39,6 +39,44 @@ from jaxquant.roles import LINEAR, gemm_roles
 __all__ = ["Linear", "Einsum"]
 
 
+def held_states(module: nnx.Module, quantizers, what: str) -> Optional[dict]:
+  """{tensor_type: DelayedScalingState} of `module.quant_state` for the delayed-scaling
+  quantizers (None without any), after checking that each is a `RoleState` made for
+  its quantizer (the module makes them when it learns its recipe: `bind_role`)."""
+  stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
+  if not stateful:
+    return None
+  held = module.quant_state.get_value() if hasattr(module, "quant_state") else {}
+  for t, state in held.items():
+    if not is_role_state(state):
+      raise TypeError(
+        f"{what}: its quant_state[{t!r}] holds a {type(state).__name__}, not a "
+        "jaxquant.flax.RoleState; a checkpoint restored without a target gives plain "
+        "dicts. Restore it with the model's state as the target (nnx.state(model) of "
+        "the model built as it was saved): orbax's checkpointer.restore(path, "
+        "args=ocp.args.StandardRestore(target)), or restore(path, item=target)"
+      )
+  for t, q in stateful.items():
+    if t not in held or held[t].quantizer != q:
+      raise ValueError(
+        f"{what}: the recipe gives {t!r} the delayed-scaling quantizer {q!r}, but "
+        "the module holds no state made for it; give the recipe to the module or to "
+        "jaxquant.flax.quantize_model (not only to autocast), which create the state"
+      )
+  return {t: held[t].scaling for t in stateful}
+
+
+def write_held_states(module: nnx.Module, new_state: dict) -> None:
+  """Stores a GEMM's new delayed-scaling state in `module.quant_state`."""
+  held = module.quant_state.get_value()
+  module.quant_state.set_value(
+    {
+      t: s if t not in new_state else type(s)(new_state[t], s.role, s.quantizer)
+      for t, s in held.items()
+    }
+  )
+
+
 class _QuantizedGemm:
   """What Linear and Einsum share: recipe resolution, state, keys, the GEMM call."""
 
@@ -90,27 +128,7 @@ class _QuantizedGemm:
     return recipe, recipe.quantizers(LINEAR, self.role_name or "")
 
   def _state(self, quantizers):
-    stateful = {t: q for t, q in quantizers.items() if needs_state(q)}
-    if not stateful:
-      return None
-    held = self.quant_state.get_value() if hasattr(self, "quant_state") else {}
-    for t, state in held.items():
-      if not is_role_state(state):
-        raise TypeError(
-          f"{self._what()}: its quant_state[{t!r}] holds a {type(state).__name__}, not a "
-          "jaxquant.flax.RoleState; a checkpoint restored without a target gives plain "
-          "dicts. Restore it with the model's state as the target (nnx.state(model) of "
-          "the model built as it was saved): orbax's checkpointer.restore(path, "
-          "args=ocp.args.StandardRestore(target)), or restore(path, item=target)"
-        )
-    for t, q in stateful.items():
-      if t not in held or held[t].quantizer != q:
-        raise ValueError(
-          f"{self._what()}: the recipe gives {t!r} the delayed-scaling quantizer {q!r}, but "
-          "the module holds no state made for it; give the recipe to the module or to "
-          "jaxquant.flax.quantize_model (not only to autocast), which create the state"
-        )
-    return {t: held[t].scaling for t in stateful}
+    return held_states(self, quantizers, self._what())
 
   def _key(self, quantizers):
     return nnx_key(
@@ -176,13 +194,7 @@ class _QuantizedGemm:
     )
     record(sessions.QUANTIZED)
     if new_state is not None:
-      held = self.quant_state.get_value()
-      self.quant_state.set_value(
-        {
-          t: s if t not in new_state else type(s)(new_state[t], s.role, s.quantizer)
-          for t, s in held.items()
-        }
-      )
+      write_held_states(self, new_state)
     return y if bias is None else add_bias(y, bias)
 
 

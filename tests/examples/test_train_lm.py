@@ -20,12 +20,12 @@ sys.path.insert(0, str(EXAMPLES))
 
 import flax.linen as nn  # noqa: E402
 import train_lm  # noqa: E402  (needs examples/ on the path)
-from lm import data, layout, presets, recipes, report, stats, suggested, training  # noqa: E402
+from lm import data, layout, moe, presets, recipes, report, stats, suggested, training  # noqa: E402
 from lm.model import AUX_LOSSES, TransformerLM  # noqa: E402
 
 from jaxquant import kernels as jq_kernels  # noqa: E402
 from jaxquant import recipes as jq_recipes  # noqa: E402
-from jaxquant.flax import weight_roles  # noqa: E402
+from jaxquant.flax import is_role_state, weight_roles  # noqa: E402
 from jaxquant.quantizers import NVFP4Quantizer  # noqa: E402
 
 TINY = presets.PRESETS["tiny"]
@@ -203,6 +203,19 @@ def test_moe_block_is_wired_in_with_the_recipe_and_its_aux_loss():
   assert len(jax.tree.leaves(sown[AUX_LOSSES])) == TINY.model.n_layers
 
 
+def test_moe_block_under_fp8_delayed_holds_a_state_per_expert():
+  model = train_lm.build_models(["fp8_delayed"], TINY.model, moe=True)["fp8_delayed"].module
+  tokens = jnp.zeros((2, TINY.model.seq_len), jnp.int32)
+  variables = jax.eval_shape(model.init, {"params": jax.random.key(0)}, tokens)
+  states = [
+    s
+    for s in jax.tree.leaves(variables["quant_state"], is_leaf=is_role_state)
+    if s.role.module_type == "grouped_linear"
+  ]
+  assert len(states) == 3 * 3 * TINY.model.n_layers  # gate, up, down; their three roles
+  assert {s.scaling.scale.shape for s in states} == {(moe.NUM_EXPERTS,)}
+
+
 def test_validation_split_is_deterministic_and_disjoint():
   root = data.load_corpus().root
   files = [p.relative_to(root).as_posix() for p in data.stdlib_source_files(root)]
@@ -263,11 +276,11 @@ def test_presets_quantize_the_layers_and_keep_the_head_in_bf16(name):
     assert recipe.quantizer(Role("linear", tensor_type, "head")) is None
 
 
-def test_moe_recipe_keeps_the_router_high_precision_and_experts_stateless():
+def test_moe_recipe_keeps_the_router_high_precision_and_the_experts_delayed():
   recipe = recipes.for_moe_block(recipes.recipe_for("fp8_delayed", TINY.model))
   assert recipe.quantizer(Role("linear", "input", "decoder/layer_0/mlp/moe/router")) is None
   expert = recipe.quantizer(Role("grouped_linear", "grad_output", "decoder/layer_0/mlp/moe/up"))
-  assert type(expert).__name__ == "Float8Quantizer" and expert.element == "e5m2"
+  assert expert == jq_recipes.fp8_delayed_factory(Role("grouped_linear", "grad_output", ""))
 
 
 @pytest.mark.parametrize("name", recipes.PRESET_RECIPES)

@@ -131,3 +131,26 @@ def test_grouped_gemms_run_forward_without_a_key_with_the_keyed_bits():
   unkeyed = forward(nnx_model)
   keyed = forward(jqf.quantize_model(nnx_model, recipes.nvfp4, rngs=nnx.Rngs(quant=1)))
   np.testing.assert_array_equal(unkeyed, keyed)
+
+
+def test_nnx_hooks_run_forward_without_a_key_and_ask_for_one_in_the_backward():
+  """`nnx.Linear(dot_general=...)` and `nnx.Einsum(einsum_op=...)` (a batched einsum over
+  experts: a grouped GEMM) under nvfp4: the forward rounds nothing stochastically, so it
+  runs and gives the bits of jaxquant's own layer, which holds a key; a gradient asks."""
+  x = jax.random.normal(jax.random.key(4), (2, 16, D), jnp.bfloat16)
+  hooked = nnx.Linear(
+    D, D, use_bias=False, rngs=nnx.Rngs(0), dot_general=jqf.dot_general("proj", "nvfp4")
+  )
+  native = jqf.nnx.Linear(
+    D, D, use_bias=False, rngs=nnx.Rngs(0), recipe="nvfp4", name="proj", quant_rngs=nnx.Rngs(1)
+  )
+  forward = nnx.jit(lambda layer, x: layer(x))
+  np.testing.assert_array_equal(forward(hooked, x), forward(native, x))
+  experts = nnx.Einsum(
+    "ecd,edf->ecf", (2, D, F), rngs=nnx.Rngs(0), einsum_op=jqf.einsum_op("experts", "nvfp4")
+  )
+  assert forward(experts, x).shape == (2, 16, F)
+  loss = lambda layer, x: jnp.mean(layer(x).astype(jnp.float32) ** 2)
+  for layer in (hooked, experts):
+    with pytest.raises(ValueError, match=r"grad_output: .* rounds stochastically in the backward"):
+      nnx.grad(loss)(layer, x)

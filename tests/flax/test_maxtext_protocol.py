@@ -255,6 +255,11 @@ def test_roles_are_layer_paths_and_a_policy_holds(built, scanned):
   assert set(roles) <= seen
 
 
+def role_states(tree):
+  leaves = jax.tree.leaves(tree, is_leaf=jqf.is_role_state)
+  return [leaf for leaf in leaves if jqf.is_role_state(leaf)]
+
+
 def _owg_states(model):
   owg = nnx.variablelib.variable_type_from_name(OWG, allow_register=True)
   leaves = jax.tree.leaves(nnx.state(model, owg), is_leaf=lambda x: isinstance(x, jqf.RoleState))
@@ -287,6 +292,58 @@ def test_fp8_delayed_state_advances_in_maxtexts_train_step(scanned):
   losses = train(model, steps=3)
   assert np.all(np.isfinite(losses))
   for state in _owg_states(model):  # each layer's own (scanned: stacked along axis 0)
+    assert np.all(np.any(state.scaling.amax_history != 0, axis=-1)), state.role
+    assert np.all(state.scaling.scale != 1), state.role
+    assert np.all(np.isfinite(state.scaling.scale)), state.role
+
+
+def train_advancing_quant_state(model, steps, lr=0.05):
+  """MaxText's NNX train step (`train`) with what docs/flax.md ("MaxText") adds for a model
+  quantized by `quantize_model` alone: its `QuantState`s split off and differentiated, their
+  forward value returned by the loss, and `update_quant_state` of the two written back."""
+  owg = nnx.variablelib.variable_type_from_name(OWG, allow_register=True)
+  graphdef, params, custom, quant_state, rest = nnx.split(
+    model, nnx.Param, owg, jqf.QuantState, ...
+  )
+
+  @jax.jit
+  def step(params, custom, quant_state):
+    def diff_wrapper(params, custom, quant_state):
+      local_model = nnx.merge(graphdef, params, custom, quant_state, rest, copy=True)
+      return loss_fn(local_model), nnx.state(local_model, jqf.QuantState)
+
+    grad_func = jax.value_and_grad(diff_wrapper, argnums=(0, 1, 2), has_aux=True)
+    (value, forward_state), (grads, custom_grads, state_grads) = grad_func(
+      params, custom, quant_state
+    )
+    params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    return value, params, custom_grads, jqf.update_quant_state(forward_state, state_grads)
+
+  losses = []
+  for _ in range(steps):
+    value, params, custom, quant_state = step(params, custom, quant_state)
+    losses.append(float(value))
+  nnx.update(model, params, custom, quant_state)
+  return losses
+
+
+def test_quantize_model_alone_advances_its_state_in_the_train_step_docs_give():
+  """Built without `quant=`, every GEMM of the model is routed by `quantize_model`, its
+  state a `QuantState` (made at the first call): MaxText's step as it is never advances
+  it, the step docs/flax.md gives does."""
+  model = quantize(Transformer(), recipes.fp8_delayed)
+  nnx.jit(loss_fn)(model)  # the routed GEMMs make their states at their first call
+  roles = {f"decoder/layers_0/mlp/{n}" for n in ("wi_0", "wi_1", "wo")} | {"decoder/logits_dense"}
+  states = lambda: role_states(nnx.state(model, jqf.QuantState))
+  assert {s.role.name for s in states()} == roles and len(states()) == 3 * len(roles)
+  assert not _owg_states(model)
+  unadvanced = nnx.clone(model)
+  assert np.all(np.isfinite(train(unadvanced, steps=2)))
+  for state in role_states(nnx.state(unadvanced, jqf.QuantState)):
+    assert np.all(state.scaling.scale == 1), state.role
+  losses = train_advancing_quant_state(model, steps=3)
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  for state in states():
     assert np.all(np.any(state.scaling.amax_history != 0, axis=-1)), state.role
     assert np.all(state.scaling.scale != 1), state.role
     assert np.all(np.isfinite(state.scaling.scale)), state.role

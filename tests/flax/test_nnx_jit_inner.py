@@ -8,6 +8,7 @@ the quantized model, another model of the same class under another recipe, and a
 the module outside the model's session must each trace anew.
 """
 
+import logging
 import threading
 
 import jax
@@ -130,6 +131,21 @@ def test_module_called_outside_the_session_runs_as_written():
   np.testing.assert_array_equal(np.asarray(model.block.own(x)), as_written)
   np.testing.assert_array_equal(np.asarray(model(x)), expected(model, x, "fp8_current"))
   np.testing.assert_array_equal(np.asarray(model.block.own(x)), as_written)
+
+
+def test_the_first_call_logs_the_jitted_layers_gemms_as_weight_gemms(caplog):
+  """A gradient through the jitted modules traces their quantized GEMMs' backward while
+  the model's call still runs: the log line counts those GEMMs once each, as weight GEMMs,
+  and no contraction of their backward as another contraction."""
+  caplog.set_level(logging.INFO, logger="jaxquant")
+  model = jqf.quantize_model(Model(nnx.Rngs(0)), "fp8_current")
+  x = inputs()
+  nnx.jit(nnx.grad(lambda model: jnp.sum(model(x) ** 2)))(model)
+  (line,) = [r.getMessage() for r in caplog.records if r.name == "jaxquant"]
+  assert line == (
+    "quantize_model(Model) under recipe 'fp8_current': 2 of 2 weight GEMMs quantized, "
+    "0 in high precision; 0 other contractions (no param operand) in high precision"
+  )
 
 
 def test_jitted_layers_under_scan_and_remat():

@@ -7,8 +7,11 @@
 - NNX: `dot_general(name, recipe=None)` for `nnx.Linear(..., dot_general=...)` /
   `nnx.LinearGeneral`, and `einsum_op(name, recipe=None)` for `nnx.Einsum(...,
   einsum_op=...)`: plain functions (NNX layers do not know their path, hence `name`).
-  They hold no state and no RNG, so they take recipes without delayed scaling or
-  stochastic rounding (a clear error otherwise); jaxquant's own NNX layers take any.
+  They hold no state and no RNG, so they take recipes without delayed scaling (a clear
+  error otherwise), and a recipe that rounds stochastically only where no key is needed: a
+  forward alone under nvfp4 (evaluation, generation), whose rounding is the gradients';
+  differentiating it asks for the key they cannot draw. jaxquant's own NNX layers and
+  `quantize_model(..., rngs=)` take any recipe.
 - MaxText: `MaxTextQuantization(recipe)` has MaxText's quantization protocol:
   `dot_general_cls(mesh_axes=())` returns the Linen class above, `einsum(dtype)` a Linen
   module called as `(equation, lhs, rhs)` with rhs the weight; `quant_mode` and

@@ -203,10 +203,14 @@ class NnxHost(WritesBack):
 
 @dataclasses.dataclass(frozen=True)
 class HookHost(WritesBack):
-  """An NNX `dot_general` / `einsum_op` hook: a plain function, no state, no RNG."""
+  """An NNX `dot_general` / `einsum_op` hook: a plain function, no state, no RNG. A
+  forward that rounds nothing stochastically (every preset's: nvfp4 rounds its gradients
+  so) runs; a quantizer that rounds stochastically where the call runs (a backward pass
+  being traced, or a forward quantizer) asks for the key the hook cannot draw, in the op's
+  error (`ops.dense`, `_grouped.without_key`)."""
 
   def key(self, quantizers, what: str, optional: bool = False) -> None:
-    if draws_key(quantizers):
+    if draws_key(quantizers) and not optional:
       raise ValueError(
         f"{what}: an NNX dot_general / einsum_op hook cannot draw keys for "
         "stochastic rounding; use jaxquant.flax.nnx's layers or quantize_model"

@@ -20,7 +20,7 @@ Two ways to dispatch, by what the entry point is:
   original code and defaults run as a copy). So `einsum is jnp.einsum` stays true for a
   function bound before routing began (MaxText passes `precision=` only then), and a
   name bound before routing began (`from jax.numpy import einsum`, a module attribute)
-  is routed too. Calls that JAX's own modules make (`_called_by_jax`) run as written, as
+  is routed too. Calls that JAX's own modules make (`_runs_as_written`) run as written, as
   they did when only the public names were replaced: `jnp.einsum`, the jnp products and
   the transpose rules call `dot_general` directly, `ragged_dot` calls
   `ragged_dot_general`, and a trace JAX caches inside its own jitted functions never
@@ -79,14 +79,20 @@ def _dispatcher(target: ContractionTarget, original: Callable) -> Callable:
   if target.operator is None:
 
     def dispatcher(*args, **kwargs):
+      if _runs_as_written(sys._getframe(1)):
+        return original(*args, **kwargs)
       return _dispatch(kind, original, args, kwargs)
   elif target.operator == "right":  # `b @ a`: the call holds (b, a), the product order
 
     def dispatcher(self, other):
+      if _runs_as_written(sys._getframe(1)):
+        return original(self, other)
       return _dispatch(kind, lambda a, b: original(b, a), (other, self), {})
   else:
 
     def dispatcher(self, other):
+      if _runs_as_written(sys._getframe(1)):
+        return original(self, other)
       return _dispatch(kind, original, (self, other), {})
 
   return functools.wraps(original)(dispatcher)
@@ -132,9 +138,18 @@ def _trampoline(*args, _jaxquant_route, **kwargs):
   return _jaxquant_route(args, kwargs)
 
 
-def _called_by_jax(frame) -> bool:
+# jaxquant's own GEMM code: the quantized GEMMs the handler runs (with routing paused),
+# whose backward JAX may trace while the model's call still runs, routing on (a
+# custom_vjp's backward partially evaluated with an inner `jax.jit` / `nnx.jit` under a
+# gradient). Never a model's contraction.
+_JAXQUANT_GEMM_CODE = ("jaxquant.ops", "jaxquant.reference", "jaxquant.kernels")
+
+
+def _runs_as_written(frame) -> bool:
+  """Whether a contraction called from `frame` runs as written: JAX's own modules and
+  jaxquant's GEMM code call no model contraction."""
   module = frame.f_globals.get("__name__", "") if frame is not None else ""
-  return module.partition(".")[0] in ("jax", "jaxlib")
+  return module.partition(".")[0] in ("jax", "jaxlib") or module.startswith(_JAXQUANT_GEMM_CODE)
 
 
 def _copy(function: types.FunctionType) -> types.FunctionType:
@@ -154,7 +169,7 @@ def _copy(function: types.FunctionType) -> types.FunctionType:
 def _router(kind: str, original: Callable) -> Callable:
   def route(args, kwargs):
     # Frame 0: route, 1: the trampoline, 2: whoever called the JAX function.
-    if _HANDLER.get() is None or _called_by_jax(sys._getframe(2)):
+    if _HANDLER.get() is None or _runs_as_written(sys._getframe(2)):
       return original(*args, **kwargs)
     return _dispatch(kind, original, args, kwargs)
 
