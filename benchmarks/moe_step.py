@@ -75,6 +75,7 @@ ORDER = (
   "ragged/fp8_block",
   "ragged/mxfp8",
   "moe_module/fp8_current",
+  "moe_module/fp8_delayed",
   "moe_module/bf16",
   "padded/fp8_block",
   "padded/mxfp8",
