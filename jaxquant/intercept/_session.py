@@ -130,6 +130,9 @@ class Session:
   # The quantized model's log, which keeps what it told the user (`warn_once`); None for
   # a session of no model (a hook's).
   log: Optional[FirstCallLog] = None
+  # How the integration runs a `lax.scan` its code calls (`_routed.handle_scan`), given
+  # the routed `Call`; None: as written.
+  scan: Optional[Callable[[Any], Any]] = None
 
   @property
   def met_weight_gemm(self) -> bool:

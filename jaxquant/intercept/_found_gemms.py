@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxquant import recipes
-from jaxquant.flax._session import UNRESOLVED, Session
+from jaxquant.intercept._session import UNRESOLVED, Session
 from jaxquant.roles import GROUPED_LINEAR, LINEAR
 
 

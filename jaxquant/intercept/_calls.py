@@ -2,7 +2,7 @@
 
 `lax.dot_general`, `jnp.einsum`, `jnp.dot` and `jnp.matmul` / `@` all contract axes of
 two arrays; written as einsum letters (`lhs,rhs->out`, in the output order the function
-itself produces) they share one planner (`jaxquant.flax._contraction`). A call that
+itself produces) they share one planner (`jaxquant.intercept._contraction`). A call that
 is no two-operand contraction (a scalar product, a three-operand einsum, a broadcast
 matmul) gets a reason instead.
 

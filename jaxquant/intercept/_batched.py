@@ -1,0 +1,80 @@
+"""A weight GEMM under `jax.vmap`: the examples that share the weight are one GEMM.
+
+Code written for one example (an Equinox layer: `weight @ x`, `x` a vector) and batched
+with `jax.vmap` contracts each example on its own: a GEMM of one row, whose quantization
+would scale each example by its own amax and whose blocks along the rows (MXFP8's and
+NVFP4's columnwise usages) no single row fills. So where one operand is a weight and the
+other is batched by a vmap that leaves the weight unbatched, the contraction is handed
+to the vmap as a `jax.custom_batching.custom_vmap` function whose batching rule
+contracts the whole batch at once: the batch axis becomes one more free axis of the
+activation (more rows of the GEMM, as a batched model's), and the handler runs that
+contraction (a vmap nested in another folds again, outermost last). The numbers are
+then those of the same model written for a batch. Where the weight is batched too (an
+ensemble vmapped over its params) each example keeps its own GEMM.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant.intercept import _calls as calls
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._calls import Call
+
+Handler = Callable[[Call], Any]
+
+
+def _batching_trace(value: Any) -> Any:
+  """The vmap trace batching `value` along an axis (a batching tracer's), else None."""
+  if isinstance(value, jax.core.Tracer) and getattr(value, "batch_dim", None) is not None:
+    return getattr(value, "_trace", None)
+  return None
+
+
+def handle(call: Call, handler: Handler):
+  """`handler(call)`, or, for a weight GEMM whose activation alone a vmap batches, the
+  contraction of the whole batch (module docstring)."""
+  session = sessions.current()
+  found = calls.contraction(call) if session is not None else None
+  if not isinstance(found, calls.Contraction):
+    return handler(call)
+  refs = (session.find_weight(found.lhs), session.find_weight(found.rhs))
+  if (refs[0] is None) == (refs[1] is None):
+    return handler(call)
+  weight_first = refs[0] is not None
+  x, w = (found.rhs, found.lhs) if weight_first else (found.lhs, found.rhs)
+  trace = _batching_trace(x)
+  if trace is None or _batching_trace(w) is trace:
+    return handler(call)
+  return _whole_batch(call, found, weight_first, handler)
+
+
+def _whole_batch(call: Call, found: calls.Contraction, weight_first: bool, handler: Handler):
+  used = found.lhs_letters + found.rhs_letters + found.out_letters
+  batch = next(c for c in string.ascii_letters if c not in used)
+  lhs_l, rhs_l = found.lhs_letters, found.rhs_letters
+  if weight_first:
+    rhs_l = batch + rhs_l
+  else:
+    lhs_l = batch + lhs_l
+  equation = f"{lhs_l},{rhs_l}->{batch}{found.out_letters}"
+  options = {}
+  if found.preferred_element_type is not None:
+    options["preferred_element_type"] = found.preferred_element_type
+  if call.kwargs.get("precision") is not None:
+    options["precision"] = call.kwargs["precision"]
+
+  @jax.custom_batching.custom_vmap
+  def contract(lhs, rhs):  # one example's, as written (JAX traces it for the shapes)
+    return jnp.einsum(found.equation, lhs, rhs, **options)
+
+  @contract.def_vmap
+  def whole_batch(axis_size, in_batched, lhs, rhs):
+    batched = Call("einsum", (equation, lhs, rhs), options, jnp.einsum)
+    return handle(batched, handler), True
+
+  return contract(found.lhs, found.rhs)
