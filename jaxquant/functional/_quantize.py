@@ -48,6 +48,10 @@ def _handle(call):
   return batched.handle(call, handle)
 
 
+def _handle_scan(call):
+  return batched.handle_scan(call, handle_scan)
+
+
 class QuantizedFunction:
   """`fn` with its weight GEMMs quantized per `recipe` (see `quantize`)."""
 
@@ -108,7 +112,7 @@ class QuantizedFunction:
     params = paths.named_params(args[self.params_argnum])
     call = CallState(mode, params, states, key, {} if specs is None else specs)
     session = self._session(call, [])
-    with sessions.active(session), routing(_handle, handle_scan):
+    with sessions.active(session), routing(_handle, _handle_scan):
       out = self.fn(*args, **kwargs)
     self.first_call_log.log(session, self._what)
     sessions.warn_unresolved(session, self._what)

@@ -11,10 +11,17 @@ activation (more rows of the GEMM, as a batched model's), and the handler runs t
 contraction (a vmap nested in another folds again, outermost last). The numbers are
 then those of the same model written for a batch. Where the weight is batched too (an
 ensemble vmapped over its params) each example keeps its own GEMM.
+
+A `lax.scan` under such a vmap (an Equinox model for one example, its layers scanned)
+would trace its body for one example, where nothing is batched: so a scan whose params
+the vmap leaves unbatched runs as one scan over the whole batch, its body vmapped
+(`handle_scan`; vmap and scan commute), and the body's GEMMs fold as above. What the
+integration threads through the scan then stays in the scan's trace.
 """
 
 from __future__ import annotations
 
+import inspect
 import string
 from typing import Any, Callable
 
@@ -22,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.intercept import _calls as calls
+from jaxquant.intercept import _routing_pause as routing_pause
 from jaxquant.intercept import _session as sessions
 from jaxquant.intercept._calls import Call
 
@@ -78,3 +86,44 @@ def _whole_batch(call: Call, found: calls.Contraction, weight_first: bool, handl
     return handle(batched, handler), True
 
   return contract(found.lhs, found.rhs)
+
+
+def handle_scan(call: Call, handler: Handler):
+  """`handler(call)` for a `lax.scan`; under a vmap that batches its carry or `xs` but no
+  param among `xs`, one scan over the whole batch (module docstring)."""
+  session = sessions.current()
+  bound = inspect.signature(call.original).bind(*call.args, **call.kwargs)
+  init, xs = bound.arguments["init"], bound.arguments.get("xs")
+  batched = [v for v in jax.tree.leaves((init, xs)) if _batching_trace(v) is not None]
+  params = [v for v in jax.tree.leaves(xs) if session and session.find_weight(v) is not None]
+  if not batched or any(_batching_trace(v) is not None for v in params):
+    return handler(call)
+  return _scan_whole_batch(bound, call, handler)
+
+
+def _scan_whole_batch(bound: inspect.BoundArguments, call: Call, handler: Handler):
+  options = dict(bound.arguments)
+  body, init, xs = options.pop("f"), options.pop("init"), options.pop("xs", None)
+
+  @jax.custom_batching.custom_vmap
+  def scan(init, xs):  # one example's, as written (JAX traces it for the shapes)
+    with routing_pause.paused():
+      return call.original(body, init, xs, **options)
+
+  @scan.def_vmap
+  def whole_batch(axis_size, in_batched, init, xs):
+    init_batched, xs_batched = in_batched
+    # Every carry leaf batched (the body's output is); a batched `xs` leaf keeps its scan
+    # axis first, its batch axis second, as the body's vmap takes it.
+    init = jax.tree.map(
+      lambda v, b: v if b else jnp.broadcast_to(v, (axis_size, *jnp.shape(v))), init, init_batched
+    )
+    xs = jax.tree.map(lambda v, b: jnp.moveaxis(v, 0, 1) if b else v, xs, xs_batched)
+    xs_axes = jax.tree.map(lambda b: 0 if b else None, xs_batched)
+    each = jax.vmap(body, in_axes=(0, xs_axes))
+    carry, ys = handle_scan(Call("scan", (each, init, xs), options, call.original), handler)
+    ys = jax.tree.map(lambda y: jnp.moveaxis(y, 1, 0), ys)
+    out = (carry, ys)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return scan(init, xs)

@@ -118,7 +118,8 @@ class EqxMlp(eqx.Module):
 
   def __init__(self, sizes, key):
     keys = jax.random.split(key, len(sizes) - 1)
-    self.layers = [eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes, sizes[1:], keys)]
+    pairs = zip(sizes[:-1], sizes[1:], keys, strict=True)
+    self.layers = [eqx.nn.Linear(a, b, key=k) for a, b, k in pairs]
 
   def __call__(self, x):
     for layer in self.layers[:-1]:
