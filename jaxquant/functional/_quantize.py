@@ -40,8 +40,7 @@ from jaxquant.intercept._interception import routing
 from jaxquant.intercept._routed import handle, handle_scan
 from jaxquant.intercept._session import OnUnfit
 
-# Keyword arguments of `apply` (and `init`'s) that are the quantized function's own.
-STATE, RNG = "state", "rng"
+REPORT = "jaxquant.functional.swap_report"  # named by the warnings and errors of a call
 
 
 def _handle(call):
@@ -115,9 +114,9 @@ class QuantizedFunction:
     with sessions.active(session), routing(_handle, _handle_scan):
       out = self.fn(*args, **kwargs)
     self.first_call_log.log(session, self._what)
-    sessions.warn_unresolved(session, self._what)
+    sessions.warn_unresolved(session, self._what, REPORT)
     if self.require_gemm and not sessions.reporting():
-      check_found_gemms(session, self._what)
+      check_found_gemms(session, self._what, REPORT, "jaxquant.quantize")
     return out, call.states
 
   def _session(self, call: CallState, rows: list) -> sessions.Session:

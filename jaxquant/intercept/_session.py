@@ -238,16 +238,17 @@ def warn_once(key: str, message: str, stacklevel: int = 2) -> None:
     warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
 
 
-def warn_unresolved(session: Session, what: str) -> None:
+def warn_unresolved(session: Session, what: str, report: str = "jaxquant.flax.swap_report") -> None:
   """One warning per model call (per trace, under jit): how many contractions with a
-  weight-like operand that no param was traced to ran in high precision, and why."""
+  weight-like operand that no param was traced to ran in high precision, and why
+  (`report`: the integration's swap report, which lists them)."""
   rows = [r for r in session.rows if r.status.startswith(UNRESOLVED)]
   if not rows or reporting():
     return  # swap_report lists them
   why = "; ".join(f"{r.call}: {r.status.removeprefix(UNRESOLVED + ' (')[:-1]}" for r in rows)
   warnings.warn(
     f"{what}: {len(rows)} weight-like GEMM(s) left in high precision, their operand not "
-    f"traced to a param ({why}). jaxquant.flax.swap_report lists them",
+    f"traced to a param ({why}). {report} lists them",
     stacklevel=3,
   )
 
