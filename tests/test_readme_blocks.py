@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The documents whose Python blocks are complete programs, cheap enough for CI: not
 # docs/sensitivity.md's quick start (about a minute of CPU: the analysis compiles every
 # role of its model quantized alone), nor docs/sharding.md's excerpts of a sharded setup.
-DOCUMENTS = ["README.md"]
+DOCUMENTS = ["README.md", "docs/functions.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
