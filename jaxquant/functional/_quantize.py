@@ -8,7 +8,8 @@ cast, transpose, reshape or slice of it, or the param scaled by other params and
 constants) is a weight GEMM, whose roles are named by that param's path
 ("layers/mlp/w_in", `_paths`), run through `ops.dense` / `ops.grouped_dense` per the
 recipe; every other one runs as written. `lax.scan` over stacked params is followed into
-its body (`_scan`). Under `jax.vmap` the examples that share a weight are one GEMM
+its body (`_scan`), and `jax.checkpoint` into the function it checkpoints
+(`_checkpoint`). Under `jax.vmap` the examples that share a weight are one GEMM
 (`jaxquant.intercept._batched`): an Equinox layer written for one example quantizes its
 batch's rows together, as a batched model does.
 
@@ -30,6 +31,7 @@ import jax
 from jaxquant import recipes
 from jaxquant.functional import _paths as paths
 from jaxquant.functional._call import CallState, FunctionHost, Mode
+from jaxquant.functional._checkpoint import run_checkpoint
 from jaxquant.functional._scan import run_scan
 from jaxquant.intercept import _batched as batched
 from jaxquant.intercept import _provenance as provenance
@@ -37,7 +39,7 @@ from jaxquant.intercept import _session as sessions
 from jaxquant.intercept._found_gemms import check_found_gemms
 from jaxquant.intercept._hosts import WeightRef
 from jaxquant.intercept._interception import routing
-from jaxquant.intercept._routed import handle, handle_scan
+from jaxquant.intercept._routed import checkpointed, handle, handle_scan
 from jaxquant.intercept._session import OnUnfit
 
 REPORT = "jaxquant.functional.swap_report"  # named by the warnings and errors of a call
@@ -47,8 +49,10 @@ def _handle(call):
   return batched.handle(call, handle)
 
 
-def _handle_scan(call):
-  return batched.handle_scan(call, handle_scan)
+def _handle_transform(call):
+  if call.kind == "scan":
+    return batched.handle_scan(call, handle_scan)
+  return checkpointed(call)
 
 
 class QuantizedFunction:
@@ -111,7 +115,7 @@ class QuantizedFunction:
     params = paths.named_params(args[self.params_argnum])
     call = CallState(mode, params, states, key, {} if specs is None else specs)
     session = self._session(call, [])
-    with sessions.active(session), routing(_handle, _handle_scan):
+    with sessions.active(session), routing(_handle, _handle_transform):
       out = self.fn(*args, **kwargs)
     self.first_call_log.log(session, self._what)
     sessions.warn_unresolved(session, self._what, REPORT)
@@ -129,6 +133,9 @@ class QuantizedFunction:
     def why_unmatched(operand) -> Optional[str]:
       return provenance.trace_operand(operand, call.params).unresolved
 
+    session_for = lambda inner: self._session(inner, rows)
+    run = lambda *checkpointing: run_checkpoint(*checkpointing, call, session_for)
+
     return sessions.Session(
       self.recipe,
       self.on_unfit,
@@ -136,7 +143,8 @@ class QuantizedFunction:
       why_unmatched,
       rows=rows,
       log=self.first_call_log,
-      scan=lambda scan: run_scan(scan, call, lambda inner: self._session(inner, rows)),
+      scan=lambda scan: run_scan(scan, call, session_for),
+      checkpoint=lambda *checkpointing: batched.checkpoint(*checkpointing, run=run),
     )
 
 

@@ -16,7 +16,8 @@ A `lax.scan` under such a vmap (an Equinox model for one example, its layers sca
 would trace its body for one example, where nothing is batched: so a scan whose params
 the vmap leaves unbatched runs as one scan over the whole batch, its body vmapped
 (`handle_scan`; vmap and scan commute), and the body's GEMMs fold as above. What the
-integration threads through the scan then stays in the scan's trace.
+integration threads through the scan then stays in the scan's trace. A `jax.checkpoint`
+under such a vmap likewise checkpoints the vmapped function (`checkpoint`).
 """
 
 from __future__ import annotations
@@ -127,3 +128,41 @@ def _scan_whole_batch(bound: inspect.BoundArguments, call: Call, handler: Handle
     return out, jax.tree.map(lambda _: True, out)
 
   return scan(init, xs)
+
+
+def checkpoint(checkpoint, fun, options: dict, args: tuple, kwargs: dict, run):
+  """`run(checkpoint, fun, options, args, kwargs)`, the integration's run of a checkpointed
+  function; under a vmap that batches its array arguments but no param among them, `run`
+  of the vmapped function, over the whole batch (module docstring)."""
+  session = sessions.current()
+  static, dynamic, dynamic_kwargs = calls.checkpoint_arguments(options, args, kwargs)
+  leaves = jax.tree.leaves((dynamic, dynamic_kwargs))
+  batched = [v for v in leaves if _batching_trace(v) is not None]
+  params = [v for v in leaves if session and session.find_weight(v) is not None]
+  if not batched or any(_batching_trace(v) is not None for v in params):
+    return run(checkpoint, fun, options, args, kwargs)
+  static_kwargs = {k: v for k, v in kwargs.items() if k not in dynamic_kwargs}
+
+  def call(dynamic, dynamic_kwargs):  # `fun` with its static arguments back in place
+    merged, rest = [], iter(dynamic)
+    for i in range(len(args)):
+      merged.append(args[i] if i in static else next(rest))
+    return fun(*merged, **dynamic_kwargs, **static_kwargs)
+
+  traced = {k: v for k, v in options.items() if k not in ("static_argnums", "static_argnames")}
+  if isinstance(traced.get("prevent_cse"), (list, tuple)):
+    traced["prevent_cse"] = True
+
+  @jax.custom_batching.custom_vmap
+  def one_example(dynamic, dynamic_kwargs):  # as written (JAX traces it for the shapes)
+    with routing_pause.paused():
+      return checkpoint(call, **traced)(dynamic, dynamic_kwargs)
+
+  @one_example.def_vmap
+  def whole_batch(axis_size, in_batched, dynamic, dynamic_kwargs):
+    axes = jax.tree.map(lambda b: 0 if b else None, tuple(in_batched))
+    each = jax.vmap(call, in_axes=axes)
+    out = run(checkpoint, each, traced, (dynamic, dynamic_kwargs), {})
+    return out, jax.tree.map(lambda _: True, out)
+
+  return one_example(dynamic, dynamic_kwargs)

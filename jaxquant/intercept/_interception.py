@@ -57,14 +57,14 @@ from typing import Any, Callable, Optional
 
 from jaxquant.intercept import _routing_pause as routing_pause
 from jaxquant.intercept._calls import Call
-from jaxquant.intercept._targets import ContractionTarget, contraction_targets, scan_targets
+from jaxquant.intercept._targets import ContractionTarget, contraction_targets, transform_targets
 
 Handler = Callable[[Call], Any]
 Handlers = contextvars.ContextVar[Optional[Handler]]
 _HANDLER: Handlers = contextvars.ContextVar("jaxquant_contraction_handler", default=None)
-# The handler of `lax.scan` calls (`_targets.scan_targets()`), for an integration that
-# threads what it keeps per call through a scan's body (`jaxquant.functional`).
-_SCAN_HANDLER: Handlers = contextvars.ContextVar("jaxquant_scan_handler", default=None)
+# The handler of `lax.scan` and `jax.checkpoint` calls (`_targets.transform_targets()`), for
+# an integration that threads what it keeps per call through them (`jaxquant.functional`).
+_TRANSFORM_HANDLER: Handlers = contextvars.ContextVar("jaxquant_transform_handler", default=None)
 
 
 def _dispatch(kind: str, original: Callable, args: tuple, kwargs: dict, handlers: Handlers):
@@ -259,7 +259,7 @@ class _Patched:
 
 # Process-wide by nature: the entry points are attributes of JAX's modules and classes.
 _PATCHED = _Patched(contraction_targets, _HANDLER)
-_PATCHED_SCANS = _Patched(scan_targets, _SCAN_HANDLER)
+_PATCHED_TRANSFORMS = _Patched(transform_targets, _TRANSFORM_HANDLER)
 
 
 @contextlib.contextmanager
@@ -276,13 +276,14 @@ def _handled(patched: _Patched, handlers: Handlers, handler: Handler):
 
 
 @contextlib.contextmanager
-def routing(handler: Handler, scan_handler: Optional[Handler] = None):
+def routing(handler: Handler, transform_handler: Optional[Handler] = None):
   """Within this context (this thread / task), contractions go to `handler(call)`, and
-  with a `scan_handler`, `lax.scan` calls to `scan_handler(call)` (a `Call` of kind
-  "scan", its arguments as `lax.scan` takes them)."""
+  with a `transform_handler`, `lax.scan` and `jax.checkpoint` calls to
+  `transform_handler(call)` (a `Call` of kind "scan" or "checkpoint", its arguments as the
+  transformation takes them)."""
   with contextlib.ExitStack() as stack:
     stack.enter_context(_handled(_PATCHED, _HANDLER, handler))
-    if scan_handler is not None:
-      stack.enter_context(_handled(_PATCHED_SCANS, _SCAN_HANDLER, scan_handler))
+    if transform_handler is not None:
+      stack.enter_context(_handled(_PATCHED_TRANSFORMS, _TRANSFORM_HANDLER, transform_handler))
     with routing_pause.paused(False):
       yield

@@ -28,6 +28,9 @@ the call's own rows and group sizes; a param lhs alone is no weight GEMM.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,6 +86,23 @@ def handle_scan(call: Call):
     with routing_pause.paused(False):
       return call.fallback()
   return session.scan(call)
+
+
+def checkpointed(call: Call):
+  """A routed `jax.checkpoint(fun, **options)`: the checkpointed function, which runs as
+  the session current when it is called runs it (`Session.checkpoint`), else as written."""
+  bound = inspect.signature(call.original).bind(*call.args, **call.kwargs)
+  options = dict(bound.arguments)
+  fun = options.pop("fun")
+
+  @functools.wraps(fun)
+  def run(*args, **kwargs):
+    session = sessions.current()
+    if session is None or session.checkpoint is None:
+      return call.original(fun, **options)(*args, **kwargs)
+    return session.checkpoint(call.original, fun, options, args, kwargs)
+
+  return run
 
 
 def _param_contraction(session, call: Call, found: calls.Contraction, shapes, refs):

@@ -133,6 +133,10 @@ class Session:
   # How the integration runs a `lax.scan` its code calls (`_routed.handle_scan`), given
   # the routed `Call`; None: as written.
   scan: Optional[Callable[[Any], Any]] = None
+  # How it runs a function its code checkpointed (`_routed.checkpointed`), given
+  # `(checkpoint, fun, options, args, kwargs)`: `checkpoint(fun, **options)(*args,
+  # **kwargs)` as the integration runs it; None: as written.
+  checkpoint: Optional[Callable[..., Any]] = None
 
   @property
   def met_weight_gemm(self) -> bool:

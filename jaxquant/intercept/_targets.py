@@ -1,6 +1,7 @@
 """The entry points a program calls to contract two arrays, as data: what the interception
 (`_interception`) takes over while a routing is open, each routed as a `Call` of its kind;
-and `lax.scan`, taken over only for an integration that asks for it.
+and the transformations that hand a function its params as arguments (`lax.scan`,
+`jax.checkpoint`), taken over only for an integration that asks for them.
 """
 
 from __future__ import annotations
@@ -53,8 +54,14 @@ def contraction_targets() -> tuple[ContractionTarget, ...]:
 
 
 @functools.cache
-def scan_targets() -> tuple[ContractionTarget, ...]:
-  """`lax.scan`, routed as a `Call` of kind "scan" where an integration asks for it: a
-  loop over stacked params (a model's layers) whose body must see each slice as its
-  param, and through which what the integration keeps per call is threaded."""
-  return (ContractionTarget(jax.lax, "scan", "scan"),)
+def transform_targets() -> tuple[ContractionTarget, ...]:
+  """The transformations that trace a function of their own with the params as its
+  arguments, where a walk back from an operand cannot reach them, and out of which what
+  an integration writes while tracing (a delayed-scaling state) must be returned: `lax.scan`
+  (kind "scan": a loop over stacked params, a model's layers) and `jax.checkpoint` /
+  `jax.remat` (kind "checkpoint"). Routed where an integration asks for them."""
+  return (
+    ContractionTarget(jax.lax, "scan", "scan"),
+    ContractionTarget(jax, "checkpoint", "checkpoint"),
+    ContractionTarget(jax, "remat", "checkpoint"),
+  )

@@ -6,7 +6,8 @@
 - Equinox models written for one example and batched with `jax.vmap`: an MLP of
   `eqx.nn.Linear` (`EqxMlp`, its Flax twin `FlaxMlp`), a transformer block with
   `eqx.nn.MultiheadAttention` (`EqxBlock`), and a stack of blocks made with
-  `eqx.filter_vmap` and run by `lax.scan` (`EqxStack`).
+  `eqx.filter_vmap` and run by `lax.scan`, each under `eqx.filter_checkpoint` or not
+  (`EqxStack`).
 """
 
 import math
@@ -174,18 +175,23 @@ class EqxBlock(eqx.Module):
 
 class EqxStack(eqx.Module):
   """`layers` EqxBlocks made by `eqx.filter_vmap` (each array leaf stacked) and run by
-  `lax.scan`, the way Equinox keeps a deep model's compile time flat."""
+  `lax.scan`, the way Equinox keeps a deep model's compile time flat; with `remat`, each
+  layer under `eqx.filter_checkpoint`."""
 
   blocks: EqxBlock
+  remat: bool = eqx.field(static=True)
 
-  def __init__(self, key, layers=LAYERS):
+  def __init__(self, key, layers=LAYERS, remat=False):
     self.blocks = eqx.filter_vmap(EqxBlock)(jax.random.split(key, layers))
+    self.remat = remat
 
   def __call__(self, x):
     arrays, static = eqx.partition(self.blocks, eqx.is_array)
 
-    def step(x, block_arrays):
-      return eqx.combine(block_arrays, static)(x), None
+    def layer(block_arrays, x):
+      return eqx.combine(block_arrays, static)(x)
 
-    x, _ = jax.lax.scan(step, x, arrays)
+    if self.remat:
+      layer = eqx.filter_checkpoint(layer)
+    x, _ = jax.lax.scan(lambda x, block_arrays: (layer(block_arrays, x), None), x, arrays)
     return x

@@ -137,3 +137,17 @@ def test_scanned_stack_trains_under_equinox_s_own_transforms(sequences, recipe):
     assert all(np.all(np.asarray(s) != 1.0) for s in scales)  # advanced
   else:
     assert state == {}
+
+
+def test_checkpointed_layers_are_the_same_gemms(sequences):
+  """Each scanned layer under `eqx.filter_checkpoint` (its params handed over as
+  arguments, under the batch's vmap): the same GEMMs of the whole batch, the same bits."""
+  plain, remat = (EqxStack(jax.random.key(4), remat=r) for r in (False, True))
+  qfn = jaxquant.quantize(batched, "fp8_delayed")
+  state = qfn.init(remat, sequences)
+  assert jax.tree.structure(state) == jax.tree.structure(qfn.init(plain, sequences))
+  report = jqfn.swap_report(qfn, remat, sequences, state=state)
+  assert [r.role for r in report.quantized] == [f"blocks/{w}" for w in BLOCK_WEIGHTS]
+  assert {r.shapes[0][:2] for r in report.quantized} == {(BATCH, SEQ)}
+  run = eqx.filter_jit(lambda model, state: qfn.apply(model, sequences, state=state))
+  jax.tree.map(np.testing.assert_array_equal, run(remat, state), run(plain, state))

@@ -63,6 +63,28 @@ def test_checkpoint_changes_nothing(params):
   jax.tree.map(np.testing.assert_array_equal, jax.jit(jax.grad(loss(inside)))(params, x), grads)
 
 
+def test_a_checkpoint_handed_the_params_threads_the_state_through(params):
+  """`jax.checkpoint(mlp)(params, x)` inside the function: the params are the checkpointed
+  function's own arguments, its delayed-scaling states go in and come back out."""
+  x = inputs()
+
+  def step(qfn):
+    def loss_fn(params, state):
+      out, new_state = qfn.apply(params, x, state=state)
+      return jnp.sum(jnp.square(out)), new_state
+
+    return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
+
+  remat = jaxquant.quantize(lambda params, x: jax.checkpoint(mlp)(params, x), "fp8_delayed")
+  plain = jaxquant.quantize(mlp, "fp8_delayed")
+  state = remat.init(params, x)
+  assert sorted(state) == ["w_in", "w_out"]
+  got, want = step(remat)(params, state), step(plain)(params, state)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  (_, new_state), (_, state_grads) = got
+  assert float(state_grads["w_out"]["grad_output"].scaling.amax_history[0]) > 0  # recorded
+
+
 def test_scan_over_calls_is_each_call(params):
   qfn, xs = jaxquant.quantize(mlp, "fp8_current"), inputs(3, ROWS, D)
   _, scanned = jax.jit(lambda p, xs: jax.lax.scan(lambda c, x: (c, qfn(p, x)), 0, xs))(params, xs)
