@@ -1,8 +1,8 @@
-"""Routes the contractions a model's code calls to a handler: the hook of the swap-in.
+"""Routes the contractions a program calls to a handler: the hook of the interception.
 
 `jax.lax.dot_general`, `jax.lax.ragged_dot`, `jax.lax.ragged_dot_general`,
 `jax.numpy.einsum`, `jax.numpy.dot`, `jax.numpy.matmul` and the `@` operator of JAX
-arrays and tracers (`_targets.contraction_targets()`) are what a Flax module calls to
+arrays and tracers (`_targets.contraction_targets()`) are what a model's code calls to
 contract two arrays; JAX offers no public hook on them. While a `routing(handler)`
 context is open anywhere in the process, they dispatch: a call goes to the handler of
 the *current* context (a contextvar, so other threads and code outside any context call

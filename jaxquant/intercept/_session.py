@@ -1,7 +1,9 @@
-"""One trace of a quantized model: its recipe and options, and what the swap-in found.
+"""One trace of a quantized model or function: its recipe and options, and what the
+interception found.
 
 The swap-in (`jaxquant.flax.swap`) opens a `Session` around each call of a quantized
-model (`active(session)`); everything that runs inside reads it through `current()`:
+model, `jaxquant.functional` around each call of a quantized function
+(`active(session)`); everything that runs inside reads it through `current()`:
 jaxquant's layers, stock layers run by the swap-in, its hooks and the handler of routed
 contractions take the model recipe, `on_unfit` and `weight_gather` from it, and record
 each contraction they meet as a `Row` (what `swap_report` prints and what the no-GEMM
@@ -12,8 +14,8 @@ Delayed scaling's input state is shared within a session: layers that read one t
 first of them (`Session.input_state`), so the compiled step casts it once, keeps one
 copy of its codes for backward, and each layer's state records the same amaxes.
 
-The swap-in also supplies `find_weight(operand)`: which param of the model an operand
-is (a `jaxquant.flax.swap` weight reference), or None. Every contraction of a param met
+The integration also supplies `find_weight(operand)`: which param an operand is (a
+`_hosts.WeightRef`), or None. Every contraction of a param met
 runs in `param_contraction_scope()`, so that `swap_report` can tell, in the traced
 computation, the ones nothing met.
 
