@@ -80,7 +80,7 @@ class QuantizedFunction:
 
   def __call__(self, *args, **kwargs):
     """`fn(*args, **kwargs)` quantized, with no delayed-scaling state and no key."""
-    out, _ = self.run("call", args, kwargs, {}, None)
+    out, _ = self._run("call", args, kwargs, {}, None)
     return out
 
   def init(self, *args, **kwargs) -> dict:
@@ -92,7 +92,7 @@ class QuantizedFunction:
 
     def trace(arrays):
       args, kwargs = rebuild(arrays)
-      return self.run("init", args, kwargs, {}, None, specs=specs)[0]
+      return self._run("init", args, kwargs, {}, None, specs=specs)[0]
 
     jax.eval_shape(trace, arrays)
     return {name: spec.fresh() for name, spec in specs.items()}
@@ -103,9 +103,9 @@ class QuantizedFunction:
     holds the amaxes this call recorded; stochastic rounding draws from `rng`. The
     gradient of the output with respect to `state` carries the grad_output amaxes, for
     `update_quant_state(new_state, state_grads)`."""
-    return self.run("apply", args, kwargs, dict(state), rng)
+    return self._run("apply", args, kwargs, dict(state), rng)
 
-  def run(self, mode: Mode, args: tuple, kwargs: dict, states: dict, key, *, specs=None):
+  def _run(self, mode: Mode, args: tuple, kwargs: dict, states: dict, key, *, specs=None):
     """One call of `fn` in `mode` (`_call`): (its output, the states it wrote)."""
     if len(args) <= self.params_argnum:
       raise TypeError(

@@ -29,7 +29,7 @@ def swap_report(qfn: QuantizedFunction, *args, state=None, **kwargs) -> SwapRepo
 
   def call(arrays, state):
     args, kwargs = rebuild(arrays)
-    return qfn.run(mode, args, kwargs, dict(state or {}), jax.random.key(0), specs={})[0]
+    return qfn._run(mode, args, kwargs, dict(state or {}), jax.random.key(0), specs={})[0]
 
   with sessions.collecting(rows):
     traced = jax.make_jaxpr(call)(arrays, state)
