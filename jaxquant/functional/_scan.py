@@ -19,6 +19,7 @@ Under `init` the body records its weights' states as stacked by the scan's lengt
 from __future__ import annotations
 
 import inspect
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +31,12 @@ from jaxquant.intercept import _session as sessions
 from jaxquant.intercept._calls import Call
 
 
-def _length(bound: inspect.BoundArguments, xs_leaves: list) -> int:
+def _length(bound: inspect.BoundArguments, xs_leaves: list) -> Optional[int]:
+  """The scan's length: its `length`, else its `xs`' leading axis; None with neither."""
   length = bound.arguments.get("length")
   if length is not None:
     return int(length)
-  return int(jnp.shape(xs_leaves[0])[0])
+  return int(jnp.shape(xs_leaves[0])[0]) if xs_leaves else None
 
 
 def run_scan(call: Call, state: CallState, session_for) -> object:
@@ -45,6 +47,9 @@ def run_scan(call: Call, state: CallState, session_for) -> object:
   xs = bound.arguments.get("xs")
   xs_leaves, xs_tree = jax.tree.flatten(xs)
   length = _length(bound, xs_leaves)
+  if length is None:  # no length to scan over: lax.scan says so
+    with routing_pause.paused(False):
+      return call.fallback()
   scanned = [provenance.find(leaf, state.params) for leaf in xs_leaves]
   labels = {label for label in scanned if label is not None}
   threaded = state.mode == "apply"

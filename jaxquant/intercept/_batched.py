@@ -38,7 +38,12 @@ Handler = Callable[[Call], Any]
 
 
 def _batching_trace(value: Any) -> Any:
-  """The vmap trace batching `value` along an axis (a batching tracer's), else None."""
+  """The vmap trace batching `value` along an axis (a batching tracer's), else None.
+
+  JAX has no public query for it: a batching tracer's `batch_dim` (None where the value
+  is not batched) and `_trace` are fields that JAX 0.10 to 0.12 share (`_provenance`
+  reads its tracers' fields alike); where they are missing, nothing is batched and each
+  example keeps its own GEMM."""
   if isinstance(value, jax.core.Tracer) and getattr(value, "batch_dim", None) is not None:
     return getattr(value, "_trace", None)
   return None
