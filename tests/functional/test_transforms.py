@@ -144,3 +144,26 @@ def test_threads_tracing_at_once_get_their_own_recipes(params):
   assert not failures, failures
   for recipe in recipes:
     np.testing.assert_array_equal(results[recipe], alone[recipe])
+
+
+def test_jax_is_left_as_it_was(params):
+  """The entry points a call routes (contractions, `lax.scan`, `jax.checkpoint`) are JAX's
+  own again once it returns."""
+  entry_points = lambda: (
+    jax.lax.scan,
+    jax.checkpoint,
+    jax.remat,
+    jnp.matmul,
+    jnp.einsum.__code__,
+    vars(jax.core.Tracer).get("__matmul__"),
+  )
+  before = entry_points()
+
+  def looped(params, x):  # a scan over a checkpointed block, the params closed over
+    body = lambda x, _: (jax.checkpoint(mlp)(params, x), None)
+    return jax.lax.scan(body, x, None, length=2)[0]
+
+  qfn = jaxquant.quantize(looped, "fp8_current")
+  assert [r.role for r in jqfn.swap_report(qfn, params, inputs()).quantized] == ["w_in", "w_out"]
+  jax.jit(qfn)(params, inputs())
+  assert entry_points() == before
