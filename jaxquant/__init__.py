@@ -3,7 +3,8 @@
 Importing `jaxquant` loads the vocabulary alone (formats, quantizers, roles, recipes,
 tensors). Everything else loads on first use, so that a program that needs only the
 reference never loads the kernels or the CUDA library: the reference and the delayed-
-scaling state, the ops (`dense`, `grouped_dense`, `remat_policy`) and the packages above them.
+scaling state, the ops (`dense`, `grouped_dense`, `remat_policy`) and the packages above them:
+`quantize(fn, recipe)` (`jaxquant.functional`, any JAX function) and `jaxquant.flax`.
 """
 
 import importlib
@@ -35,6 +36,8 @@ _LAZY_ATTRIBUTES = {
   "remat_policy": ("jaxquant.ops", "remat_policy"),
   "CHECKPOINT_NAMES": ("jaxquant.ops", "CHECKPOINT_NAMES"),
   "kernels": ("jaxquant.kernels", None),
+  "functional": ("jaxquant.functional", None),
+  "quantize": ("jaxquant.functional", "quantize"),
   "flax": ("jaxquant.flax", None),
   "analysis": ("jaxquant.analysis", None),
 }

@@ -1,10 +1,9 @@
 """The package's layers hold: imports run one way only, down the layers, with no cycle.
 
-vocabulary -> reference -> kernels -> ops -> Flax layers -> swap-in -> analysis. Two
-checks: the static import graph of every module under jaxquant/ (no cycle, no edge to a
-higher layer, no import inside a function), and what importing each layer loads in a
-fresh interpreter (the reference loads no kernel, op or integration module, and never
-the CUDA library).
+vocabulary -> reference -> kernels -> ops -> intercept -> functional -> Flax layers -> swap-in ->
+analysis. Two checks: the static import graph of every module under jaxquant/ (no cycle, no edge to
+a higher layer, no import inside a function), and what importing each layer loads in a fresh
+interpreter (the reference loads no kernel, op or integration module, and never the CUDA library).
 """
 
 import ast
@@ -35,6 +34,8 @@ _LAYERS = (
   ("reference", ("jaxquant.reference", "jaxquant.reference.*", "jaxquant.scaling")),
   ("kernels", ("jaxquant.kernels", "jaxquant.kernels.*")),
   ("ops", ("jaxquant.ops", "jaxquant.ops.*")),
+  ("intercept", ("jaxquant.intercept", "jaxquant.intercept.*")),
+  ("functional", ("jaxquant.functional", "jaxquant.functional.*")),
   ("flax layers", ("jaxquant.flax.*",)),
   ("swap-in", ("jaxquant.flax.swap", "jaxquant.flax.swap.*")),
   ("flax", ("jaxquant.flax",)),
@@ -209,6 +210,8 @@ def _loaded_by(module: str) -> dict:
     "jaxquant",
     "jaxquant.kernels",
     "jaxquant.ops",
+    "jaxquant.intercept",
+    "jaxquant.functional",
     "jaxquant.flax",
   ],
 )

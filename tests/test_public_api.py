@@ -22,6 +22,7 @@ PUBLIC_MODULES = (
   "jaxquant.reference",
   "jaxquant.kernels",
   "jaxquant.ops",
+  "jaxquant.functional",
   "jaxquant.flax",
   "jaxquant.flax.linen",
   "jaxquant.flax.nnx",

@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCUMENTS = [
   "README.md",
   "docs/flax.md",
+  "docs/functions.md",
   "docs/sharding.md",
   pytest.param("docs/sensitivity.md", marks=pytest.mark.slow),
 ]

@@ -1,7 +1,7 @@
 """A Flax GEMM layer's operands as the 2-D matrices its quantized GEMM multiplies.
 
 The swap-in runs a Dense / DenseGeneral / Einsum (Linen) or Linear / Einsum (NNX) as one
-GEMM, x viewed as [M, K] times the kernel viewed as [K, N] (`jaxquant.flax._contraction`).
+GEMM, x viewed as [M, K] times the kernel viewed as [K, N] (`jaxquant.intercept._contraction`).
 The sensitivity analysis measures quantization error on exactly those matrices, so it
 takes the same view: `gemm_view(module, x, call_kwargs)` returns the layer's plan, or
 None for a layer that is no such GEMM (a batched DenseGeneral, say).
@@ -20,7 +20,7 @@ import numpy as np
 import opt_einsum
 from flax import nnx
 
-from jaxquant.flax import _contraction as contraction
+from jaxquant.intercept import _contraction as contraction
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,9 +27,6 @@ from jaxquant.flax._rng import QUANT_RNG
 from jaxquant.flax._state import (
   QUANT_STATE,
   QuantState,
-  RoleState,
-  combine_quant_state,
-  is_role_state,
   recorded_amaxes_finite,
   update_quant_state,
 )
@@ -45,6 +42,7 @@ from jaxquant.flax.swap import (
   quantize_model,
   swap_report,
 )
+from jaxquant.intercept._role_state import RoleState, combine_quant_state, is_role_state
 
 __all__ = [
   "QUANT_RNG",

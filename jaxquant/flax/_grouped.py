@@ -27,25 +27,24 @@ import dataclasses
 from typing import Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxquant import recipes
-from jaxquant.flax import _contraction as contraction
-from jaxquant.flax import _routing_pause as routing_pause
-from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import annotate_linen_weight, nnx_weight_metadata
-from jaxquant.flax._rng import draws_key, linen_key, nnx_key
+from jaxquant.flax._rng import linen_key, nnx_key
 from jaxquant.flax._state import QUANT_STATE, QuantState, init_grouped_role_states
 from jaxquant.flax.linen import checked_states, write_states
 from jaxquant.flax.nnx import held_states, write_held_states
+from jaxquant.intercept import _contraction as contraction
+from jaxquant.intercept import _routing_pause as routing_pause
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._keys import draws_key, without_key
 from jaxquant.ops import grouped_dense
-from jaxquant.ops._operands import FORWARD_USAGES, check_key, is_high_precision
-from jaxquant.quantizers import for_usage, needs_key, needs_state
+from jaxquant.ops._operands import is_high_precision
+from jaxquant.quantizers import needs_state
 from jaxquant.roles import GROUPED_LINEAR, gemm_roles
-from jaxquant.tensor import USAGES
 
 default_kernel_init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
@@ -63,38 +62,6 @@ def _quantizes(recipe, quantizers, k: int, n: int) -> bool:
     or contraction.tiny_status(k, n, quantizers, recipe)
     or contraction.unfit_reason(0, k, n, quantizers, backward=recipe.backward)
   )
-
-
-def _forward_rounds(quantizers) -> bool:
-  """Whether a forward pass alone rounds stochastically (a quantizer of a forward usage)."""
-  return any(
-    q is not None and needs_key(for_usage(q, u))
-    for t, q in quantizers.items()
-    for u in FORWARD_USAGES[t]
-  )
-
-
-def without_key(gemm, operands, quantizers, what: str):
-  """`gemm(operands, key)` given no stochastic-rounding key (no "quant" stream).
-
-  `ops.grouped_dense` asks for the key up front. Where only the backward pass rounds
-  stochastically (nvfp4's gradients), a forward alone (evaluation, generation) needs
-  none: it runs with a key that no quantizer of its forward reads, and differentiating it
-  raises, saying how to pass one. Otherwise `gemm(operands, None)`, which says what is
-  missing."""
-  if not draws_key(quantizers) or _forward_rounds(quantizers):
-    return gemm(operands, None)
-
-  @jax.custom_jvp
-  def forward_only(operands):
-    return gemm(operands, jax.random.key(0))  # read by the backward's quantizers alone
-
-  @forward_only.defjvp
-  def differentiated(primals, tangents):
-    t, q = next((t, q) for t, q in quantizers.items() if needs_key(q))
-    check_key(q, USAGES, key=None, what=f"{what} {t}", backward=True)  # raises: q rounds
-
-  return forward_only(operands)
 
 
 def _grouped_gemm(x, kernel, group_sizes, bias, **kwargs):

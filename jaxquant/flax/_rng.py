@@ -29,14 +29,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxquant.quantizers import Quantizer, needs_key
+from jaxquant.intercept._keys import draws_key
 
 QUANT_RNG = "quant"
-
-
-def draws_key(quantizers: dict[str, Optional[Quantizer]]) -> bool:
-  """Whether any of a GEMM's quantizers rounds stochastically."""
-  return any(needs_key(q) for q in quantizers.values())
 
 
 def linen_key(

@@ -38,11 +38,12 @@ import opt_einsum
 from flax.core import meta
 
 from jaxquant import recipes
-from jaxquant.flax import _contraction as contraction
-from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import annotate_linen_weight
 from jaxquant.flax._rng import linen_key
-from jaxquant.flax._state import QUANT_STATE, init_role_states, is_role_state
+from jaxquant.flax._state import QUANT_STATE
+from jaxquant.intercept import _contraction as contraction
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._role_state import init_role_states, is_role_state
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR, gemm_roles
@@ -294,7 +295,7 @@ def gemm_call(
 
   A tiny GEMM (`_contraction.tiny_reason`) runs Flax's code when the recipe keeps such
   GEMMs in high precision (every preset does). Under a swap-in session
-  (`jaxquant.flax._session`) the layer is recorded for the report, and a shape its
+  (`jaxquant.intercept._session`) the layer is recorded for the report, and a shape its
   quantizers do not fit runs Flax's code when the session's `on_unfit` is
   "high_precision".
   """

@@ -21,17 +21,14 @@ import opt_einsum
 from flax import nnx
 
 from jaxquant import recipes
-from jaxquant.flax import _contraction as contraction
-from jaxquant.flax import _routing_pause as routing_pause
-from jaxquant.flax import _session as sessions
 from jaxquant.flax._metadata import nnx_weight_metadata
-from jaxquant.flax._rng import draws_key, layer_index, nnx_key
-from jaxquant.flax._state import (
-  QuantState,
-  init_role_states,
-  is_role_state,
-  stacked_role_states,
-)
+from jaxquant.flax._rng import layer_index, nnx_key
+from jaxquant.flax._state import QuantState
+from jaxquant.intercept import _contraction as contraction
+from jaxquant.intercept import _routing_pause as routing_pause
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._keys import draws_key
+from jaxquant.intercept._role_state import init_role_states, is_role_state, stacked_role_states
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR, gemm_roles

@@ -134,7 +134,8 @@ def check_key(quantizer, usages, *, key, what: str, backward: bool = False) -> N
     raise ValueError(
       f"{what}: {quantizer!r} rounds stochastically{where}: pass a PRNG key as key= "
       "(jaxquant.flax: the 'quant' RNG stream, apply(..., rngs={'quant': key}) in Linen, "
-      "rngs=nnx.Rngs(quant=seed) to quantize_model in NNX)"
+      "rngs=nnx.Rngs(quant=seed) to quantize_model in NNX; jaxquant.quantize: "
+      "qfn.apply(..., rng=key))"
     )
 
 

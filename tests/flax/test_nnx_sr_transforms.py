@@ -19,7 +19,7 @@ from flax import nnx
 import jaxquant.flax as jqf
 import jaxquant.flax.nnx as jqnnx
 from jaxquant import recipes
-from jaxquant.flax import _contraction as contraction
+from jaxquant.intercept import _contraction as contraction
 from jaxquant.quantizers import NVFP4Quantizer
 
 D = 32

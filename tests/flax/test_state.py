@@ -12,7 +12,7 @@ import tiny_transformers as tt
 
 import jaxquant.flax as jqf
 from jaxquant import recipes, scaling
-from jaxquant.flax._state import _delayed
+from jaxquant.intercept._role_state import _delayed
 from jaxquant.quantizers import DelayedFloat8Quantizer
 from jaxquant.roles import QuantizerRole
 

@@ -12,9 +12,9 @@ import pytest
 
 import jaxquant.flax as jqf
 from jaxquant import ops, recipes
-from jaxquant.flax import _session as sessions
-from jaxquant.flax.swap import _calls as calls
-from jaxquant.flax.swap._calls import Call
+from jaxquant.intercept import _calls as calls
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._calls import Call
 
 TOKENS, D, F, EXPERTS, TOP_K = 16, 64, 128, 4, 2
 

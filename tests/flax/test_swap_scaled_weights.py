@@ -13,8 +13,8 @@ from flax import nnx
 
 import jaxquant.flax as jqf
 from jaxquant import ops, recipes
-from jaxquant.flax import _session as sessions
-from jaxquant.flax.swap import _provenance as provenance
+from jaxquant.intercept import _provenance as provenance
+from jaxquant.intercept import _session as sessions
 
 B, D, F = 32, 64, 32
 RECIPE = recipes.fp8_current

@@ -13,8 +13,8 @@ from flax import nnx
 
 import jaxquant.flax as jqf
 from jaxquant import recipes
-from jaxquant.flax.swap import _interception as interception
-from jaxquant.flax.swap._targets import ContractionTarget
+from jaxquant.intercept import _interception as interception
+from jaxquant.intercept._targets import ContractionTarget
 
 D, FF, BATCH = 64, 128, 32
 ITERATIONS = 10

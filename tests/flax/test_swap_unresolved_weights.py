@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxquant.flax as jqf
 from jaxquant import recipes
-from jaxquant.flax import _session as sessions
+from jaxquant.intercept import _session as sessions
 
 B, D, F = 32, 64, 32
 RECIPE = recipes.fp8_current

@@ -50,13 +50,15 @@ from flax.core import meta
 from jax import custom_derivatives
 
 from jaxquant import recipes
-from jaxquant.flax import _routing_pause as routing_pause
-from jaxquant.flax import _session as sessions
-from jaxquant.flax._rng import QUANT_RNG, draws_key
-from jaxquant.flax._state import RoleState, init_role_states, update_quant_state
-from jaxquant.flax.swap import _provenance as provenance
-from jaxquant.flax.swap._hosts import KERNEL, NnxHost, WeightRef, WritesBack, nnx_state_attr
+from jaxquant.flax._rng import QUANT_RNG
+from jaxquant.flax.swap._hosts import NnxHost, nnx_state_attr
 from jaxquant.flax.swap._paths import is_linen_bridge, module_path, own_params
+from jaxquant.intercept import _provenance as provenance
+from jaxquant.intercept import _routing_pause as routing_pause
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._hosts import KERNEL, WeightRef, WritesBack
+from jaxquant.intercept._keys import draws_key
+from jaxquant.intercept._role_state import RoleState, init_role_states, update_quant_state
 from jaxquant.quantizers import needs_state
 from jaxquant.roles import LINEAR, gemm_roles
 

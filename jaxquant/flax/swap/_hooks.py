@@ -36,13 +36,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import recipes
-from jaxquant.flax import _routing_pause as routing_pause
-from jaxquant.flax import _session as sessions
-from jaxquant.flax._rng import draws_key
 from jaxquant.flax.swap import _bridged as bridged
-from jaxquant.flax.swap._calls import Call
-from jaxquant.flax.swap._hosts import KERNEL, HookHost, LinenHost, WeightRef
-from jaxquant.flax.swap._routed import handle
+from jaxquant.flax.swap._hosts import HookHost, LinenHost
+from jaxquant.intercept import _routing_pause as routing_pause
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._calls import Call
+from jaxquant.intercept._hosts import KERNEL, WeightRef
+from jaxquant.intercept._keys import draws_key
+from jaxquant.intercept._routed import handle
 from jaxquant.roles import GROUPED_LINEAR, LINEAR
 
 

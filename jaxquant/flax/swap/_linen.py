@@ -29,16 +29,17 @@ import flax.linen as nn
 from flax.core import FrozenDict, meta
 
 from jaxquant import ops, recipes
-from jaxquant.flax import _routing_pause as routing_pause
-from jaxquant.flax import _session as sessions
-from jaxquant.flax._session import OnUnfit, Session
 from jaxquant.flax._weight_gather import ModelWeightGather
-from jaxquant.flax.swap import _provenance as provenance
-from jaxquant.flax.swap._found_gemms import check_found_gemms
-from jaxquant.flax.swap._hosts import LinenHost, WeightRef
-from jaxquant.flax.swap._interception import routing
-from jaxquant.flax.swap._routed import handle
+from jaxquant.flax.swap._hosts import LinenHost
 from jaxquant.flax.swap._targets import LINEN_LAYERS
+from jaxquant.intercept import _provenance as provenance
+from jaxquant.intercept import _routing_pause as routing_pause
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._found_gemms import check_found_gemms
+from jaxquant.intercept._hosts import WeightRef
+from jaxquant.intercept._interception import routing
+from jaxquant.intercept._routed import handle
+from jaxquant.intercept._session import OnUnfit, Session
 
 
 def _raw(value: Any) -> Any:

@@ -40,15 +40,16 @@ from flax import nnx
 from jaxquant import recipes
 from jaxquant.flax._nnx_graph import path_str, replace_submodules
 from jaxquant.flax._rng import call_keys
-from jaxquant.flax._session import FirstCallLog, Session, active, reporting, warn_unresolved
-from jaxquant.flax.swap import _provenance as provenance
 from jaxquant.flax.swap._bridged import GradientStateHost, holds_overwrite_with_gradient
-from jaxquant.flax.swap._found_gemms import check_found_gemms
-from jaxquant.flax.swap._hosts import NnxHost, WeightRef
-from jaxquant.flax.swap._interception import routing
+from jaxquant.flax.swap._hosts import NnxHost
 from jaxquant.flax.swap._paths import PATH_ATTR, is_linen_bridge, own_params
-from jaxquant.flax.swap._routed import handle
 from jaxquant.flax.swap._targets import NNX_LAYERS, NNX_NATIVE_LAYERS
+from jaxquant.intercept import _provenance as provenance
+from jaxquant.intercept._found_gemms import check_found_gemms
+from jaxquant.intercept._hosts import WeightRef
+from jaxquant.intercept._interception import routing
+from jaxquant.intercept._routed import handle
+from jaxquant.intercept._session import FirstCallLog, Session, active, reporting, warn_unresolved
 
 # The static attribute that names the session a trace of the model belongs to
 # (`_session_token`).

@@ -48,10 +48,10 @@ import flax.linen as nn
 
 from jaxquant import ops, recipes
 from jaxquant.flax._rng import QUANT_RNG
-from jaxquant.flax._session import OnUnfit, check_on_unfit
 from jaxquant.flax._weight_gather import ModelWeightGather
 from jaxquant.flax.swap._linen import QuantizedModel
 from jaxquant.flax.swap._nnx import quantize_nnx_model
+from jaxquant.intercept._session import OnUnfit, check_on_unfit
 
 
 def quantize_model(

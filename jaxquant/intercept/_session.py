@@ -1,7 +1,9 @@
-"""One trace of a quantized model: its recipe and options, and what the swap-in found.
+"""One trace of a quantized model or function: its recipe and options, and what the
+interception found.
 
 The swap-in (`jaxquant.flax.swap`) opens a `Session` around each call of a quantized
-model (`active(session)`); everything that runs inside reads it through `current()`:
+model, `jaxquant.functional` around each call of a quantized function
+(`active(session)`); everything that runs inside reads it through `current()`:
 jaxquant's layers, stock layers run by the swap-in, its hooks and the handler of routed
 contractions take the model recipe, `on_unfit` and `weight_gather` from it, and record
 each contraction they meet as a `Row` (what `swap_report` prints and what the no-GEMM
@@ -12,8 +14,8 @@ Delayed scaling's input state is shared within a session: layers that read one t
 first of them (`Session.input_state`), so the compiled step casts it once, keeps one
 copy of its codes for backward, and each layer's state records the same amaxes.
 
-The swap-in also supplies `find_weight(operand)`: which param of the model an operand
-is (a `jaxquant.flax.swap` weight reference), or None. Every contraction of a param met
+The integration also supplies `find_weight(operand)`: which param an operand is (a
+`_hosts.WeightRef`), or None. Every contraction of a param met
 runs in `param_contraction_scope()`, so that `swap_report` can tell, in the traced
 computation, the ones nothing met.
 
@@ -130,6 +132,13 @@ class Session:
   # The quantized model's log, which keeps what it told the user (`warn_once`); None for
   # a session of no model (a hook's).
   log: Optional[FirstCallLog] = None
+  # How the integration runs a `lax.scan` its code calls (`_routed.handle_scan`), given
+  # the routed `Call`; None: as written.
+  scan: Optional[Callable[[Any], Any]] = None
+  # How it runs a function its code checkpointed (`_routed.checkpointed`), given
+  # `(checkpoint, fun, options, args, kwargs)`: `checkpoint(fun, **options)(*args,
+  # **kwargs)` as the integration runs it; None: as written.
+  checkpoint: Optional[Callable[..., Any]] = None
 
   @property
   def met_weight_gemm(self) -> bool:
@@ -235,16 +244,17 @@ def warn_once(key: str, message: str, stacklevel: int = 2) -> None:
     warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
 
 
-def warn_unresolved(session: Session, what: str) -> None:
+def warn_unresolved(session: Session, what: str, report: str = "jaxquant.flax.swap_report") -> None:
   """One warning per model call (per trace, under jit): how many contractions with a
-  weight-like operand that no param was traced to ran in high precision, and why."""
+  weight-like operand that no param was traced to ran in high precision, and why
+  (`report`: the integration's swap report, which lists them)."""
   rows = [r for r in session.rows if r.status.startswith(UNRESOLVED)]
   if not rows or reporting():
     return  # swap_report lists them
   why = "; ".join(f"{r.call}: {r.status.removeprefix(UNRESOLVED + ' (')[:-1]}" for r in rows)
   warnings.warn(
     f"{what}: {len(rows)} weight-like GEMM(s) left in high precision, their operand not "
-    f"traced to a param ({why}). jaxquant.flax.swap_report lists them",
+    f"traced to a param ({why}). {report} lists them",
     stacklevel=3,
   )
 

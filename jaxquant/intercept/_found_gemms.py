@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from jaxquant import recipes
-from jaxquant.flax._session import UNRESOLVED, Session
+from jaxquant.intercept._session import UNRESOLVED, Session
 from jaxquant.roles import GROUPED_LINEAR, LINEAR
 
 
-def check_found_gemms(session: Session, what: str) -> None:
+def check_found_gemms(
+  session: Session,
+  what: str,
+  report: str = "jaxquant.flax.swap_report",
+  entry: str = "quantize_model",
+) -> None:
   """Raises when `session`'s recipe quantizes but it met no weight GEMM, itself or in a
-  quantized submodel."""
+  quantized submodel (`report` and `entry`: the integration's swap report and the call
+  that takes `require_gemm`, which the error names)."""
   if session.met_weight_gemm:
     return
   recipe = recipes.resolve(session.recipe)
@@ -27,6 +33,5 @@ def check_found_gemms(session: Session, what: str) -> None:
     f"{what}: the recipe {recipe.name!r} quantizes, but the model made no GEMM with a "
     f"weight that the swap-in reaches ({len(session.rows)} contractions met, none with a "
     f"param operand{why}), so it would run entirely in high precision. "
-    "jaxquant.flax.swap_report lists what was met. If this is intended, pass "
-    "require_gemm=False to quantize_model"
+    f"{report} lists what was met. If this is intended, pass require_gemm=False to {entry}"
   )

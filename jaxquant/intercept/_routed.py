@@ -1,7 +1,7 @@
 """The handler of routed contractions: a contraction with one weight operand, as a GEMM
 per the recipe.
 
-For each routed call (`_calls.Call`) made while a `jaxquant.flax._session.Session` is
+For each routed call (`_calls.Call`) made while a `jaxquant.intercept._session.Session` is
 active:
 
 1. it is written as a two-operand contraction (`_calls.contraction`); anything else runs
@@ -28,15 +28,19 @@ the call's own rows and group sizes; a param lhs alone is no weight GEMM.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import ops, recipes
-from jaxquant.flax import _contraction as contraction
-from jaxquant.flax import _grouped as grouped_layers
-from jaxquant.flax import _session as sessions
-from jaxquant.flax.swap import _calls as calls
-from jaxquant.flax.swap._calls import Call
+from jaxquant.intercept import _calls as calls
+from jaxquant.intercept import _contraction as contraction
+from jaxquant.intercept import _routing_pause as routing_pause
+from jaxquant.intercept import _session as sessions
+from jaxquant.intercept._calls import Call
+from jaxquant.intercept._keys import without_key
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.roles import GROUPED_LINEAR, LINEAR, gemm_roles
 
@@ -72,6 +76,33 @@ def handle(call: Call):
   # A contraction of a param, met here: `swap_report` looks for those nothing met.
   with sessions.param_contraction_scope():
     return _param_contraction(session, call, found, shapes, refs)
+
+
+def handle_scan(call: Call):
+  """Runs one routed `lax.scan` as the current session's integration runs it
+  (`Session.scan`), else as written, its body's contractions routed."""
+  session = sessions.current()
+  if session is None or session.scan is None:
+    with routing_pause.paused(False):
+      return call.fallback()
+  return session.scan(call)
+
+
+def checkpointed(call: Call):
+  """A routed `jax.checkpoint(fun, **options)`: the checkpointed function, which runs as
+  the session current when it is called runs it (`Session.checkpoint`), else as written."""
+  bound = inspect.signature(call.original).bind(*call.args, **call.kwargs)
+  options = dict(bound.arguments)
+  fun = options.pop("fun")
+
+  @functools.wraps(fun)
+  def run(*args, **kwargs):
+    session = sessions.current()
+    if session is None or session.checkpoint is None:
+      return call.original(fun, **options)(*args, **kwargs)
+    return session.checkpoint(call.original, fun, options, args, kwargs)
+
+  return run
 
 
 def _param_contraction(session, call: Call, found: calls.Contraction, shapes, refs):
@@ -272,7 +303,7 @@ def _grouped_dense(x, w, group_sizes, quantizers, recipe, ref, key, what):
   def gemm(operands, state):
     operands = (*operands, group_sizes, state)
     if key is None:
-      return grouped_layers.without_key(run, operands, quantizers, what)
+      return without_key(run, operands, quantizers, what)
     return run(operands, key)
 
   return ref.host.run(ref.param, gemm, (x, w), state)

@@ -2,7 +2,7 @@
 
 `lax.dot_general`, `jnp.einsum`, `jnp.dot` and `jnp.matmul` / `@` all contract axes of
 two arrays; written as einsum letters (`lhs,rhs->out`, in the output order the function
-itself produces) they share one planner (`jaxquant.flax._contraction`). A call that
+itself produces) they share one planner (`jaxquant.intercept._contraction`). A call that
 is no two-operand contraction (a scalar product, a three-operand einsum, a broadcast
 matmul) gets a reason instead.
 
@@ -194,3 +194,16 @@ def describe(call: Call, found: Union[Contraction, RaggedContraction, None]) -> 
   if call.kind == "einsum":
     return f"einsum {call.args[0].replace(' ', '')!r}"
   return f"{call.kind} {found.equation!r}"
+
+
+def checkpoint_arguments(options: dict, args: tuple, kwargs: dict) -> tuple[set, list, dict]:
+  """Of a call of `jax.checkpoint(fun, **options)`: the positions its `static_argnums` make
+  static, and the arguments it traces: the other positional ones, and the keyword ones
+  not named by `static_argnames`."""
+  numbers = options.get("static_argnums", ())
+  numbers = (numbers,) if isinstance(numbers, int) else tuple(numbers)
+  static = {n % len(args) for n in numbers} if args else set()
+  names = options.get("static_argnames", ())
+  names = {names} if isinstance(names, str) else set(names)
+  dynamic = [a for i, a in enumerate(args) if i not in static]
+  return static, dynamic, {k: v for k, v in kwargs.items() if k not in names}

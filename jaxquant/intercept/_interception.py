@@ -1,12 +1,12 @@
-"""Routes the contractions a model's code calls to a handler: the hook of the swap-in.
+"""Routes the contractions a program calls to a handler: the hook of the interception.
 
 `jax.lax.dot_general`, `jax.lax.ragged_dot`, `jax.lax.ragged_dot_general`,
 `jax.numpy.einsum`, `jax.numpy.dot`, `jax.numpy.matmul` and the `@` operator of JAX
-arrays and tracers (`_targets.contraction_targets()`) are what a Flax module calls to
+arrays and tracers (`_targets.contraction_targets()`) are what a model's code calls to
 contract two arrays; JAX offers no public hook on them. While a `routing(handler)`
 context is open anywhere in the process, they dispatch: a call goes to the handler of
 the *current* context (a contextvar, so other threads and code outside any context call
-the originals unchanged) unless routing is paused (`jaxquant.flax._routing_pause`: a
+the originals unchanged) unless routing is paused (`jaxquant.intercept._routing_pause`: a
 layer computing its own GEMM); the handler runs with routing paused, so the
 contractions it makes itself, and the originals it falls back to, are not routed again.
 When the last context closes, JAX's functions, classes and modules are left exactly as
@@ -55,25 +55,27 @@ import threading
 import types
 from typing import Any, Callable, Optional
 
-from jaxquant.flax import _routing_pause as routing_pause
-from jaxquant.flax.swap._calls import Call
-from jaxquant.flax.swap._targets import ContractionTarget, contraction_targets
+from jaxquant.intercept import _routing_pause as routing_pause
+from jaxquant.intercept._calls import Call
+from jaxquant.intercept._targets import ContractionTarget, contraction_targets, transform_targets
 
 Handler = Callable[[Call], Any]
-_HANDLER: contextvars.ContextVar[Optional[Handler]] = contextvars.ContextVar(
-  "jaxquant_contraction_handler", default=None
-)
+Handlers = contextvars.ContextVar[Optional[Handler]]
+_HANDLER: Handlers = contextvars.ContextVar("jaxquant_contraction_handler", default=None)
+# The handler of `lax.scan` and `jax.checkpoint` calls (`_targets.transform_targets()`), for
+# an integration that threads what it keeps per call through them (`jaxquant.functional`).
+_TRANSFORM_HANDLER: Handlers = contextvars.ContextVar("jaxquant_transform_handler", default=None)
 
 
-def _dispatch(kind: str, original: Callable, args: tuple, kwargs: dict):
-  handler = _HANDLER.get()
+def _dispatch(kind: str, original: Callable, args: tuple, kwargs: dict, handlers: Handlers):
+  handler = handlers.get()
   if handler is None or routing_pause.is_paused():
     return original(*args, **kwargs)
   with routing_pause.paused():
     return handler(Call(kind, args, kwargs, original))
 
 
-def _dispatcher(target: ContractionTarget, original: Callable) -> Callable:
+def _dispatcher(target: ContractionTarget, original: Callable, handlers: Handlers) -> Callable:
   """What replaces `target` while routing: a function's or an operator's dispatcher."""
   kind = target.kind
   if target.operator is None:
@@ -81,19 +83,19 @@ def _dispatcher(target: ContractionTarget, original: Callable) -> Callable:
     def dispatcher(*args, **kwargs):
       if _runs_as_written(sys._getframe(1)):
         return original(*args, **kwargs)
-      return _dispatch(kind, original, args, kwargs)
+      return _dispatch(kind, original, args, kwargs, handlers)
   elif target.operator == "right":  # `b @ a`: the call holds (b, a), the product order
 
     def dispatcher(self, other):
       if _runs_as_written(sys._getframe(1)):
         return original(self, other)
-      return _dispatch(kind, lambda a, b: original(b, a), (other, self), {})
+      return _dispatch(kind, lambda a, b: original(b, a), (other, self), {}, handlers)
   else:
 
     def dispatcher(self, other):
       if _runs_as_written(sys._getframe(1)):
         return original(self, other)
-      return _dispatch(kind, original, (self, other), {})
+      return _dispatch(kind, original, (self, other), {}, handlers)
 
   return functools.wraps(original)(dispatcher)
 
@@ -109,7 +111,7 @@ class _Patch:
   held: Any
 
   @classmethod
-  def apply(cls, target: ContractionTarget) -> _Patch:
+  def apply(cls, target: ContractionTarget, handlers: Handlers = _HANDLER) -> _Patch:
     namespace = vars(target.owner)
     patch = cls(
       target.owner,
@@ -118,7 +120,7 @@ class _Patch:
       namespace.get(target.attribute),
     )
     original = getattr(target.owner, target.attribute)
-    setattr(target.owner, target.attribute, _dispatcher(target, original))
+    setattr(target.owner, target.attribute, _dispatcher(target, original, handlers))
     return patch
 
   def undo(self):
@@ -166,12 +168,12 @@ def _copy(function: types.FunctionType) -> types.FunctionType:
   return copy
 
 
-def _router(kind: str, original: Callable) -> Callable:
+def _router(kind: str, original: Callable, handlers: Handlers) -> Callable:
   def route(args, kwargs):
     # Frame 0: route, 1: the trampoline, 2: whoever called the JAX function.
-    if _HANDLER.get() is None or _runs_as_written(sys._getframe(2)):
+    if handlers.get() is None or _runs_as_written(sys._getframe(2)):
       return original(*args, **kwargs)
-    return _dispatch(kind, original, args, kwargs)
+    return _dispatch(kind, original, args, kwargs, handlers)
 
   return route
 
@@ -202,10 +204,10 @@ class _Redirect:
   kwdefaults: Optional[dict]
 
   @classmethod
-  def apply(cls, target: ContractionTarget) -> _Redirect:
+  def apply(cls, target: ContractionTarget, handlers: Handlers = _HANDLER) -> _Redirect:
     function = getattr(target.owner, target.attribute)
     redirect = cls(function, function.__code__, function.__kwdefaults__)
-    route = _router(target.kind, _copy(function))
+    route = _router(target.kind, _copy(function), handlers)
     function.__signature__ = inspect.signature(function)
     function.__kwdefaults__ = {**(redirect.kwdefaults or {}), _ROUTE: route}
     function.__code__ = _trampoline.__code__
@@ -217,8 +219,8 @@ class _Redirect:
     del self.function.__signature__
 
 
-def _apply(target: ContractionTarget):
-  return (_Redirect if redirects_in_place(target) else _Patch).apply(target)
+def _apply(target: ContractionTarget, handlers: Handlers):
+  return (_Redirect if redirects_in_place(target) else _Patch).apply(target, handlers)
 
 
 class _Patched:
@@ -240,18 +242,20 @@ class _Patched:
   the lock is taken: the first resolution runs JAX, which takes locks of its own.
   """
 
-  def __init__(self):
+  def __init__(self, targets: Callable[[], tuple[ContractionTarget, ...]], handlers: Handlers):
+    self._targets = targets
+    self._handlers = handlers
     self._lock = threading.Lock()
     self._contexts = 0
     self._patches: list = []  # _Patch and _Redirect
 
   def open(self):
-    targets = contraction_targets()
+    targets = self._targets()
     with self._lock:
       if self._contexts == 0:
         try:
           for target in targets:
-            self._patches.append(_apply(target))
+            self._patches.append(_apply(target, self._handlers))
         except BaseException:
           self._undo()
           raise
@@ -269,19 +273,32 @@ class _Patched:
 
 
 # Process-wide by nature: the entry points are attributes of JAX's modules and classes.
-_PATCHED = _Patched()
+_PATCHED = _Patched(contraction_targets, _HANDLER)
+_PATCHED_TRANSFORMS = _Patched(transform_targets, _TRANSFORM_HANDLER)
 
 
 @contextlib.contextmanager
-def routing(handler: Handler):
-  """Within this context (this thread / task), contractions go to `handler(call)`."""
-  _PATCHED.open()
+def _handled(patched: _Patched, handlers: Handlers, handler: Handler):
+  patched.open()
   try:
-    token = _HANDLER.set(handler)
+    token = handlers.set(handler)
     try:
-      with routing_pause.paused(False):
-        yield
+      yield
     finally:
-      _HANDLER.reset(token)
+      handlers.reset(token)
   finally:
-    _PATCHED.close()
+    patched.close()
+
+
+@contextlib.contextmanager
+def routing(handler: Handler, transform_handler: Optional[Handler] = None):
+  """Within this context (this thread / task), contractions go to `handler(call)`, and
+  with a `transform_handler`, `lax.scan` and `jax.checkpoint` calls to
+  `transform_handler(call)` (a `Call` of kind "scan" or "checkpoint", its arguments as the
+  transformation takes them)."""
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(_handled(_PATCHED, _HANDLER, handler))
+    if transform_handler is not None:
+      stack.enter_context(_handled(_PATCHED_TRANSFORMS, _TRANSFORM_HANDLER, transform_handler))
+    with routing_pause.paused(False):
+      yield

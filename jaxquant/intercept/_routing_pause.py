@@ -1,9 +1,10 @@
-"""Whether the swap-in routes the contractions made now (`jaxquant.flax.swap`).
+"""Whether the interception routes the contractions made now (`_interception`).
 
-A quantized layer computes its own GEMM: under a swap-in, which routes every contraction
-of the model, the layer runs inside `paused()`, so its contractions are not routed a
-second time. The swap-in's dispatchers read `is_paused()`; its `routing` context opens
-with `paused(False)`, so what runs inside it is routed again.
+A quantized layer computes its own GEMM: under a swap-in (`jaxquant.flax.swap`) or a
+quantized function (`jaxquant.functional`), which route every contraction, the layer
+runs inside `paused()`, so its contractions are not routed a second time. The
+dispatchers read `is_paused()`; a `routing` context opens with `paused(False)`, so what
+runs inside it is routed again.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import ops, recipes
-from jaxquant.flax import _session as sessions
+from jaxquant.intercept import _session as sessions
 from jaxquant.ops._operands import FORWARD_USAGES, gemm_matrices, usages_to_quantize
 from jaxquant.quantizers import Quantizer, for_usage
 from jaxquant.roles import LINEAR
