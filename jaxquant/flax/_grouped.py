@@ -34,13 +34,14 @@ from flax import nnx
 from jaxquant import recipes
 from jaxquant.flax._metadata import annotate_linen_weight, nnx_weight_metadata
 from jaxquant.flax._rng import linen_key, nnx_key
-from jaxquant.flax._state import QUANT_STATE, QuantState, init_grouped_role_states
+from jaxquant.flax._state import QUANT_STATE, QuantState
 from jaxquant.flax.linen import checked_states, write_states
 from jaxquant.flax.nnx import held_states, write_held_states
 from jaxquant.intercept import _contraction as contraction
 from jaxquant.intercept import _routing_pause as routing_pause
 from jaxquant.intercept import _session as sessions
 from jaxquant.intercept._keys import draws_key, without_key
+from jaxquant.intercept._role_state import init_grouped_role_states
 from jaxquant.ops import grouped_dense
 from jaxquant.ops._operands import is_high_precision
 from jaxquant.quantizers import needs_state
